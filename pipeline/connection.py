@@ -1,0 +1,114 @@
+"""One conntrack entry as the rest of the pipeline sees it.
+
+The conntrack source produces these; the store keeps one per key. Addresses stay
+packed (4 or 16 bytes) because converting every address of every poll to text
+costs more than the whole store update: text is made once, when a record is built.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import NamedTuple
+
+# Kernel enum ip_conntrack_status bits we look at.
+IPS_DYING = 1 << 9
+
+# Kernel enum tcp_conntrack, in order (REFERENCE.md section 2).
+TCP_STATE_NAMES = (
+    "NONE",
+    "SYN_SENT",
+    "SYN_RECV",
+    "ESTABLISHED",
+    "FIN_WAIT",
+    "CLOSE_WAIT",
+    "LAST_ACK",
+    "TIME_WAIT",
+    "CLOSE",
+    "SYN_SENT2",
+)
+TCP_TIME_WAIT = 7
+TCP_CLOSE = 8
+
+PROTO_ICMP = 1
+PROTO_TCP = 6
+PROTO_UDP = 17
+PROTO_ICMPV6 = 58
+PROTO_SCTP = 132
+
+PROTO_NAMES = {
+    PROTO_ICMP: "ICMP",
+    PROTO_TCP: "TCP",
+    PROTO_UDP: "UDP",
+    PROTO_ICMPV6: "ICMPv6",
+    PROTO_SCTP: "SCTP",
+}
+
+
+class ConnectionKey(NamedTuple):
+    """5-tuple (plus zone) identifying a flow in the store.
+
+    The destination comes from the reply tuple, i.e. the endpoint after DNAT,
+    so a connection to a Service VIP is keyed by the backend it reached.
+    """
+
+    zone: int
+    proto: int
+    src: bytes
+    sport: int
+    dst: bytes
+    dport: int
+
+
+@dataclass(slots=True)
+class Connection:
+    """A conntrack entry: both tuples, counters, timestamps and kernel metadata.
+
+    For ICMP/ICMPv6 each tuple's sport holds the ICMP id and dport holds
+    type << 8 | code (the icmp_* fields repeat the original tuple's values), so
+    ICMP flows key and compare like any other flow.
+    """
+
+    family: int  # socket.AF_INET or socket.AF_INET6
+    proto: int
+    orig_src: bytes
+    orig_dst: bytes
+    orig_sport: int
+    orig_dport: int
+    reply_src: bytes
+    reply_dst: bytes
+    reply_sport: int
+    reply_dport: int
+    zone: int = 0
+    ct_id: int = 0
+    mark: int = 0
+    labels: bytes | None = None
+    status: int = 0
+    tcp_state: int | None = None
+    orig_packets: int = 0
+    orig_bytes: int = 0
+    reply_packets: int = 0
+    reply_bytes: int = 0
+    start_ns: int = 0  # CLOCK_REALTIME ns, 0 when nf_conntrack_timestamp is off
+    stop_ns: int = 0
+    icmp_type: int | None = None
+    icmp_code: int | None = None
+    icmp_id: int | None = None
+
+    @property
+    def key(self) -> ConnectionKey:
+        # Source from the original tuple, destination from the reply tuple
+        # (reply source = the real endpoint after DNAT).
+        dport = self.orig_dport if self.proto in (PROTO_ICMP, PROTO_ICMPV6) else self.reply_sport
+        return ConnectionKey(self.zone, self.proto, self.orig_src, self.orig_sport, self.reply_src, dport)
+
+    @property
+    def dying(self) -> bool:
+        """Antrea's rule: TIME_WAIT/CLOSE for TCP, the DYING status bit otherwise."""
+        if self.proto == PROTO_TCP and self.tcp_state is not None:
+            return self.tcp_state in (TCP_TIME_WAIT, TCP_CLOSE)
+        return bool(self.status & IPS_DYING)
+
+
+def ip_text(family: int, packed: bytes) -> str:
+    return socket.inet_ntop(family, packed)
