@@ -1,0 +1,23 @@
+# The two commands a newcomer needs: `make demo` and `make test`.
+PY := .venv/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup test lint demo bench clean
+
+setup:
+	@bash tools/setup.sh
+
+lint: setup
+	.venv/bin/ruff check .
+
+test: setup lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m pipeline demo
+
+bench: setup
+	$(PY) -m bench
+
+clean:
+	rm -rf .venv .cache .pytest_cache .ruff_cache build *.egg-info

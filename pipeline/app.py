@@ -1,0 +1,239 @@
+"""The exporter's two loops and its lifecycle.
+
+The poll loop dumps conntrack and updates the store; the expire loop turns due
+connections into records and hands them to the sink. They share the store under
+one lock, held only for in-memory work: dumping, encoding and producing happen
+outside it, so a slow broker never delays a poll and a big dump never delays
+delivery reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import tenacity
+
+from pipeline.connection import Connection
+from pipeline.record import build_record
+from pipeline.sink import KafkaSink
+from pipeline.store import FORCED_END, ConnectionStore, Export, Tracked
+from pipeline.timeouts import Timeouts
+
+log = logging.getLogger(__name__)
+
+
+class Source(Protocol):
+    """What the poll loop needs from conntrack (the real one is ConntrackDumper)."""
+
+    def dump(self, zones: Collection[int] | None = None) -> list[Connection]: ...
+
+    def count(self) -> int: ...
+
+    def max_entries(self) -> int: ...
+
+
+class FatalSourceError(Exception):
+    """Raised by a source when retrying cannot help (missing capability or module)."""
+
+
+@dataclass
+class LoopStats:
+    polls: int = 0
+    poll_errors: int = 0
+    last_poll_seconds: float = 0.0
+    last_poll_entries: int = 0
+    table_count: int = 0
+    table_max: int = 0
+    records_lost_at_shutdown: int = 0
+    poll_seconds: list[float] = field(default_factory=list)
+
+
+class Exporter:
+    """Runs the poll and expire loops against a source and a sink."""
+
+    def __init__(
+        self,
+        source: Source,
+        sink: KafkaSink,
+        *,
+        timeouts: Timeouts,
+        node_name: str,
+        zones: Collection[int] = (),
+        retry_initial: float = 0.2,
+        retry_max: float = 30.0,
+        grace: float = 30.0,
+        on_new: Callable[[Tracked], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_ns: Callable[[], int] = time.time_ns,
+        is_fatal: Callable[[BaseException], bool] = lambda e: isinstance(e, FatalSourceError),
+    ) -> None:
+        self.source = source
+        self.sink = sink
+        self.timeouts = timeouts
+        self.node_name = node_name
+        self.zones = frozenset(zones)
+        self.grace = grace
+        self.clock = clock
+        self.wall_ns = wall_ns
+        self.store = ConnectionStore(timeouts, on_new=on_new)
+        self.lock = threading.Lock()
+        self.stop_event = threading.Event()
+        self.stats = LoopStats()
+        self.first_poll_done = threading.Event()
+        self.fatal: BaseException | None = None
+        self._is_fatal = is_fatal
+        self._retry_initial = retry_initial
+        self._retry_max = retry_max
+        self.sink.stopping = self.stop_event.is_set
+
+    # ------------------------------------------------------------------ poll
+    def poll_once(self) -> int:
+        """One dump and store update; returns the number of entries dumped."""
+        t0 = time.perf_counter()
+        conns = self.source.dump(self.zones or None)
+        with self.lock:
+            self.store.update(conns, self.clock(), self.wall_ns())
+        elapsed = time.perf_counter() - t0
+        s = self.stats
+        s.polls += 1
+        s.last_poll_seconds = elapsed
+        s.last_poll_entries = len(conns)
+        try:
+            s.table_count = self.source.count()
+            s.table_max = self.source.max_entries()
+        except OSError as exc:
+            log.debug("conntrack count unavailable: %s", exc)
+        if s.polls == 1:
+            log.info("first poll: %d connections in %.2fs", len(conns), elapsed)
+            self.first_poll_done.set()
+        return len(conns)
+
+    def _poll_with_retry(self) -> None:
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            self.stats.poll_errors += 1
+            exc = state.outcome.exception() if state.outcome else None
+            log.warning(
+                "conntrack dump failed (%s), retry %d in %.2fs",
+                exc,
+                state.attempt_number,
+                state.next_action.sleep if state.next_action else 0,
+            )
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(lambda e: isinstance(e, OSError) and not self._is_fatal(e)),
+            wait=tenacity.wait_exponential_jitter(initial=self._retry_initial, max=self._retry_max),
+            stop=tenacity.stop_when_event_set(self.stop_event),
+            sleep=self.stop_event.wait,
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+        retrying(self.poll_once)
+
+    def poll_loop(self) -> None:
+        interval = self.timeouts.poll_interval
+        next_tick = time.monotonic()
+        while not self.stop_event.is_set():
+            try:
+                self._poll_with_retry()
+            except BaseException as exc:
+                if self.stop_event.is_set() and not self._is_fatal(exc):
+                    break
+                self.fatal = exc
+                self.stop_event.set()
+                break
+            next_tick += interval
+            delay = next_tick - time.monotonic()
+            if delay < 0:  # a poll longer than the interval: start the next one now, don't pile up
+                next_tick = time.monotonic()
+                delay = 0
+            self.stop_event.wait(delay)
+
+    # ---------------------------------------------------------------- expire
+    def _apply_reports(self) -> None:
+        reports = self.sink.reports
+        if not reports:
+            return
+        now = self.clock()
+        with self.lock:
+            while reports:
+                r = reports.popleft()
+                if not r.delivered:
+                    log.debug("record not delivered (%s); its counts go in the next record", r.error)
+                self.store.acknowledge(r.export, r.delivered, now)
+
+    def _send(self, exports: list[Export]) -> None:
+        export_ms = self.wall_ns() // 1_000_000
+        node = self.node_name
+        sink = self.sink
+        for e in exports:
+            sink.send(e, build_record(e, node, export_ms))
+
+    def expire_once(self) -> int:
+        """Export everything that is due; returns the number of records produced."""
+        self._apply_reports()
+        with self.lock:
+            exports = self.store.expire(self.clock(), self.wall_ns())
+        if exports:
+            self._send(exports)
+        return len(exports)
+
+    def expire_loop(self) -> None:
+        while not self.stop_event.is_set():
+            self.expire_once()
+            with self.lock:
+                deadline = self.store.next_deadline()
+            wait = 0.2 if deadline is None else min(max(deadline - self.clock(), 0.0), 0.2)
+            self.sink.poll(wait)  # serves delivery callbacks while waiting
+
+    # ------------------------------------------------------------- lifecycle
+    def run(self) -> int:
+        """Run until ``stop_event`` is set, then shut down; returns the exit code."""
+        threads = [
+            threading.Thread(target=self.poll_loop, name="poll", daemon=True),
+            threading.Thread(target=self.expire_loop, name="expire", daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        self.stop_event.wait()
+        for t in threads:
+            t.join()
+        if self.fatal is not None:
+            log.error("%s", self.fatal)
+            return 1
+        return self.shutdown()
+
+    def shutdown(self) -> int:
+        """Final records (flowEndReason 4) for every connection, delivered within the grace period."""
+        deadline = time.monotonic() + self.grace
+        self.sink.stopping = lambda: time.monotonic() >= deadline
+        # Connections with a record in flight get their final one once it settles,
+        # so no counts are sent twice.
+        sent = 0
+        while True:
+            with self.lock:
+                exports = self.store.export_all(self.clock(), FORCED_END)
+            if exports:
+                sent += len(exports)
+                self._send(exports)
+            remaining = max(deadline - time.monotonic(), 0)
+            self.sink.flush(min(remaining, 1.0))
+            self._apply_reports()
+            with self.lock:
+                left = self.store.unfinished()
+            if left == 0 or time.monotonic() >= deadline:
+                break
+        self.sink.flush(0)
+        self._apply_reports()
+        with self.lock:
+            lost = self.store.unfinished()
+        self.stats.records_lost_at_shutdown = lost
+        if lost:
+            log.error("shutdown: grace period over, %d connections' final records were not delivered", lost)
+        else:
+            log.info("shutdown: %d final records delivered", sent)
+        return 0

@@ -1,0 +1,321 @@
+"""Configuration: one YAML file, then ``FLOW_EXPORTER_*`` environment variables, then CLI flags.
+
+Every setting is declared once in :data:`SETTINGS` (key, type, default, meaning),
+which drives parsing, validation, the environment variable names and
+``flow-exporter config --print-defaults``. Any bad value raises
+:class:`ConfigError` naming the key and the value; the CLI turns it into exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ENV_PREFIX = "FLOW_EXPORTER_"
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names the key and the value."""
+
+    def __init__(self, key: str, value: object, reason: str) -> None:
+        shown = "***" if _is_secret(key) else repr(value)
+        super().__init__(f"config {key}={shown}: {reason}")
+        self.key = key
+
+
+# ------------------------------------------------------------------ value types
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(key: str, value: object) -> float:
+    """``5s``, ``1m``, ``250ms``, ``1.5h`` or a bare number of seconds; never negative."""
+    if isinstance(value, bool):
+        raise ConfigError(key, value, "expected a duration like 5s, 1m or 250ms")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ConfigError(key, value, "must not be negative")
+        return float(value)
+    if isinstance(value, str):
+        if value.strip().startswith("-"):
+            raise ConfigError(key, value, "must not be negative")
+        m = _DURATION.match(value)
+        if m:
+            return float(m.group(1)) * _UNITS[m.group(2)]
+    raise ConfigError(key, value, "expected a duration like 5s, 1m or 250ms")
+
+
+def positive_duration(key: str, value: object) -> float:
+    d = parse_duration(key, value)
+    if d <= 0:
+        raise ConfigError(key, value, "must be greater than zero")
+    return d
+
+
+def parse_bool(key: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+        return value.strip().lower() in ("true", "yes", "on", "1")
+    raise ConfigError(key, value, "expected true or false")
+
+
+def parse_str(key: str, value: object) -> str:
+    if isinstance(value, str | int) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(key, value, "expected a string")
+
+
+def parse_opt_str(key: str, value: object) -> str | None:
+    if value is None or value == "":
+        return None
+    return parse_str(key, value)
+
+
+def parse_topic(key: str, value: object) -> str:
+    s = parse_str(key, value)
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", s):
+        raise ConfigError(key, value, "a Kafka topic name: 1-249 of letters, digits, '.', '_', '-'")
+    return s
+
+
+def parse_zones(key: str, value: object) -> tuple[int, ...]:
+    """A list of zone numbers (0-65535); empty means every zone."""
+    if value is None or value == "" or value == "all":
+        return ()
+    items: list[object]
+    if isinstance(value, str):
+        items = [v for v in re.split(r"[,\s]+", value) if v]
+    elif isinstance(value, list):
+        items = value
+    elif isinstance(value, int) and not isinstance(value, bool):
+        items = [value]
+    else:
+        raise ConfigError(key, value, "expected a list of zone numbers")
+    zones = []
+    for item in items:
+        try:
+            z = int(str(item), 0)
+        except ValueError:
+            raise ConfigError(key, value, f"zone {item!r} is not a number") from None
+        if not 0 <= z <= 0xFFFF:
+            raise ConfigError(key, value, f"zone {z} is outside 0-65535")
+        zones.append(z)
+    return tuple(sorted(set(zones)))
+
+
+def parse_level(key: str, value: object) -> str:
+    s = parse_str(key, value).lower()
+    if s not in ("debug", "info", "warning", "error"):
+        raise ConfigError(key, value, "one of debug, info, warning, error")
+    return s
+
+
+def parse_log_format(key: str, value: object) -> str:
+    s = parse_str(key, value).lower()
+    if s not in ("text", "json"):
+        raise ConfigError(key, value, "one of text, json")
+    return s
+
+
+def parse_map(key: str, value: object) -> dict[str, Any]:
+    """A mapping; from the environment or a flag, ``k=v,k=v``."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        out: dict[str, Any] = {}
+        for part in (p for p in value.split(",") if p.strip()):
+            k, sep, v = part.partition("=")
+            if not sep or not k.strip():
+                raise ConfigError(key, value, "expected k=v pairs separated by commas")
+            out[k.strip()] = v.strip()
+        return out
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str) or isinstance(v, list | dict):
+                raise ConfigError(f"{key}.{k}", v, "expected a scalar value")
+        return {str(k): v for k, v in value.items()}
+    raise ConfigError(key, value, "expected a mapping")
+
+
+def parse_routes(key: str, value: object) -> tuple[dict[str, Any], ...]:
+    """``[{topic: T, flowType: N}, {topic: T, endReason: N}]``: first match wins."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError(key, value, "expected a list of {topic, flowType | endReason}")
+    routes = []
+    for i, r in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(r, Mapping):
+            raise ConfigError(where, r, "expected a mapping with topic and flowType or endReason")
+        unknown = set(r) - {"topic", "flowType", "endReason"}
+        if unknown:
+            raise ConfigError(f"{where}.{sorted(unknown)[0]}", r[sorted(unknown)[0]], "unknown key")
+        if "topic" not in r:
+            raise ConfigError(f"{where}.topic", None, "missing")
+        route: dict[str, Any] = {"topic": parse_topic(f"{where}.topic", r["topic"])}
+        for name, hi in (("flowType", 4), ("endReason", 5)):
+            if name in r:
+                v = r[name]
+                if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi:
+                    raise ConfigError(f"{where}.{name}", v, f"expected an integer 0-{hi}")
+                route[name] = v
+        if len(route) == 1:
+            raise ConfigError(where, r, "needs flowType or endReason")
+        routes.append(route)
+    return tuple(routes)
+
+
+# --------------------------------------------------------------------- settings
+@dataclass(frozen=True, slots=True)
+class Setting:
+    key: str
+    parse: Callable[[str, object], Any]
+    default: Any
+    doc: str
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", self.key).replace(".", "_").upper()
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("nodeName", parse_str, "", "This node's name in records; empty: $NODE_NAME, else the host name."),
+    Setting("conntrack.netns", parse_opt_str, None, "Read conntrack of this named network namespace."),
+    Setting("conntrack.zones", parse_zones, (), "Conntrack zones to export; empty means all zones."),
+    Setting("conntrack.pollInterval", positive_duration, 5.0, "How often the conntrack table is dumped."),
+    Setting("conntrack.setSysctls", parse_bool, True, "Turn on nf_conntrack_acct and _timestamp at start."),
+    Setting("expiry.activeTimeout", positive_duration, 5.0, "A record every this long while a flow is active."),
+    Setting("expiry.idleTimeout", positive_duration, 15.0, "A flow with no packets for this long is idle."),
+    Setting("expiry.staleTimeout", positive_duration, 300.0, "Forget a vanished, fully reported flow after this."),
+    Setting("kafka.bootstrapServers", parse_str, "localhost:9092", "Kafka bootstrap servers, host:port[,...]."),
+    Setting("kafka.topic", parse_topic, "flows", "Topic for flow records (unless a route matches)."),
+    Setting("kafka.routes", parse_routes, (), "Other topics by flowType or endReason; first match wins."),
+    Setting("kafka.producer", parse_map, {}, "librdkafka producer settings passed through as they are."),
+    Setting("kafka.checkTopics", parse_bool, True, "Check at start that every topic exists."),
+    Setting("retry.initialBackoff", positive_duration, 0.2, "First wait after a failed dump or produce."),
+    Setting("retry.maxBackoff", positive_duration, 30.0, "Longest wait between retries."),
+    Setting("shutdown.grace", parse_duration, 30.0, "On SIGTERM: how long to keep delivering final records."),
+    Setting("log.level", parse_level, "info", "debug, info, warning or error."),
+    Setting("log.format", parse_log_format, "text", "text or json."),
+)
+BY_KEY = {s.key: s for s in SETTINGS}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated settings, by key (``config["kafka.topic"]``) and a few helpers."""
+
+    values: Mapping[str, Any]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+    @property
+    def node_name(self) -> str:
+        return self.values["nodeName"] or os.environ.get("NODE_NAME") or socket.gethostname()
+
+    def producer_config(self) -> dict[str, Any]:
+        return {"bootstrap.servers": self.values["kafka.bootstrapServers"], **self.values["kafka.producer"]}
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if key in BY_KEY:
+            out[key] = v
+        elif isinstance(v, Mapping) and any(s.startswith(key + ".") for s in BY_KEY):
+            out.update(_flatten(v, key + "."))
+        else:
+            raise ConfigError(key, v, "unknown setting (see: flow-exporter config --print-defaults)")
+    return out
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError("--config", str(path), f"cannot read: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("--config", str(path), f"not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError("--config", str(path), "the file must hold a mapping of settings")
+    return _flatten(data)
+
+
+def from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    by_env = {s.env: s.key for s in SETTINGS}
+    out = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or name in ("FLOW_EXPORTER_CACHE",):
+            continue
+        if name not in by_env:
+            raise ConfigError(name, value, "unknown environment setting")
+        out[by_env[name]] = value
+    return out
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``--set key=value`` flags; values are read as YAML scalars or lists."""
+    out = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            raise ConfigError(pair, None, "expected --set key=value")
+        if key not in BY_KEY:
+            raise ConfigError(key, raw, "unknown setting (see: flow-exporter config --print-defaults)")
+        try:
+            out[key] = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            out[key] = raw
+    return out
+
+
+def load(
+    path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Merge file < environment < flags over the defaults, and validate every value."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw.update(read_file(path))
+    raw.update(from_env(os.environ if environ is None else environ))
+    raw.update(overrides or {})
+    values = {s.key: s.default for s in SETTINGS}
+    for key, value in raw.items():
+        values[key] = BY_KEY[key].parse(key, value)
+    if values["retry.maxBackoff"] < values["retry.initialBackoff"]:
+        raise ConfigError("retry.maxBackoff", values["retry.maxBackoff"], "must be >= retry.initialBackoff")
+    return Config(values)
+
+
+def defaults_text() -> str:
+    """Every setting with its default, environment variable and meaning."""
+    lines = []
+    for s in SETTINGS:
+        default = s.default
+        if isinstance(default, float) and s.parse in (parse_duration, positive_duration):
+            default = f"{default:g}s"
+        elif isinstance(default, tuple):
+            default = list(default)
+        lines.append(f"{s.key} = {default!r}\n    {s.doc}\n    env: {s.env}")
+    return "\n".join(lines) + "\n"
+
+
+def _is_secret(key: str) -> bool:
+    k = key.lower()
+    return "password" in k or "secret" in k

@@ -1,0 +1,112 @@
+"""Wiring for ``flow-exporter run``: config in, conntrack source and Kafka sink built, loops run.
+
+Kept apart from :mod:`pipeline.app` so the loops stay testable with any source and sink.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from confluent_kafka import KafkaException
+
+from pipeline.app import Exporter
+from pipeline.config import Config
+from pipeline.sink import AvroSerializer, KafkaSink, Route
+from pipeline.sink.kafka import redact
+from pipeline.timeouts import Timeouts
+
+log = logging.getLogger(__name__)
+
+
+def build_sink(cfg: Config) -> KafkaSink:
+    routes = [
+        Route(r["topic"], flow_type=r.get("flowType"), end_reason=r.get("endReason")) for r in cfg["kafka.routes"]
+    ]
+    return KafkaSink(
+        cfg.producer_config(),
+        cfg["kafka.topic"],
+        AvroSerializer(),
+        routes,
+        retry_initial=cfg["retry.initialBackoff"],
+        retry_max=cfg["retry.maxBackoff"],
+    )
+
+
+def timeouts_from(cfg: Config) -> Timeouts:
+    return Timeouts.normalized(
+        cfg["conntrack.pollInterval"],
+        cfg["expiry.activeTimeout"],
+        cfg["expiry.idleTimeout"],
+        cfg["expiry.staleTimeout"],
+    )
+
+
+def check_topics(sink: KafkaSink, stop: threading.Event, initial: float, maximum: float) -> bool:
+    """Wait (with backoff) until the broker answers and every topic exists; False if stopped first.
+
+    A missing topic is an operator's mistake, not a crash: it is reported clearly
+    and retried, so the pod does not crash-loop while someone creates it.
+    """
+    delay = initial
+    while not stop.is_set():
+        try:
+            missing = sink.missing_topics(timeout=10.0)
+        except KafkaException as exc:
+            log.warning("kafka not reachable (%s); retrying in %.1fs", exc.args[0], delay)
+        else:
+            if not missing:
+                log.info("broker reachable, topics present: %s", ", ".join(sorted(sink.topics())))
+                return True
+            log.error(
+                "kafka topic(s) missing: %s (create them, or enable auto-creation); retrying in %.1fs",
+                ", ".join(sorted(missing)),
+                delay,
+            )
+        stop.wait(delay)
+        delay = min(delay * 2, maximum)
+    return False
+
+
+def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None] | None = None) -> int:
+    from pipeline.conntrack import ConntrackDumper, ConntrackError, enable_accounting, is_fatal
+
+    netns = cfg["conntrack.netns"]
+    log.info(
+        "flow-exporter starting: node=%s netns=%s kafka=%s topic=%s",
+        cfg.node_name,
+        netns or "(own)",
+        redact(cfg.producer_config()).get("bootstrap.servers"),
+        cfg["kafka.topic"],
+    )
+    if cfg["conntrack.setSysctls"]:
+        for warning in enable_accounting(netns):
+            log.warning("%s", warning)
+    try:
+        source = ConntrackDumper(netns=netns)
+    except ConntrackError as exc:
+        log.error("cannot open conntrack: %s", exc)
+        return 1
+    sink = build_sink(cfg)
+    exporter = Exporter(
+        source,
+        sink,
+        timeouts=timeouts_from(cfg),
+        node_name=cfg.node_name,
+        zones=cfg["conntrack.zones"],
+        retry_initial=cfg["retry.initialBackoff"],
+        retry_max=cfg["retry.maxBackoff"],
+        grace=cfg["shutdown.grace"],
+        is_fatal=is_fatal,
+    )
+    if install_signals is not None:
+        install_signals(exporter.stop_event)
+    try:
+        if cfg["kafka.checkTopics"] and not check_topics(
+            sink, exporter.stop_event, cfg["retry.initialBackoff"], cfg["retry.maxBackoff"]
+        ):
+            return 0
+        return exporter.run()
+    finally:
+        source.close()

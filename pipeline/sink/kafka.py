@@ -1,0 +1,193 @@
+"""Kafka sink: produce serialized records and report each delivery back.
+
+Delivery reports are queued, not applied, inside librdkafka's callback: the app
+applies them to the store under its lock, so the producer never re-enters the
+store from whatever thread happened to call ``poll()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import tenacity
+from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka.admin import AdminClient
+
+from pipeline.record import partition_key
+from pipeline.store import Export
+
+log = logging.getLogger(__name__)
+
+# Defaults chosen for an idempotent, batched, compressed stream; any of them can
+# be overridden in the config's kafka.producer map.
+PRODUCER_DEFAULTS: dict[str, Any] = {
+    "enable.idempotence": True,
+    "acks": "all",
+    "linger.ms": 50,
+    "compression.type": "lz4",
+    "batch.size": 1_000_000,
+    "queue.buffering.max.messages": 500_000,
+    "message.timeout.ms": 120_000,
+    "socket.keepalive.enable": True,
+}
+
+
+class SinkError(RuntimeError):
+    """A problem with the sink that the operator must see (missing topic, fatal producer error)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Send records matching ``flow_type`` and/or ``end_reason`` to ``topic``."""
+
+    topic: str
+    flow_type: int | None = None
+    end_reason: int | None = None
+
+    def matches(self, record: dict[str, Any]) -> bool:
+        if self.flow_type is not None and record["flowType"] != self.flow_type:
+            return False
+        return not (self.end_reason is not None and record["flowEndReason"] != self.end_reason)
+
+
+@dataclass(slots=True)
+class DeliveryReport:
+    export: Export
+    delivered: bool
+    error: str | None = None
+
+
+def redact(config: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a client config that is safe to log."""
+    return {
+        k: ("***" if any(s in k for s in ("password", "secret", ".pem")) else v) for k, v in config.items()
+    }
+
+
+class KafkaSink:
+    """Produces records to Kafka topics; one producer for all of them."""
+
+    def __init__(
+        self,
+        producer_config: dict[str, Any],
+        topic: str,
+        serializer: Callable[[dict[str, Any]], bytes],
+        routes: Sequence[Route] = (),
+        retry_initial: float = 0.05,
+        retry_max: float = 5.0,
+    ) -> None:
+        self.topic = topic
+        self.routes = tuple(routes)
+        self.serializer = serializer
+        self.config = {**PRODUCER_DEFAULTS, **producer_config}
+        self.config.setdefault("error_cb", self._on_error)
+        self._producer = Producer(self.config)
+        self.reports: deque[DeliveryReport] = deque()
+        self.produced = 0
+        self.acked = 0
+        self.failed = 0
+        self.bytes_produced = 0
+        self.in_flight = 0
+        self._last_error_log = 0.0
+        self._lock = threading.Lock()
+        self.stopping: Callable[[], bool] = lambda: False
+        self._retry = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(BufferError),
+            wait=tenacity.wait_exponential_jitter(initial=retry_initial, max=retry_max),
+            stop=tenacity.stop_when_event_set(_StopFlag(self)),
+            sleep=self._serve_while_waiting,
+            reraise=True,
+        )
+
+    # ---------------------------------------------------------------- topics
+    def topics(self) -> set[str]:
+        return {self.topic, *(r.topic for r in self.routes)}
+
+    def missing_topics(self, timeout: float = 10.0) -> set[str]:
+        """Topics this sink writes to that the cluster does not have (raises if unreachable)."""
+        admin = AdminClient({k: v for k, v in self.config.items() if _is_admin_key(k)})
+        md = admin.list_topics(timeout=timeout)
+        return {t for t in self.topics() if t not in md.topics or md.topics[t].error is not None}
+
+    # --------------------------------------------------------------- produce
+    def route(self, record: dict[str, Any]) -> str:
+        for r in self.routes:
+            if r.matches(record):
+                return r.topic
+        return self.topic
+
+    def send(self, export: Export, record: dict[str, Any]) -> None:
+        """Serialize and hand one record to librdkafka, waiting (with backoff) while its queue is full."""
+        value = self.serializer(record)
+        topic = self.route(record)
+        key = partition_key(export)
+
+        def on_delivery(err: KafkaError | None, _msg: Any, export: Export = export) -> None:
+            with self._lock:
+                self.in_flight -= 1
+                if err is None:
+                    self.acked += 1
+                else:
+                    self.failed += 1
+            self.reports.append(DeliveryReport(export, err is None, None if err is None else err.str()))
+
+        try:
+            self._retry(self._producer.produce, topic, value, key, on_delivery=on_delivery)
+        except BufferError:
+            # Only when stopping: the record never entered the queue.
+            self.reports.append(DeliveryReport(export, False, "local queue full during shutdown"))
+            self.failed += 1
+            return
+        except KafkaException as exc:
+            self.reports.append(DeliveryReport(export, False, str(exc)))
+            self.failed += 1
+            return
+        with self._lock:
+            self.in_flight += 1
+        self.produced += 1
+        self.bytes_produced += len(value)
+
+    def poll(self, timeout: float = 0.0) -> int:
+        """Serve delivery callbacks (the only place they run)."""
+        return self._producer.poll(timeout)
+
+    def flush(self, timeout: float) -> int:
+        """Wait up to ``timeout`` for everything in flight; returns how many are still undelivered."""
+        return self._producer.flush(timeout)
+
+    def close(self) -> None:
+        self._producer.flush(0)
+
+    # -------------------------------------------------------------- internals
+    def _serve_while_waiting(self, seconds: float) -> None:
+        self._producer.poll(seconds)
+
+    def _on_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            log.error("kafka producer fatal error: %s", err.str())
+            return
+        now = time.monotonic()
+        if now - self._last_error_log >= 10.0:  # broker-down errors repeat every few ms
+            self._last_error_log = now
+            log.warning("kafka: %s", err.str())
+
+
+class _StopFlag:
+    """Adapts the sink's ``stopping`` callable to tenacity's event protocol."""
+
+    def __init__(self, sink: KafkaSink) -> None:
+        self._sink = sink
+
+    def is_set(self) -> bool:
+        return self._sink.stopping()
+
+
+def _is_admin_key(key: str) -> bool:
+    # The admin client needs only connection and security settings.
+    return key not in PRODUCER_DEFAULTS and key not in ("delivery.timeout.ms", "batch.num.messages")

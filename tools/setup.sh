@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Prepares a fresh machine for `make test` / `make demo`: root check, Debian
+# tools, the virtualenv with the project and its dev extras, the broker jars.
+# Each failure prints one line saying what is missing, then exits non-zero.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+die() { echo "setup: $*" >&2; exit 1; }
+
+[ "$(id -u)" = 0 ] || die "must run as root (network namespaces and conntrack need CAP_NET_ADMIN); try: sudo make test"
+
+need_pkgs=()
+command -v ip >/dev/null || need_pkgs+=(iproute2)
+command -v nft >/dev/null || need_pkgs+=(nftables)
+command -v conntrack >/dev/null || need_pkgs+=(conntrack)
+command -v java >/dev/null || need_pkgs+=(openjdk-17-jre-headless)
+command -v mvn >/dev/null || need_pkgs+=(maven)
+if [ ${#need_pkgs[@]} -gt 0 ]; then
+    echo "setup: installing Debian packages: ${need_pkgs[*]}"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_pkgs[@]}") >/tmp/flow-exporter-apt.log 2>&1 \
+        || die "cannot install ${need_pkgs[*]} with apt-get (is the Debian package registry reachable?); log: /tmp/flow-exporter-apt.log"
+fi
+
+PY=${PYTHON:-python3}
+"$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || die "Python >= 3.11 is required (found: $("$PY" --version 2>&1))"
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv || die "cannot create .venv (python3-venv missing?)"
+fi
+stamp=.venv/.installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+    .venv/bin/python -m pip install -q -e '.[dev]' >/tmp/flow-exporter-pip.log 2>&1 \
+        || die "pip could not install the project's dependencies (is PyPI reachable?); log: /tmp/flow-exporter-pip.log"
+    touch "$stamp"
+fi
+
+.venv/bin/python -m pipeline.devtools.kafka fetch >/dev/null \
+    || die "cannot fetch the Kafka broker jars with Maven (is Maven Central reachable?)"
