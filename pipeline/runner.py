@@ -69,8 +69,17 @@ def check_topics(sink: KafkaSink, stop: threading.Event, initial: float, maximum
     return False
 
 
+def is_fatal_source_error(exc: BaseException) -> bool:
+    """Errors that no retry can fix: missing capability, missing module, missing namespace."""
+    from pipeline.conntrack.errors import ConntrackPermissionError, ConntrackUnavailable, NetnsError
+
+    return isinstance(exc, ConntrackPermissionError | ConntrackUnavailable | NetnsError)
+
+
 def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None] | None = None) -> int:
-    from pipeline.conntrack import ConntrackDumper, ConntrackError, enable_accounting, is_fatal
+    from pipeline.conntrack.dumper import ConntrackDumper
+    from pipeline.conntrack.errors import ConntrackError
+    from pipeline.conntrack.sysctl import enable_accounting
 
     netns = cfg["conntrack.netns"]
     log.info(
@@ -98,7 +107,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         retry_initial=cfg["retry.initialBackoff"],
         retry_max=cfg["retry.maxBackoff"],
         grace=cfg["shutdown.grace"],
-        is_fatal=is_fatal,
+        is_fatal=is_fatal_source_error,
     )
     if install_signals is not None:
         install_signals(exporter.stop_event)
