@@ -61,6 +61,8 @@ class Tracked:
     first_seen_ns: int
     last_active_ns: int
     last_export: float  # monotonic time of the last record built
+    seen: int = 0  # generation of the last dump that contained it
+
     present: bool = True
     active: bool = True
     ready_to_delete: bool = False
@@ -109,6 +111,7 @@ class ConnectionStore:
         self.connections: dict[ConnectionKey, Tracked] = {}
         self.queue = ExpiryQueue()
         self._orphans: list[Tracked] = []
+        self._generation = 0
         self.stats = StoreStats()
 
     def __len__(self) -> int:
@@ -116,8 +119,9 @@ class ConnectionStore:
 
     # ----------------------------------------------------------------- polling
     def update(self, dumped: Iterable[Connection], now: float, wall_ns: int) -> None:
-        """Apply one full conntrack dump: sweep what vanished, then add or update the rest."""
-        self._sweep(now)
+        """Apply one full conntrack dump: add or update what is in it, then sweep what is not."""
+        self._generation += 1
+        gen = self._generation
         t = self.timeouts
         conns = self.connections
         queue = self.queue
@@ -127,10 +131,13 @@ class ConnectionStore:
             if tr is None:
                 self._add(key, conn, now, wall_ns)
                 continue
+            if tr.seen == gen:
+                continue  # the same tuple twice in one dump (another zone filtered later): keep the first
             if _is_new_incarnation(tr.conn, conn):
                 self._orphan(tr)
                 self._add(key, conn, now, wall_ns)
                 continue
+            tr.seen = gen
             tr.present = True
             old = tr.conn
             if old.dying:
@@ -145,11 +152,18 @@ class ConnectionStore:
                 tr.active = True
                 tr.last_active_ns = conn.stop_ns or wall_ns
                 item = queue.get(key)
-                if item is None:
+                if conn.dying:
+                    # Just ended: its final record need not wait for the active timeout.
+                    if item is None:
+                        queue.push(key, now, now)
+                    else:
+                        queue.update(key, active_expire=now)
+                elif item is None:
                     # Inactive (left the queue on idle timeout) and active again: back in.
                     queue.push(key, now + t.active, now + t.idle)
                 else:
                     queue.update(key, idle_expire=now + t.idle)
+        self._sweep(now, gen)
 
     def _add(self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int) -> None:
         start = conn.start_ns or wall_ns
@@ -160,6 +174,7 @@ class ConnectionStore:
             first_seen_ns=start,
             last_active_ns=conn.stop_ns or wall_ns,
             last_export=now,
+            seen=self._generation,
         )
         self.connections[key] = tr
         self.stats.added += 1
@@ -176,24 +191,32 @@ class ConnectionStore:
         self.stats.reused_tuples += 1
         self._orphans.append(tr)
 
-    def _sweep(self, now: float) -> None:
+    def _sweep(self, now: float, gen: int) -> None:
+        """Mark connections missing from this dump; delete those with nothing left to report."""
         stale = self.timeouts.stale
+        queue = self.queue
         doomed = []
         for key, tr in self.connections.items():
+            if tr.seen == gen:
+                continue
             if tr.present:
                 tr.present = False
-                continue
+                # Left the table (deleted, expired, evicted): report it now, not at its deadline.
+                if key in queue:
+                    queue.update(key, active_expire=now)
+                elif not tr.in_flight and tr.totals != tr.acked:
+                    queue.push(key, now, now)
             if tr.in_flight:
                 continue
             if tr.ready_to_delete:
                 if tr.final_acked:
                     doomed.append(key)
-            elif key not in self.queue and tr.totals == tr.acked:
+            elif key not in queue and tr.totals == tr.acked:
                 doomed.append(key)  # left the table with nothing unreported
             elif now - tr.last_export >= stale and tr.totals == tr.acked:
                 doomed.append(key)
         for key in doomed:
-            self.queue.remove(key)
+            queue.remove(key)
             del self.connections[key]
         self.stats.deleted += len(doomed)
         self._orphans = [tr for tr in self._orphans if not tr.final_acked]

@@ -35,7 +35,7 @@ def connection_from_pyroute2(msg: Any) -> Connection:
     family = msg["nfgen_family"]
     v = "V4" if family == socket.AF_INET else "V6"
 
-    def tuple_of(name: str) -> tuple[bytes, bytes, int, int, int, tuple[int, int, int] | None]:
+    def tuple_of(name: str) -> tuple[bytes, bytes, int, int, int, Any]:
         t = msg.get_attr(name)
         ip = t.get_attr("CTA_TUPLE_IP")
         pr = t.get_attr("CTA_TUPLE_PROTO")

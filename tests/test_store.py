@@ -324,3 +324,13 @@ def test_queue_orders_by_min_deadline_and_updates_lazily() -> None:
     for i in range(1000):
         q.push("x", i, i)  # repeated updates of one key stay bounded
     assert len(q._heap) < 200
+
+
+def test_end_of_flow_reported_at_the_poll_that_sees_it() -> None:
+    clock = Clock()
+    store = make(clock)
+    poll(store, clock, tcp(1, packets=2), udp(2, packets=1))
+    clock.tick(1)
+    poll(store, clock, tcp(1, packets=5, state=TIME_WAIT))  # closed; the UDP entry vanished
+    out = expire(store, clock)
+    assert sorted((e.reason, e.totals[0]) for e in out) == [(END_OF_FLOW, 1), (END_OF_FLOW, 5)]
