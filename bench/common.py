@@ -78,8 +78,10 @@ def write_json(name: str, data: dict[str, Any]) -> Path:
 
 
 def command_line() -> str:
-    return "python -m bench " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("__main__.py") else (
-        "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+    return (
+        "python -m bench " + " ".join(sys.argv[1:])
+        if sys.argv[0].endswith("__main__.py")
+        else ("python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]))
     )
 
 

@@ -126,7 +126,7 @@ class Exporter:
 
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(lambda e: isinstance(e, OSError) and not self._is_fatal(e)),
-            wait=tenacity.wait_exponential_jitter(initial=self._retry_initial, max=self._retry_max),
+            wait=tenacity.wait_exponential_jitter(multiplier=self._retry_initial, max=self._retry_max),
             stop=tenacity.stop_when_event_set(self.stop_event),
             sleep=self.stop_event.wait,
             before_sleep=before_sleep,

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline import __version__
-from pipeline.config import ConfigError, Config, defaults_text, load, parse_overrides
+from pipeline.config import Config, ConfigError, defaults_text, load, parse_overrides
 
 log = logging.getLogger("pipeline")
 

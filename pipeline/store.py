@@ -283,9 +283,7 @@ class ConnectionStore:
         tr.in_flight = True
         tr.last_export = now
         self.stats.records_built += 1
-        return Export(
-            tr, reason, tr.acked_records, totals, deltas, final, tr.conn.stop_ns or tr.last_active_ns
-        )
+        return Export(tr, reason, tr.acked_records, totals, deltas, final, tr.conn.stop_ns or tr.last_active_ns)
 
     # ------------------------------------------------------------ acknowledging
     def acknowledge(self, export: Export, delivered: bool, now: float) -> None:

@@ -88,6 +88,9 @@ def test_secrets_not_printed(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_help_works() -> None:
-    for cmd in ([sys.executable, "-m", "pipeline", "--help"], [str(Path(sys.executable).parent / "flow-exporter"), "--help"]):
+    for cmd in (
+        [sys.executable, "-m", "pipeline", "--help"],
+        [str(Path(sys.executable).parent / "flow-exporter"), "--help"],
+    ):
         r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode == 0 and "run" in r.stdout

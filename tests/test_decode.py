@@ -336,7 +336,7 @@ def test_random_ct_payload_never_raises(payload: bytes, mtype: int, family: int)
 
 # -- specific cases -------------------------------------------------------------------------
 
-def _one(attrs: list[Any], family: int = socket.AF_INET) -> bytes:
+def ct_message(attrs: list[Any], family: int = socket.AF_INET) -> bytes:
     msg = nfct_msg()
     msg["header"]["type"] = CT_NEW
     msg["nfgen_family"] = family
@@ -345,14 +345,18 @@ def _one(attrs: list[Any], family: int = socket.AF_INET) -> bytes:
     return bytes(msg.data)
 
 
-def _tuple(src: str, dst: str, proto: int = PROTO_UDP, sport: int = 1, dport: int = 2) -> dict[str, Any]:
+def ip4_tuple(src: str, dst: str, proto: int = PROTO_UDP, sport: int = 1, dport: int = 2) -> dict[str, Any]:
     return {"attrs": [("CTA_TUPLE_IP", {"attrs": [("CTA_IP_V4_SRC", src), ("CTA_IP_V4_DST", dst)]}),
                       ("CTA_TUPLE_PROTO", {"attrs": [("CTA_PROTO_NUM", proto), ("CTA_PROTO_SRC_PORT", sport),
                                                      ("CTA_PROTO_DST_PORT", dport)]})]}
 
 
+def both_tuples() -> list[Any]:
+    return [("CTA_TUPLE_ORIG", ip4_tuple("1.1.1.1", "2.2.2.2")), ("CTA_TUPLE_REPLY", ip4_tuple("2.2.2.2", "1.1.1.1"))]
+
+
 def test_error_done_and_other_messages() -> None:
-    ok = _one([("CTA_TUPLE_ORIG", _tuple("1.1.1.1", "2.2.2.2")), ("CTA_TUPLE_REPLY", _tuple("2.2.2.2", "1.1.1.1"))])
+    ok = ct_message(both_tuples())
     err = struct.pack("=IHHIIi", 36, NLMSG_ERROR, 0, 1, 0, -1) + b"\0" * 16  # EPERM + original header
     ack = struct.pack("=IHHIIi", 36, NLMSG_ERROR, 0, 1, 0, 0) + b"\0" * 16
     stats = struct.pack("=IHHIIBBH", 20, (1 << 8) | 5, 0, 1, 0, 0, 0, 0)
@@ -367,9 +371,8 @@ def test_error_done_and_other_messages() -> None:
 
 
 def test_missing_tuple_or_wrong_family_is_skipped() -> None:
-    only_orig = _one([("CTA_TUPLE_ORIG", _tuple("1.1.1.1", "2.2.2.2"))])
-    v4_in_v6 = _one([("CTA_TUPLE_ORIG", _tuple("1.1.1.1", "2.2.2.2")), ("CTA_TUPLE_REPLY", _tuple("2.2.2.2", "1.1.1.1"))],
-                    family=socket.AF_INET6)
+    only_orig = ct_message([("CTA_TUPLE_ORIG", ip4_tuple("1.1.1.1", "2.2.2.2"))])
+    v4_in_v6 = ct_message(both_tuples(), family=socket.AF_INET6)
     for decoder in (Decoder(), Decoder(learn=False)):
         out, res = decode_all(decoder, only_orig + v4_in_v6)
         assert out == [] and res.skipped == 2
@@ -377,7 +380,7 @@ def test_missing_tuple_or_wrong_family_is_skipped() -> None:
 
 def test_tuple_zone_is_used_without_cta_zone() -> None:
     """Directional zones (conntrack --orig-zone) come as CTA_TUPLE_ZONE, unknown to pyroute2."""
-    base = _one([("CTA_TUPLE_ORIG", _tuple("1.1.1.1", "2.2.2.2")), ("CTA_TUPLE_REPLY", _tuple("2.2.2.2", "1.1.1.1"))])
+    base = ct_message(both_tuples())
     # Append CTA_TUPLE_ZONE (3) = 7 to the original tuple by hand and fix up the lengths.
     zone_attr = struct.pack("=HH", 6, 3) + struct.pack(">H", 7) + b"\0\0"
     olen = struct.unpack_from("=H", base, 20)[0]
@@ -391,8 +394,8 @@ def test_tuple_zone_is_used_without_cta_zone() -> None:
 
 
 def test_module_level_decode_batch() -> None:
-    msg = _one([("CTA_TUPLE_ORIG", _tuple("1.1.1.1", "2.2.2.2", sport=5, dport=53)),
-                ("CTA_TUPLE_REPLY", _tuple("2.2.2.2", "1.1.1.1", sport=53, dport=5)), ("CTA_MARK", 3)])
+    msg = ct_message([("CTA_TUPLE_ORIG", ip4_tuple("1.1.1.1", "2.2.2.2", sport=5, dport=53)),
+                ("CTA_TUPLE_REPLY", ip4_tuple("2.2.2.2", "1.1.1.1", sport=53, dport=5)), ("CTA_MARK", 3)])
     out: list[Connection] = []
     res = decode_batch(msg * 3, out)
     assert res.decoded == 3 and [c.mark for c in out] == [3, 3, 3]

@@ -173,8 +173,10 @@ def test_lab_traffic_reaches_kafka_with_exact_counters(
             time.sleep(1)
         time.sleep(6)  # > idle timeout for the UDP flows, and end-of-flow for the closed ones
         table = lab.conntrack_entries()
-        cts = {name: table.for_exchange(ex) for name, ex in
-               [("tcp4", tcp4), ("tcp6", tcp6), ("udp4", udp4), ("udp6", udp6), ("svc", via_svc)]}
+        cts = {
+            name: table.for_exchange(ex)
+            for name, ex in [("tcp4", tcp4), ("tcp6", tcp6), ("udp4", udp4), ("udp6", udp6), ("svc", via_svc)]
+        }
         ct_long = table.for_exchange(long_conn)
         text = stop_exporter(proc, log)  # long_conn still open: it gets a forced final record
     finally:

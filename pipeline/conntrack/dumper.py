@@ -115,11 +115,14 @@ class ConntrackDumper:
 
     def _recv(self, sock: socket.socket, what: str) -> memoryview:
         try:
-            n = sock.recv_into(self._buf)
+            # MSG_TRUNC: netlink then returns the datagram's full length, so truncation shows.
+            n = sock.recv_into(self._buf, 0, socket.MSG_TRUNC)
         except TimeoutError as e:
             raise ConntrackError(errno.ETIMEDOUT, f"{what}: no reply within {self.timeout}s") from e
         except OSError as e:
             raise error_from_errno(e.errno or errno.EIO, what) from e
+        if n > len(self._buf):
+            raise ConntrackError(errno.EMSGSIZE, f"{what}: {n}-byte message exceeds the {len(self._buf)}-byte buffer")
         return self._view[:n]
 
     # -- operations -----------------------------------------------------------------------

@@ -76,9 +76,7 @@ def _traffic(lab: Lab, duration: float, errors: list[str]) -> int:
 
 def _read_back(bootstrap: str, min_records: int, timeout: float = 30.0) -> list[dict[str, Any]]:
     schema = fastavro.parse_schema(load_schema())
-    consumer = Consumer(
-        {"bootstrap.servers": bootstrap, "group.id": "demo", "auto.offset.reset": "earliest"}
-    )
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "demo", "auto.offset.reset": "earliest"})
     consumer.subscribe([TOPIC])
     out: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout

@@ -22,6 +22,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -52,6 +53,9 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 _POM = _REPO_ROOT / "tools" / "kafka" / "pom.xml"
 _MARKER = ".complete"
 _MVN_TIMEOUT = 900.0
+# Full plugin coordinates (same version as pinned in the pom): a "dependency:" prefix lookup needs
+# plugin-group metadata first, and when that download fails Maven only says "No plugin found".
+_COPY_DEPENDENCIES = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies"
 # Signs in Maven's output that Maven Central could not be reached (as opposed to a bad pom).
 _NETWORK_HINTS = (
     "Could not transfer",
@@ -62,7 +66,9 @@ _NETWORK_HINTS = (
     "No route to host",
     "Temporary failure in name resolution",
     "Could not resolve host",
+    "transfer failed",
 )
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 # Heap kept modest: tests start several brokers, and a demo broker holds little data. SerialGC
 # starts faster than G1 and is plenty for a 512 MiB heap. C2 is left on (no TieredStopAtLevel=1):
@@ -129,13 +135,12 @@ def _lib_is_complete(lib: Path, digest: str) -> bool:
 
 def _mvn_failure(output: str, log: Path) -> str:
     """A one-line reason for a failed ``mvn`` run, telling a network problem from anything else."""
-    errors = [ln.strip() for ln in output.splitlines() if "[ERROR]" in ln and ln.strip() != "[ERROR]"]
-    first = errors[0].replace("[ERROR]", "").strip() if errors else output.strip()[-300:]
+    lines = [ln.strip() for ln in output.splitlines()]
+    errors = [ln.removeprefix("[ERROR]").strip() for ln in lines if ln.startswith("[ERROR]")]
+    first = next((e for e in errors if e), lines[-1] if lines else "no output")[:300]
     if any(hint in output for hint in _NETWORK_HINTS):
-        return (
-            f"cannot reach Maven Central to fetch the Kafka {KAFKA_VERSION} jars ({first[:300]}); log: {log}"
-        )
-    return f"mvn could not resolve the Kafka {KAFKA_VERSION} jars ({first[:300]}); log: {log}"
+        return f"cannot reach Maven Central to fetch the Kafka {KAFKA_VERSION} jars ({first}); log: {log}"
+    return f"mvn could not resolve the Kafka {KAFKA_VERSION} jars ({first}); log: {log}"
 
 
 def ensure_jars() -> Path:
@@ -165,12 +170,11 @@ def ensure_jars() -> Path:
         cmd = [
             mvn,
             "-B",
-            "-q",
             "-Dstyle.color=never",
             "-f",
             str(_POM),
             f"-Dkafka.version={KAFKA_VERSION}",
-            "dependency:copy-dependencies",
+            _COPY_DEPENDENCIES,
             f"-DoutputDirectory={staging}",
         ]
         try:
@@ -182,13 +186,14 @@ def ensure_jars() -> Path:
                 check=False,
                 stdin=subprocess.DEVNULL,
             )
-            log.write_text(proc.stdout + proc.stderr)
+            # Maven 3.8 still emits colour resets in batch mode; drop them so the log reads cleanly.
+            output = _ANSI.sub("", proc.stdout + proc.stderr)
+            log.write_text(output)
             if proc.returncode != 0:
-                raise KafkaBrokerError(_mvn_failure(proc.stdout + proc.stderr, log))
+                raise KafkaBrokerError(_mvn_failure(output, log))
             if not (staging / f"kafka_2.13-{KAFKA_VERSION}.jar").is_file():
-                raise KafkaBrokerError(
-                    f"mvn finished but kafka_2.13-{KAFKA_VERSION}.jar is missing; log: {log}"
-                )
+                raise KafkaBrokerError(f"mvn finished but kafka_2.13-{KAFKA_VERSION}.jar is missing; log: {log}")
+            staging.chmod(0o755)  # mkdtemp made it private; the cache may be shared
             shutil.rmtree(lib, ignore_errors=True)
             staging.rename(lib)
             (lib / _MARKER).write_text(digest + "\n")
@@ -271,9 +276,7 @@ class KafkaBroker:
         extra_props: dict[str, str] | None = None,
     ) -> None:
         self._own_workdir = workdir is None
-        self.workdir: Path = (
-            Path(tempfile.mkdtemp(prefix="kafka-broker-")) if workdir is None else Path(workdir)
-        )
+        self.workdir: Path = Path(tempfile.mkdtemp(prefix="kafka-broker-")) if workdir is None else Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.scram_users: dict[str, str] = dict(scram_users or {})
         self.auto_create_topics = auto_create_topics
@@ -450,6 +453,10 @@ class KafkaBroker:
             "share.coordinator.state.topic.replication.factor": "1",
             "share.coordinator.state.topic.min.isr": "1",
             "group.initial.rebalance.delay.ms": "0",
+            # After a crash (kill()), the controller keeps the dead broker's registration until its
+            # session times out (9 s by default) and refuses the restarted one until then.
+            "broker.heartbeat.interval.ms": "500",
+            "broker.session.timeout.ms": "3000",
             "auto.create.topics.enable": "true" if self.auto_create_topics else "false",
         }
         if self.scram_users:
@@ -500,14 +507,10 @@ class KafkaBroker:
             for mech in ("SCRAM-SHA-256", "SCRAM-SHA-512"):
                 args += ["--add-scram", f"{mech}=[name={user},password={_jaas_quote(password)}]"]
         cmd = self._java_cmd(java, lib, "kafka.tools.StorageTool", *args)
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=120, check=False, stdin=subprocess.DEVNULL
-        )
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False, stdin=subprocess.DEVNULL)
         if proc.returncode != 0:
             out = (proc.stdout + proc.stderr).strip()
-            raise KafkaBrokerError(
-                f"formatting {self.data_dir} failed (exit {proc.returncode}): {out[-2000:]}"
-            )
+            raise KafkaBrokerError(f"formatting {self.data_dir} failed (exit {proc.returncode}): {out[-2000:]}")
 
     def _launch(self, java: str, lib: Path) -> None:
         # Only tie the broker's life to the starting thread when that thread is the main one:
@@ -545,9 +548,7 @@ class KafkaBroker:
             rc = self._proc.poll()
             if rc is not None:
                 self._forget()
-                raise KafkaBrokerError(
-                    f"Kafka broker exited with code {rc} during start-up{self._log_excerpt()}"
-                )
+                raise KafkaBrokerError(f"Kafka broker exited with code {rc} during start-up{self._log_excerpt()}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise KafkaBrokerError(f"Kafka broker not ready after {timeout:.0f}s{self._log_excerpt()}")
@@ -601,9 +602,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     """``fetch`` resolves the jars; ``serve`` runs a broker until Ctrl-C."""
-    ap = argparse.ArgumentParser(
-        prog="python -m pipeline.devtools.kafka", description=__doc__.splitlines()[0]
-    )
+    ap = argparse.ArgumentParser(prog="python -m pipeline.devtools.kafka", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("fetch", help="resolve the Kafka jars into the cache (once)")
     serve = sub.add_parser("serve", help="run a single-node broker until Ctrl-C")

@@ -99,7 +99,7 @@ class KafkaSink:
         self.stopping: Callable[[], bool] = lambda: False
         self._retry = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(BufferError),
-            wait=tenacity.wait_exponential_jitter(initial=retry_initial, max=retry_max),
+            wait=tenacity.wait_exponential_jitter(multiplier=retry_initial, max=retry_max),
             stop=tenacity.stop_when_event_set(_StopFlag(self)),
             sleep=self._serve_while_waiting,
             reraise=True,

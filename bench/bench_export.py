@@ -1,0 +1,195 @@
+"""Export throughput: records built, Avro-encoded and produced to the local broker, delivery confirmed.
+
+Compared in the same run, against the same broker, with Kafka's own
+``org.apache.kafka.tools.ProducerPerformance`` sending records of the same size
+with the same acks/linger/compression settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+
+from bench.common import machine_line, plot, update_section, write_json
+
+
+def synthetic_exports(n: int) -> list:
+    """``n`` due exports from a real store, as the expire loop would produce them."""
+    from pipeline.connection import PROTO_TCP, Connection
+    from pipeline.store import ConnectionStore
+
+    conns = []
+    for i in range(n):
+        a = bytes([10, 1, (i >> 8) & 0xFF, i & 0xFF])
+        b = bytes([10, 2, (i >> 16) & 0xFF, (i >> 4) & 0xFF])
+        conns.append(
+            Connection(
+                family=socket.AF_INET,
+                proto=PROTO_TCP,
+                orig_src=a,
+                orig_dst=bytes([10, 96, 0, 10]),
+                orig_sport=1024 + i % 60000,
+                orig_dport=80,
+                reply_src=b,
+                reply_dst=a,
+                reply_sport=8080,
+                reply_dport=1024 + i % 60000,
+                ct_id=i + 1,
+                tcp_state=3,
+                orig_packets=10 + i,
+                orig_bytes=1500 * (10 + i),
+                reply_packets=9 + i,
+                reply_bytes=900 * (9 + i),
+                start_ns=time.time_ns() - 10**9,
+                status=0x18E,
+            )
+        )
+    store = ConnectionStore()
+    now = time.monotonic()
+    store.update(conns, now, time.time_ns())
+    return store.expire(now + 3600, time.time_ns())
+
+
+def encode_only(exports: list) -> float:
+    from pipeline.record import build_record
+    from pipeline.sink import AvroSerializer
+
+    ser = AvroSerializer()
+    ms = time.time_ns() // 1_000_000
+    t0 = time.perf_counter()
+    for e in exports:
+        ser(build_record(e, "bench-node", ms))
+    return len(exports) / (time.perf_counter() - t0)
+
+
+def produce(exports: list, bootstrap: str, topic: str) -> tuple[float, int, int]:
+    """Records/s from first produce to last delivery report; returns (rate, acked, record size)."""
+    from pipeline.record import build_record
+    from pipeline.sink import AvroSerializer, KafkaSink
+
+    ser = AvroSerializer()
+    sink = KafkaSink({"bootstrap.servers": bootstrap}, topic, ser)
+    sink.missing_topics()  # connect before timing
+    ms = time.time_ns() // 1_000_000
+    size = len(ser(build_record(exports[0], "bench-node", ms)))
+    t0 = time.perf_counter()
+    for i, e in enumerate(exports):
+        sink.send(e, build_record(e, "bench-node", ms))
+        if i & 1023 == 0:
+            sink.poll(0)
+    sink.flush(120)
+    elapsed = time.perf_counter() - t0
+    return len(exports) / elapsed, sink.acked, size
+
+
+def producer_performance(bootstrap: str, topic: str, n: int, size: int) -> float:
+    from pipeline.devtools.kafka import ensure_jars
+    from pipeline.sink.kafka import PRODUCER_DEFAULTS
+
+    lib = ensure_jars()
+    props = [
+        f"bootstrap.servers={bootstrap}",
+        "acks=all",
+        "enable.idempotence=true",
+        f"linger.ms={PRODUCER_DEFAULTS['linger.ms']}",
+        f"compression.type={PRODUCER_DEFAULTS['compression.type']}",
+        f"batch.size={PRODUCER_DEFAULTS['batch.size']}",
+    ]
+    cmd = [
+        "java",
+        "-cp",
+        f"{lib}/*",
+        "org.apache.kafka.tools.ProducerPerformance",
+        "--topic",
+        topic,
+        "--num-records",
+        str(n),
+        "--record-size",
+        str(size),
+        "--throughput",
+        "-1",
+        "--producer-props",
+        *props,
+    ]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    m = re.findall(r"(\d+) records sent, ([\d.]+) records/sec", out)
+    if not m:
+        raise RuntimeError(f"unexpected ProducerPerformance output: {out[-500:]}")
+    return float(m[-1][1])
+
+
+def run(n: int, repeat: int) -> dict:
+    from pipeline.devtools.kafka import KafkaBroker
+
+    exports = synthetic_exports(n)
+    enc_rates = [encode_only(exports) for _ in range(repeat)]
+    with KafkaBroker() as broker:
+        broker.create_topic("bench-ours", partitions=3)
+        broker.create_topic("bench-pp", partitions=3)
+        ours, pp = [], []
+        size = 0
+        for _ in range(repeat):
+            rate, acked, size = produce(exports, broker.bootstrap, "bench-ours")
+            assert acked == n, f"only {acked} of {n} acknowledged"
+            ours.append(rate)
+            pp.append(producer_performance(broker.bootstrap, "bench-pp", n, size))
+            print(json.dumps({"ours": rate, "producer_performance": pp[-1], "record_size": size}), flush=True)
+    med = sorted(ours)[len(ours) // 2]
+    med_pp = sorted(pp)[len(pp) // 2]
+    return {
+        "records": n,
+        "record_size": size,
+        "encode_records_per_s": sorted(enc_rates)[len(enc_rates) // 2],
+        "produce_records_per_s": med,
+        "producer_performance_records_per_s": med_pp,
+        "ratio_vs_producer_performance": med / med_pp,
+        "runs": {"ours": ours, "producer_performance": pp, "encode": enc_rates},
+    }
+
+
+def report(d: dict, cmd: str) -> None:
+    def draw(ax: object) -> None:
+        labels = ["encode only\n(build+Avro)", "flow-exporter\nproduce, acked", "ProducerPerformance\n(same size)"]
+        vals = [d["encode_records_per_s"], d["produce_records_per_s"], d["producer_performance_records_per_s"]]
+        ax.bar(labels, vals, color=["#888", "#1f77b4", "#ff7f0e"])  # type: ignore[attr-defined]
+        ax.set_ylabel("records/s (median)")  # type: ignore[attr-defined]
+        ax.set_title(f"Export throughput, {d['records']:,} records of {d['record_size']} bytes")  # type: ignore[attr-defined]
+
+    plot("export", draw)
+    md = f"""## Export throughput (local broker, delivery confirmed)
+
+Command: `{cmd}`
+Machine: {machine_line()}
+
+| | records/s (median) |
+|---|---:|
+| build record + Avro encode only (one core) | {d["encode_records_per_s"]:,.0f} |
+| flow-exporter: build + encode + produce, every delivery acknowledged | {d["produce_records_per_s"]:,.0f} |
+| Kafka ProducerPerformance, {d["record_size"]}-byte records, same broker and settings | {d["producer_performance_records_per_s"]:,.0f} |
+
+Ratio flow-exporter / ProducerPerformance: {d["ratio_vs_producer_performance"]:.2f}
+(acks=all, idempotence on, lz4, linger.ms 50; {d["records"]:,} records per run).
+
+![export](bench/results/export.png)
+"""
+    update_section("export", md)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--records", type=int, default=200_000)
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args(argv)
+    d = run(args.records, args.repeat)
+    write_json("export", d)
+    report(d, "python -m bench.bench_export " + " ".join(argv if argv is not None else sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Kafka sink and the loops against the real broker, with plain-value connections as input."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Collection
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from confluent_kafka import Consumer
+
+from pipeline.app import Exporter
+from pipeline.connection import PROTO_TCP, Connection
+from pipeline.record import build_record, partition_key
+from pipeline.sink import AvroSerializer, KafkaSink, Route
+from pipeline.store import END_OF_FLOW, ConnectionStore
+from pipeline.timeouts import Timeouts
+
+pytestmark = pytest.mark.kafka
+
+
+START_NS = time.time_ns()
+
+
+def conn(sport: int, packets: int = 3, state: int = 3) -> Connection:
+    return Connection(
+        family=socket.AF_INET,
+        proto=PROTO_TCP,
+        orig_src=bytes([10, 0, 0, 1]),
+        orig_dst=bytes([10, 0, 0, 2]),
+        orig_sport=sport,
+        orig_dport=80,
+        reply_src=bytes([10, 0, 0, 2]),
+        reply_dst=bytes([10, 0, 0, 1]),
+        reply_sport=80,
+        reply_dport=sport,
+        ct_id=sport,
+        tcp_state=state,
+        orig_packets=packets,
+        orig_bytes=packets * 60,
+        reply_packets=packets,
+        reply_bytes=packets * 90,
+        start_ns=START_NS,
+    )
+
+
+def consume(bootstrap: str, topic: str, n: int, timeout: float = 20.0) -> list[Any]:
+    """At least ``n`` messages (if they come), and everything that follows within a quiet second."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"g{time.time_ns()}", "auto.offset.reset": "earliest"})
+    c.subscribe([topic])
+    out: list[Any] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            m = c.poll(1.0)
+            if m is None:
+                if len(out) >= n:
+                    break
+                continue
+            if m.error() is None:
+                out.append(m)
+    finally:
+        c.close()
+    return out
+
+
+def test_partition_key_is_direction_independent() -> None:
+    store = ConnectionStore()
+    a = conn(40000)
+    b = replace(
+        a,
+        orig_src=a.reply_src,
+        orig_dst=a.orig_src,
+        orig_sport=80,
+        orig_dport=40000,
+        reply_src=a.orig_src,
+        reply_dst=a.reply_src,
+        reply_sport=40000,
+        reply_dport=80,
+    )
+    store.update([a, b], 0.0, 0)
+    e1, e2 = store.export_all(0.0)
+    assert partition_key(e1) == partition_key(e2)
+
+
+def test_routes_and_delivery_reports(kafka_broker: Any) -> None:
+    main_topic, ended_topic = f"main-{time.time_ns()}", f"ended-{time.time_ns()}"
+    kafka_broker.create_topic(main_topic)
+    kafka_broker.create_topic(ended_topic)
+    ser = AvroSerializer()
+    sink = KafkaSink(
+        {"bootstrap.servers": kafka_broker.bootstrap}, main_topic, ser, [Route(ended_topic, end_reason=END_OF_FLOW)]
+    )
+    assert sink.missing_topics() == set()
+    store = ConnectionStore()
+    store.update([conn(1), conn(2), conn(3, state=7)], 0.0, time.time_ns())
+    exports = store.expire(100.0, time.time_ns())
+    assert len(exports) == 3
+    for e in exports:
+        sink.send(e, build_record(e, "n1", 0))
+    assert sink.flush(20) == 0
+    reports = list(sink.reports)
+    assert len(reports) == 3 and all(r.delivered for r in reports)
+    assert sink.acked == 3 and sink.failed == 0 and sink.in_flight == 0
+    ended = consume(kafka_broker.bootstrap, ended_topic, 1)
+    main = consume(kafka_broker.bootstrap, main_topic, 2)
+    assert [ser.decode(m.value())["flowEndReason"] for m in ended] == [END_OF_FLOW]
+    assert len(main) == 2
+    assert {m.key() for m in main} == {partition_key(e) for e in exports if e.reason != END_OF_FLOW}
+
+
+def test_missing_topic_is_reported(kafka_broker: Any) -> None:
+    sink = KafkaSink(
+        {"bootstrap.servers": kafka_broker.bootstrap, "allow.auto.create.topics": False},
+        "does-not-exist",
+        AvroSerializer(),
+    )
+    assert sink.missing_topics() == {"does-not-exist"}
+
+
+class ListSource:
+    """A source that replays given dumps (the loops are under test, not conntrack)."""
+
+    def __init__(self, dumps: list[list[Connection]]) -> None:
+        self.dumps = dumps
+        self.calls = 0
+
+    def dump(self, zones: Collection[int] | None = None) -> list[Connection]:
+        d = self.dumps[min(self.calls, len(self.dumps) - 1)]
+        self.calls += 1
+        return d
+
+    def count(self) -> int:
+        return 0
+
+    def max_entries(self) -> int:
+        return 0
+
+
+def test_loops_export_and_shutdown_flushes_forced_records(kafka_broker: Any) -> None:
+    topic = f"loops-{time.time_ns()}"
+    kafka_broker.create_topic(topic)
+    ser = AvroSerializer()
+    sink = KafkaSink({"bootstrap.servers": kafka_broker.bootstrap}, topic, ser)
+    source = ListSource([[conn(i, packets=1) for i in range(1, 51)], [conn(i, packets=2) for i in range(1, 51)]])
+    exp = Exporter(source, sink, timeouts=Timeouts(0.2, 0.5, 5.0, 60.0), node_name="n1", grace=10.0)
+    t = threading.Thread(target=exp.run)
+    t.start()
+    time.sleep(1.5)
+    exp.stop_event.set()
+    t.join(15)
+    assert not t.is_alive()
+    assert exp.stats.records_lost_at_shutdown == 0
+    msgs = consume(kafka_broker.bootstrap, topic, 100)
+    recs = [ser.decode(m.value()) for m in msgs]
+    by_conn: dict[int, list[dict]] = {}
+    for r in recs:
+        by_conn.setdefault(r["connectionId"], []).append(r)
+    assert len(by_conn) == 50
+    for rs in by_conn.values():
+        rs.sort(key=lambda r: r["sequence"])
+        assert [r["sequence"] for r in rs] == list(range(len(rs)))
+        assert rs[-1]["flowEndReason"] == 4
+        assert sum(r["packetDeltaCount"] for r in rs) == rs[-1]["packetTotalCount"] == 2
