@@ -158,9 +158,11 @@ def report(d: dict, cmd: str) -> None:
         vals = [d["encode_records_per_s"], d["produce_records_per_s"], d["producer_performance_records_per_s"]]
         ax.bar(labels, vals, color=["#888", "#1f77b4", "#ff7f0e"])  # type: ignore[attr-defined]
         ax.set_ylabel("records/s (median)")  # type: ignore[attr-defined]
-        ax.set_title(f"Export throughput, {d['records']:,} records of {d['record_size']} bytes")  # type: ignore[attr-defined]
+        title = f"Export throughput, {d['records']:,} records of {d['record_size']} bytes"
+        ax.set_title(title)  # type: ignore[attr-defined]
 
     plot("export", draw)
+    pp = d["producer_performance_records_per_s"]
     md = f"""## Export throughput (local broker, delivery confirmed)
 
 Command: `{cmd}`
@@ -170,7 +172,7 @@ Machine: {machine_line()}
 |---|---:|
 | build record + Avro encode only (one core) | {d["encode_records_per_s"]:,.0f} |
 | flow-exporter: build + encode + produce, every delivery acknowledged | {d["produce_records_per_s"]:,.0f} |
-| Kafka ProducerPerformance, {d["record_size"]}-byte records, same broker and settings | {d["producer_performance_records_per_s"]:,.0f} |
+| Kafka ProducerPerformance, {d["record_size"]}-byte records, same broker and settings | {pp:,.0f} |
 
 Ratio flow-exporter / ProducerPerformance: {d["ratio_vs_producer_performance"]:.2f}
 (acks=all, idempotence on, lz4, linger.ms 50; {d["records"]:,} records per run).
