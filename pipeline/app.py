@@ -19,7 +19,6 @@ from typing import Protocol
 import tenacity
 
 from pipeline.connection import Connection
-from pipeline.record import build_record
 from pipeline.sink import KafkaSink
 from pipeline.store import FORCED_END, ConnectionStore, Export, Tracked
 from pipeline.timeouts import Timeouts
@@ -168,10 +167,9 @@ class Exporter:
 
     def _send(self, exports: list[Export]) -> None:
         export_ms = self.wall_ns() // 1_000_000
-        node = self.node_name
-        sink = self.sink
+        send = self.sink.send
         for e in exports:
-            sink.send(e, build_record(e, node, export_ms))
+            send(e, export_ms)
 
     def expire_once(self) -> int:
         """Export everything that is due; returns the number of records produced."""

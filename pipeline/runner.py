@@ -13,7 +13,8 @@ from confluent_kafka import KafkaException
 
 from pipeline.app import Exporter
 from pipeline.config import Config
-from pipeline.sink import AvroSerializer, KafkaSink, Route
+from pipeline.sink import KafkaSink, Route
+from pipeline.sink.encoder import RecordEncoder
 from pipeline.sink.kafka import redact
 from pipeline.timeouts import Timeouts
 
@@ -27,7 +28,7 @@ def build_sink(cfg: Config) -> KafkaSink:
     return KafkaSink(
         cfg.producer_config(),
         cfg["kafka.topic"],
-        AvroSerializer(),
+        RecordEncoder(cfg.node_name).encode,
         routes,
         retry_initial=cfg["retry.initialBackoff"],
         retry_max=cfg["retry.maxBackoff"],

@@ -72,6 +72,8 @@ class Tracked:
     acked: tuple[int, int, int, int] = (0, 0, 0, 0)
     meta: dict[str, Any] | None = None
     orphan: bool = False  # replaced in the store by a newer entry with the same 5-tuple
+    avro_prefix: bytes | None = None  # the record's per-connection prefix (sink.encoder), cached
+    avro_stamp: tuple[Any, ...] | None = None
 
     @property
     def totals(self) -> tuple[int, int, int, int]:

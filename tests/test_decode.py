@@ -13,7 +13,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pyroute2.netlink import NLA_F_NESTED
+from pyroute2.netlink import NLA_F_NESTED, NLA_F_NET_BYTEORDER
 from pyroute2.netlink.nfnetlink.nfctsocket import nfct_msg
 
 from pipeline.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP, Connection
@@ -169,8 +169,8 @@ def entries(draw: st.DrawFn) -> tuple[bytes, Connection, bool]:
 
     def scalar(attr: str, field: str, values: st.SearchStrategy[int]) -> None:
         value = draw(st.none() | values)
-        if value is not None:
-            attrs.append((attr, value))
+        if value is not None:  # the kernel never sets NLA_F_NET_BYTEORDER here; it must be masked anyway
+            attrs.append((attr, value, NLA_F_NET_BYTEORDER) if draw(st.booleans()) else (attr, value))
             exp[field] = value
 
     scalar("CTA_ZONE", "zone", u16)

@@ -14,8 +14,9 @@ from confluent_kafka import Consumer
 
 from pipeline.app import Exporter
 from pipeline.connection import PROTO_TCP, Connection
-from pipeline.record import build_record, partition_key
+from pipeline.record import partition_key
 from pipeline.sink import AvroSerializer, KafkaSink, Route
+from pipeline.sink.encoder import RecordEncoder
 from pipeline.store import END_OF_FLOW, ConnectionStore
 from pipeline.timeouts import Timeouts
 
@@ -92,7 +93,10 @@ def test_routes_and_delivery_reports(kafka_broker: Any) -> None:
     kafka_broker.create_topic(ended_topic)
     ser = AvroSerializer()
     sink = KafkaSink(
-        {"bootstrap.servers": kafka_broker.bootstrap}, main_topic, ser, [Route(ended_topic, end_reason=END_OF_FLOW)]
+        {"bootstrap.servers": kafka_broker.bootstrap},
+        main_topic,
+        RecordEncoder("n1").encode,
+        [Route(ended_topic, end_reason=END_OF_FLOW)],
     )
     assert sink.missing_topics() == set()
     store = ConnectionStore()
@@ -100,7 +104,7 @@ def test_routes_and_delivery_reports(kafka_broker: Any) -> None:
     exports = store.expire(100.0, time.time_ns())
     assert len(exports) == 3
     for e in exports:
-        sink.send(e, build_record(e, "n1", 0))
+        sink.send(e, 0)
     assert sink.flush(20) == 0
     reports = list(sink.reports)
     assert len(reports) == 3 and all(r.delivered for r in reports)
@@ -116,7 +120,7 @@ def test_missing_topic_is_reported(kafka_broker: Any) -> None:
     sink = KafkaSink(
         {"bootstrap.servers": kafka_broker.bootstrap, "allow.auto.create.topics": False},
         "does-not-exist",
-        AvroSerializer(),
+        RecordEncoder("n1").encode,
     )
     assert sink.missing_topics() == {"does-not-exist"}
 
@@ -144,7 +148,7 @@ def test_loops_export_and_shutdown_flushes_forced_records(kafka_broker: Any) -> 
     topic = f"loops-{time.time_ns()}"
     kafka_broker.create_topic(topic)
     ser = AvroSerializer()
-    sink = KafkaSink({"bootstrap.servers": kafka_broker.bootstrap}, topic, ser)
+    sink = KafkaSink({"bootstrap.servers": kafka_broker.bootstrap}, topic, RecordEncoder("n1").encode)
     source = ListSource([[conn(i, packets=1) for i in range(1, 51)], [conn(i, packets=2) for i in range(1, 51)]])
     exp = Exporter(source, sink, timeouts=Timeouts(0.2, 0.5, 5.0, 60.0), node_name="n1", grace=10.0)
     t = threading.Thread(target=exp.run)

@@ -97,7 +97,7 @@ _NLA = struct.Struct("=HH")  # nla_len, nla_type
 _ERRNO = struct.Struct("=i")
 _from_bytes = int.from_bytes
 
-# Value formats (big-endian data, as ctnetlink puts it): name -> (struct code, size).
+# Sizes of the value formats read (big-endian, as ctnetlink puts them); labels are "<n>s".
 _FMT_SIZE = {"B": 1, "H": 2, "I": 4, "Q": 8, "4s": 4, "16s": 16}
 
 # Inside CTA_TUPLE_IP: attr type -> (suffix, format, family it belongs to).
@@ -403,9 +403,9 @@ class Decoder:
             if mlen < NLMSG_HDRLEN or end > n:
                 res.skipped += 1  # cannot find the next message: the rest is lost
                 break
+            if mflags & NLM_F_DUMP_INTR:  # set on any message of the dump, NLMSG_DONE included
+                res.interrupted = True
             if mtype in _CT_TYPES:
-                if mflags & NLM_F_DUMP_INTR:
-                    res.interrupted = True
                 target = destroyed if (destroyed is not None and mtype == CT_DELETE) else out
                 cands = templates.get(mlen)
                 if cands is not None:

@@ -8,7 +8,6 @@ store from whatever thread happened to call ``poll()``.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -50,10 +49,10 @@ class Route:
     flow_type: int | None = None
     end_reason: int | None = None
 
-    def matches(self, record: dict[str, Any]) -> bool:
-        if self.flow_type is not None and record["flowType"] != self.flow_type:
+    def matches(self, flow_type: int, end_reason: int) -> bool:
+        if self.flow_type is not None and flow_type != self.flow_type:
             return False
-        return not (self.end_reason is not None and record["flowEndReason"] != self.end_reason)
+        return not (self.end_reason is not None and end_reason != self.end_reason)
 
 
 @dataclass(slots=True)
@@ -77,14 +76,14 @@ class KafkaSink:
         self,
         producer_config: dict[str, Any],
         topic: str,
-        serializer: Callable[[dict[str, Any]], bytes],
+        encode: Callable[[Export, int], bytes],
         routes: Sequence[Route] = (),
         retry_initial: float = 0.05,
         retry_max: float = 5.0,
     ) -> None:
         self.topic = topic
         self.routes = tuple(routes)
-        self.serializer = serializer
+        self.encode = encode
         self.config = {**PRODUCER_DEFAULTS, **producer_config}
         self.config.setdefault("error_cb", self._on_error)
         self._producer = Producer(self.config)
@@ -93,9 +92,7 @@ class KafkaSink:
         self.acked = 0
         self.failed = 0
         self.bytes_produced = 0
-        self.in_flight = 0
         self._last_error_log = 0.0
-        self._lock = threading.Lock()
         self.stopping: Callable[[], bool] = lambda: False
         self._retry = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(BufferError),
@@ -116,29 +113,37 @@ class KafkaSink:
         return {t for t in self.topics() if t not in md.topics or md.topics[t].error is not None}
 
     # --------------------------------------------------------------- produce
-    def route(self, record: dict[str, Any]) -> str:
-        for r in self.routes:
-            if r.matches(record):
-                return r.topic
+    def route(self, export: Export) -> str:
+        if self.routes:
+            meta = export.tracked.meta
+            flow_type = meta.get("flowType", 0) if meta else 0
+            for r in self.routes:
+                if r.matches(flow_type, export.reason):
+                    return r.topic
         return self.topic
 
-    def send(self, export: Export, record: dict[str, Any]) -> None:
-        """Serialize and hand one record to librdkafka, waiting (with backoff) while its queue is full."""
-        value = self.serializer(record)
-        topic = self.route(record)
+    def send(self, export: Export, export_ms: int) -> None:
+        """Encode one export and hand it to librdkafka, waiting (with backoff) while its queue is full."""
+        value = self.encode(export, export_ms)
+        topic = self.route(export)
         key = partition_key(export)
+        reports = self.reports
 
         def on_delivery(err: KafkaError | None, _msg: Any, export: Export = export) -> None:
-            with self._lock:
-                self.in_flight -= 1
-                if err is None:
-                    self.acked += 1
-                else:
-                    self.failed += 1
-            self.reports.append(DeliveryReport(export, err is None, None if err is None else err.str()))
+            # Runs inside poll()/flush() on the caller's thread; counters are read by metrics.
+            if err is None:
+                self.acked += 1
+                reports.append(DeliveryReport(export, True))
+            else:
+                self.failed += 1
+                reports.append(DeliveryReport(export, False, err.str()))
 
+        produce = self._producer.produce
         try:
-            self._retry(self._producer.produce, topic, value, key, on_delivery=on_delivery)
+            try:
+                produce(topic, value, key, on_delivery=on_delivery)
+            except BufferError:
+                self._retry(produce, topic, value, key, on_delivery=on_delivery)
         except BufferError:
             # Only when stopping: the record never entered the queue.
             self.reports.append(DeliveryReport(export, False, "local queue full during shutdown"))
@@ -148,10 +153,13 @@ class KafkaSink:
             self.reports.append(DeliveryReport(export, False, str(exc)))
             self.failed += 1
             return
-        with self._lock:
-            self.in_flight += 1
         self.produced += 1
         self.bytes_produced += len(value)
+
+    @property
+    def in_flight(self) -> int:
+        """Records handed to librdkafka and not yet reported."""
+        return len(self._producer)
 
     def poll(self, timeout: float = 0.0) -> int:
         """Serve delivery callbacks (the only place they run)."""
