@@ -6,7 +6,6 @@ these check the broker side on its own, with plain confluent-kafka clients.
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -78,11 +77,12 @@ def group() -> str:
 
 
 def process_gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie not yet reaped by its new parent counts as gone)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return True
-    return False
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 @pytest.fixture(scope="module")
@@ -133,30 +133,18 @@ def sasl_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBroke
         yield broker
 
 
-def sasl_conf(broker: KafkaBroker, mechanism: str, password: str, **extra: Any) -> dict[str, Any]:
-    assert broker.sasl_bootstrap is not None
-    return {
-        "bootstrap.servers": broker.sasl_bootstrap,
-        "security.protocol": "SASL_PLAINTEXT",
-        "sasl.mechanism": mechanism,
-        "sasl.username": "alice",
-        "sasl.password": password,
-        **extra,
-    }
-
-
 @pytest.mark.parametrize("mechanism", ["SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN"])
 def test_sasl_listener_accepts_the_right_password(sasl_broker: KafkaBroker, mechanism: str) -> None:
     topic = f"sasl-{mechanism.lower()}-{uuid.uuid4().hex[:6]}"
     sasl_broker.create_topic(topic)
-    produce(sasl_conf(sasl_broker, mechanism, ALICE["alice"]), topic, mechanism.encode())
+    produce(sasl_broker.sasl_client_config("alice", mechanism), topic, mechanism.encode())
     assert consume(sasl_broker.bootstrap, topic, group(), 1) == [mechanism.encode()]
 
 
 @pytest.mark.parametrize("mechanism", ["SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN"])
 def test_sasl_listener_rejects_a_wrong_password(sasl_broker: KafkaBroker, mechanism: str) -> None:
     errors: list[KafkaError] = []
-    producer = Producer(sasl_conf(sasl_broker, mechanism, "wrong", error_cb=errors.append))
+    producer = Producer(sasl_broker.sasl_client_config("alice", mechanism, "wrong", error_cb=errors.append))
     with pytest.raises(KafkaException):
         producer.list_topics(timeout=1)
     deadline = time.monotonic() + 10
@@ -177,6 +165,11 @@ def test_broker_log_goes_to_the_workdir(own_broker: KafkaBroker) -> None:
 def test_shared_fixtures_give_a_ready_topic(kafka_broker: KafkaBroker, kafka_topic: str) -> None:
     produce({"bootstrap.servers": kafka_broker.bootstrap}, kafka_topic, b"hello")
     assert consume(kafka_broker.bootstrap, kafka_topic, group(), 1) == [b"hello"]
+
+
+def test_sasl_user_names_are_checked_up_front() -> None:
+    with pytest.raises(ValueError, match="bad name"):
+        KafkaBroker(scram_users={"bad name": "x"})
 
 
 def test_owned_temp_workdir_is_removed_on_close() -> None:

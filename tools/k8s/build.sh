@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds kube-apiserver and etcd from the Go module proxy for the API-server tests, into
 # <repo>/.cache/k8s/<k8s version>/bin/. Idempotent: a marker holding a hash of the inputs (go.mod,
-# go.sum, main.go, Go version) makes later runs return at once; a change to any of them rebuilds.
+# go.sum, main.go, Go version, version stamp) makes later runs return at once; changing one rebuilds.
 # Kubernetes publishes no `go install`-able kube-apiserver (its staging modules are v0.0.0), so
 # tools/k8s/apiserver pins each staging module to its release tag and builds the command from there.
 # On failure prints one line saying why (full log in the cache dir) and exits non-zero.
@@ -20,9 +20,16 @@ out="$repo/.cache/k8s/${k8s_version#v}"
 marker="$out/.complete"
 log="$out/build.log"
 
+major=${k8s_version#v}; major=${major%%.*}
+minor=${k8s_version#v*.}; minor=${minor%%.*}
+# Without these the server reports v0.0.0-master as its version (kubectl and clients show it).
+ver_pkg=k8s.io/component-base/version
+ldflags="-s -w -X $ver_pkg.gitVersion=$k8s_version -X $ver_pkg.gitMajor=$major -X $ver_pkg.gitMinor=$minor"
+ldflags="$ldflags -X $ver_pkg.gitTreeState=clean -X $ver_pkg.buildDate=1970-01-01T00:00:00Z"
+
 inputs_hash=$( {
     go env GOVERSION
-    cat "$here/build.sh"
+    echo "$ldflags"
     for f in apiserver/go.mod apiserver/go.sum etcd/go.mod etcd/go.sum etcd/main.go; do
         echo "== $f"; cat "$here/$f"
     done
@@ -48,7 +55,7 @@ fail() {
     if grep -qE 'dial tcp|no such host|i/o timeout|connection refused|network is unreachable|TLS handshake timeout|proxy.golang.org.*(502|503|504)' "$log"; then
         die "cannot reach the Go module proxy ($(go env GOPROXY)) to download $1's modules; log: $log"
     fi
-    die "$1 failed to build; see the end of $log"
+    die "$1 failed to build: $(grep -vE '^go: downloading' "$log" | tail -n 1 | cut -c1-200); log: $log"
 }
 
 export CGO_ENABLED=0 GOFLAGS="-trimpath -mod=readonly -buildvcs=false" GOTOOLCHAIN=local
@@ -56,13 +63,6 @@ export GOMAXPROCS="${GOMAXPROCS:-2}"
 jobs="${K8S_BUILD_JOBS:-2}"
 stage=$(mktemp -d "$out/stage.XXXXXX")
 trap 'rm -rf "$stage"' EXIT
-
-major=${k8s_version#v}; major=${major%%.*}
-minor=${k8s_version#v*.}; minor=${minor%%.*}
-# Without these the server reports v0.0.0-master as its version (kubectl and clients show it).
-ver_pkg=k8s.io/component-base/version
-ldflags="-s -w -X $ver_pkg.gitVersion=$k8s_version -X $ver_pkg.gitMajor=$major -X $ver_pkg.gitMinor=$minor"
-ldflags="$ldflags -X $ver_pkg.gitTreeState=clean -X $ver_pkg.buildDate=1970-01-01T00:00:00Z"
 
 start=$(date +%s)
 echo "k8s build: building kube-apiserver $k8s_version and etcd (several minutes on a cold cache; log: $log)" >&2
