@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup setup-k8s test lint demo bench clean
 
 setup:
 	@bash tools/setup.sh
@@ -10,7 +10,10 @@ setup:
 lint: setup
 	.venv/bin/ruff check .
 
-test: setup lint
+setup-k8s: setup
+	@bash tools/k8s/build.sh
+
+test: setup setup-k8s lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: setup

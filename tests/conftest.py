@@ -1,3 +1,3 @@
-"""Shared pytest setup: the real Kafka broker fixtures."""
+"""Shared pytest setup: the real Kafka broker and Kubernetes API server fixtures."""
 
-pytest_plugins = ["tests.kafka_fixtures"]
+pytest_plugins = ["tests.kafka_fixtures", "tests.apiserver_fixtures"]
