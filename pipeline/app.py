@@ -19,6 +19,7 @@ from typing import Protocol
 import tenacity
 
 from pipeline.connection import Connection
+from pipeline.metrics import Metrics
 from pipeline.sink import KafkaSink
 from pipeline.store import FORCED_END, ConnectionStore, Export, Tracked
 from pipeline.timeouts import Timeouts
@@ -89,6 +90,9 @@ class Exporter:
         self._retry_initial = retry_initial
         self._retry_max = retry_max
         self.sink.stopping = self.stop_event.is_set
+        self.metrics: Metrics | None = None
+        self.heartbeats: dict[str, float] = {}
+        self.sink.on_wait = lambda: self.heartbeats.__setitem__("expire", time.monotonic())
 
     # ------------------------------------------------------------------ poll
     def poll_once(self) -> int:
@@ -98,6 +102,8 @@ class Exporter:
         with self.lock:
             self.store.update(conns, self.clock(), self.wall_ns())
         elapsed = time.perf_counter() - t0
+        if self.metrics is not None:
+            self.metrics.poll_seconds.observe(elapsed)
         s = self.stats
         s.polls += 1
         s.last_poll_seconds = elapsed
@@ -137,6 +143,7 @@ class Exporter:
         interval = self.timeouts.poll_interval
         next_tick = time.monotonic()
         while not self.stop_event.is_set():
+            self.heartbeats["poll"] = time.monotonic()
             try:
                 self._poll_with_retry()
             except BaseException as exc:
@@ -177,11 +184,15 @@ class Exporter:
         with self.lock:
             exports = self.store.expire(self.clock(), self.wall_ns())
         if exports:
+            t0 = time.perf_counter()
             self._send(exports)
+            if self.metrics is not None:
+                self.metrics.export_seconds.observe(time.perf_counter() - t0)
         return len(exports)
 
     def expire_loop(self) -> None:
         while not self.stop_event.is_set():
+            self.heartbeats["expire"] = time.monotonic()
             self.expire_once()
             with self.lock:
                 deadline = self.store.next_deadline()

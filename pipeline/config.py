@@ -111,6 +111,17 @@ def parse_zones(key: str, value: object) -> tuple[int, ...]:
     return tuple(sorted(set(zones)))
 
 
+def parse_port(key: str, value: object) -> int:
+    """A TCP port; 0 turns the listener off."""
+    try:
+        port = int(str(value), 10)
+    except ValueError:
+        raise ConfigError(key, value, "expected a port number 0-65535") from None
+    if isinstance(value, bool) or not 0 <= port <= 65535:
+        raise ConfigError(key, value, "expected a port number 0-65535")
+    return port
+
+
 def parse_level(key: str, value: object) -> str:
     s = parse_str(key, value).lower()
     if s not in ("debug", "info", "warning", "error"):
@@ -204,6 +215,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("retry.initialBackoff", positive_duration, 0.2, "First wait after a failed dump or produce."),
     Setting("retry.maxBackoff", positive_duration, 30.0, "Longest wait between retries."),
     Setting("shutdown.grace", parse_duration, 30.0, "On SIGTERM: how long to keep delivering final records."),
+    Setting("metrics.address", parse_str, "0.0.0.0", "Address of the /metrics, /healthz, /readyz listener."),
+    Setting("metrics.port", parse_port, 9690, "Port of that listener; 0 turns it off."),
     Setting("log.level", parse_level, "info", "debug, info, warning or error."),
     Setting("log.format", parse_log_format, "text", "text or json."),
 )

@@ -13,6 +13,7 @@ from confluent_kafka import KafkaException
 
 from pipeline.app import Exporter
 from pipeline.config import Config
+from pipeline.metrics import HealthServer, Metrics, liveness, readiness
 from pipeline.sink import KafkaSink, Route
 from pipeline.sink.encoder import RecordEncoder
 from pipeline.sink.kafka import redact
@@ -70,6 +71,32 @@ def check_topics(sink: KafkaSink, stop: threading.Event, initial: float, maximum
     return False
 
 
+def start_health_server(
+    cfg: Config, exporter: Exporter, caches_ready: Callable[[], bool] | None = None
+) -> HealthServer | None:
+    """/metrics, /healthz and /readyz, unless metrics.port is 0."""
+    if cfg["metrics.port"] == 0:
+        return None
+    metrics = Metrics()
+    metrics.bind(exporter)
+    exporter.metrics = metrics
+    # A poll may wait out the longest retry backoff; only silence beyond that is a hang.
+    silence = max(3 * cfg["conntrack.pollInterval"], 60.0) + cfg["retry.maxBackoff"]
+    try:
+        server = HealthServer(
+            metrics,
+            cfg["metrics.address"],
+            cfg["metrics.port"],
+            liveness(exporter, silence),
+            readiness(exporter, caches_ready),
+        )
+    except OSError as exc:
+        log.error("metrics listener %s:%d: %s", cfg["metrics.address"], cfg["metrics.port"], exc.strerror)
+        raise SystemExit(1) from None
+    server.start()
+    return server
+
+
 def is_fatal_source_error(exc: BaseException) -> bool:
     """Errors that no retry can fix: missing capability, missing module, missing namespace."""
     from pipeline.conntrack.errors import ConntrackPermissionError, ConntrackUnavailable, NetnsError
@@ -112,6 +139,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
     )
     if install_signals is not None:
         install_signals(exporter.stop_event)
+    http = start_health_server(cfg, exporter)
     try:
         if cfg["kafka.checkTopics"] and not check_topics(
             sink, exporter.stop_event, cfg["retry.initialBackoff"], cfg["retry.maxBackoff"]
@@ -119,4 +147,6 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
             return 0
         return exporter.run()
     finally:
+        if http is not None:
+            http.stop()
         source.close()

@@ -9,10 +9,14 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,7 +74,29 @@ def lab() -> Iterator[Lab]:
         yield lab
 
 
-def start_exporter(lab: Lab, bootstrap: str, topic: str, log: Path, *extra: str) -> subprocess.Popen[bytes]:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{name}(?:_total)? ([0-9.e+]+)$", text, re.M)
+    assert m, f"{name} missing"
+    return float(m.group(1))
+
+
+def start_exporter(
+    lab: Lab, bootstrap: str, topic: str, log: Path, *extra: str, metrics_port: int = 0
+) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable,
         "-m",
@@ -92,6 +118,10 @@ def start_exporter(lab: Lab, bootstrap: str, topic: str, log: Path, *extra: str)
         "expiry.idleTimeout=4s",
         "--set",
         "shutdown.grace=15s",
+        "--set",
+        f"metrics.port={metrics_port}",
+        "--set",
+        "metrics.address=127.0.0.1",
         *extra,
     ]
     fh = log.open("wb")
@@ -160,7 +190,8 @@ def test_lab_traffic_reaches_kafka_with_exact_counters(
     p1, p2, p3 = lab.pods
     svc = lab.add_service(lab.vip4(), 80, p3, 8080, vip6=lab.vip6())
     log = tmp_path / "exporter.log"
-    proc = start_exporter(lab, kafka_broker.bootstrap, kafka_topic, log)
+    port = free_port()
+    proc = start_exporter(lab, kafka_broker.bootstrap, kafka_topic, log, metrics_port=port)
     try:
         long_conn = lab.open_tcp(p1, p3, 7000)
         tcp4 = lab.tcp_exchange(p1, p2, 9000, 1000, 5000, family=4)
@@ -172,6 +203,17 @@ def test_lab_traffic_reaches_kafka_with_exact_counters(
             long_conn.send(1500)
             time.sleep(1)
         time.sleep(6)  # > idle timeout for the UDP flows, and end-of-flow for the closed ones
+        assert scrape(port, "/healthz") == (200, "ok\n")
+        assert scrape(port, "/readyz") == (200, "ok\n")
+        code, text = scrape(port, "/metrics")
+        assert code == 200
+        assert metric(text, "flow_exporter_connections_tracked") >= 6
+        assert metric(text, "flow_exporter_conntrack_entries") >= 6
+        assert metric(text, "flow_exporter_conntrack_max") > 0
+        assert metric(text, "flow_exporter_records_acknowledged") >= 6
+        assert metric(text, "flow_exporter_records_failed") == 0
+        assert metric(text, "flow_exporter_bytes_produced") > 0
+        assert metric(text, "flow_exporter_poll_duration_seconds_count") >= 5
         table = lab.conntrack_entries()
         cts = {
             name: table.for_exchange(ex)

@@ -136,6 +136,7 @@ def run_demo(duration: float = 60.0) -> int:
                 "--set", "conntrack.pollInterval=1s",
                 "--set", "expiry.activeTimeout=5s",
                 "--set", "expiry.idleTimeout=10s",
+                "--set", "metrics.port=0",
             ]  # fmt: skip
             with log_path.open("wb") as log:
                 proc = subprocess.Popen(

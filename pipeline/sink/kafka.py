@@ -92,8 +92,10 @@ class KafkaSink:
         self.acked = 0
         self.failed = 0
         self.bytes_produced = 0
+        self.connected = False  # the broker answered (metadata or a delivery)
         self._last_error_log = 0.0
         self.stopping: Callable[[], bool] = lambda: False
+        self.on_wait: Callable[[], None] = lambda: None  # called while blocked on a full queue
         self._retry = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(BufferError),
             wait=tenacity.wait_exponential_jitter(multiplier=retry_initial, max=retry_max),
@@ -110,6 +112,7 @@ class KafkaSink:
         """Topics this sink writes to that the cluster does not have (raises if unreachable)."""
         admin = AdminClient({k: v for k, v in self.config.items() if _is_admin_key(k)})
         md = admin.list_topics(timeout=timeout)
+        self.connected = True
         return {t for t in self.topics() if t not in md.topics or md.topics[t].error is not None}
 
     # --------------------------------------------------------------- produce
@@ -133,6 +136,7 @@ class KafkaSink:
             # Runs inside poll()/flush() on the caller's thread; counters are read by metrics.
             if err is None:
                 self.acked += 1
+                self.connected = True
                 reports.append(DeliveryReport(export, True))
             else:
                 self.failed += 1
@@ -174,6 +178,7 @@ class KafkaSink:
 
     # -------------------------------------------------------------- internals
     def _serve_while_waiting(self, seconds: float) -> None:
+        self.on_wait()
         self._producer.poll(seconds)
 
     def _on_error(self, err: KafkaError) -> None:
