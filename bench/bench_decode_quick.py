@@ -128,14 +128,17 @@ def main() -> int:
 
         with ConntrackDumper(netns=ns) as dumper:
             total = dumper.count()
-            print(f"count() = {total:,}; python {sys.version.split()[0]}, kernel {os.uname().release}")
+            print(f"count() = {total:,}; python {sys.version.split()[0]}, kernel {os.uname().release}, "
+                  f"load average {os.getloadavg()[0]:.2f} (other load skews every number below)")
             dumper.dump()  # warm-up: learns the layouts
             cpu0 = os.times()
             res = timed(lambda: len(dumper.dump()), args.runs)
             cpu1 = os.times()
             report("ConntrackDumper.dump()", res)
-            print(f"{'':<34} cpu per dump: user {(cpu1.user - cpu0.user) / args.runs:.3f} s, "
-                  f"sys {(cpu1.system - cpu0.system) / args.runs:.3f} s; templates {dumper.decoder.template_count}")
+            user, system = (cpu1.user - cpu0.user) / args.runs, (cpu1.system - cpu0.system) / args.runs
+            print(f"{'':<34} cpu per dump: user {user:.3f} s + sys {system:.3f} s = "
+                  f"{total / (user + system):,.0f} entries per cpu-second; "
+                  f"{dumper.decoder.template_count} layouts learned")
             five = timed(lambda: len(dumper.dump(zones={5})), args.runs)
             print(f"{'dump(zones={5})':<34} median {statistics.median(dt for dt, _ in five):.3f} s "
                   f"for {five[0][1]:,} of {total:,} entries")

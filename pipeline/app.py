@@ -50,6 +50,7 @@ class LoopStats:
     table_count: int = 0
     table_max: int = 0
     records_lost_at_shutdown: int = 0
+    resyncs: int = 0
     poll_seconds: list[float] = field(default_factory=list)
 
 
@@ -92,6 +93,7 @@ class Exporter:
         self.sink.stopping = self.stop_event.is_set
         self.metrics: Metrics | None = None
         self.heartbeats: dict[str, float] = {}
+        self._resync = threading.Event()
         self.sink.on_wait = lambda: self.heartbeats.__setitem__("expire", time.monotonic())
 
     # ------------------------------------------------------------------ poll
@@ -153,11 +155,26 @@ class Exporter:
                 self.stop_event.set()
                 break
             next_tick += interval
-            delay = next_tick - time.monotonic()
-            if delay < 0:  # a poll longer than the interval: start the next one now, don't pile up
+            if time.monotonic() > next_tick:  # a poll longer than the interval: go on now, don't pile up
                 next_tick = time.monotonic()
-                delay = 0
-            self.stop_event.wait(delay)
+            while not self.stop_event.is_set():
+                delay = next_tick - time.monotonic()
+                if delay <= 0:
+                    break
+                if self._resync.wait(min(delay, 0.5)):
+                    self._resync.clear()
+                    self.stats.resyncs += 1
+                    next_tick = time.monotonic()
+                    break
+
+    def apply_events(self, new: list[Connection], destroyed: list[Connection]) -> None:
+        """Conntrack NEW/DESTROY events, from the event listener's thread."""
+        with self.lock:
+            self.store.apply_events(new, destroyed, self.clock(), self.wall_ns())
+
+    def request_resync(self) -> None:
+        """Events were lost: dump the whole table now rather than at the next tick."""
+        self._resync.set()
 
     # ---------------------------------------------------------------- expire
     def _apply_reports(self) -> None:

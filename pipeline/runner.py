@@ -13,6 +13,7 @@ from confluent_kafka import KafkaException
 
 from pipeline.app import Exporter
 from pipeline.config import Config
+from pipeline.conntrack.events import ConntrackEvents
 from pipeline.metrics import HealthServer, Metrics, liveness, readiness
 from pipeline.sink import KafkaSink, Route
 from pipeline.sink.encoder import RecordEncoder
@@ -97,6 +98,24 @@ def start_health_server(
     return server
 
 
+def start_events(cfg: Config, exporter: Exporter) -> ConntrackEvents | None:
+    """The NEW/DESTROY listener, when on; polling alone goes on if it cannot start."""
+    if not cfg["conntrack.events"]:
+        return None
+    try:
+        events = ConntrackEvents(
+            exporter.apply_events,
+            exporter.request_resync,
+            netns=cfg["conntrack.netns"],
+            zones=cfg["conntrack.zones"] or None,
+        )
+    except OSError as exc:
+        log.warning("conntrack events unavailable (%s); short-lived flows may be missed", exc)
+        return None
+    events.start()
+    return events
+
+
 def is_fatal_source_error(exc: BaseException) -> bool:
     """Errors that no retry can fix: missing capability, missing module, missing namespace."""
     from pipeline.conntrack.errors import ConntrackPermissionError, ConntrackUnavailable, NetnsError
@@ -140,6 +159,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
     if install_signals is not None:
         install_signals(exporter.stop_event)
     http = start_health_server(cfg, exporter)
+    events = start_events(cfg, exporter)
     try:
         if cfg["kafka.checkTopics"] and not check_topics(
             sink, exporter.stop_event, cfg["retry.initialBackoff"], cfg["retry.maxBackoff"]
@@ -147,6 +167,8 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
             return 0
         return exporter.run()
     finally:
+        if events is not None:
+            events.stop()
         if http is not None:
             http.stop()
         source.close()

@@ -72,6 +72,7 @@ class Tracked:
     acked: tuple[int, int, int, int] = (0, 0, 0, 0)
     meta: dict[str, Any] | None = None
     orphan: bool = False  # replaced in the store by a newer entry with the same 5-tuple
+    destroyed: bool = False  # a DESTROY event gave its final counters
     avro_prefix: bytes | None = None  # the record's per-connection prefix (sink.encoder), cached
     avro_stamp: tuple[Any, ...] | None = None
 
@@ -100,6 +101,9 @@ class StoreStats:
     deleted: int = 0
     reused_tuples: int = 0
     records_built: int = 0
+    added_from_events: int = 0
+    destroyed_events: int = 0
+    evicted: int = 0
 
 
 @dataclass
@@ -140,6 +144,8 @@ class ConnectionStore:
                 self._add(key, conn, now, wall_ns)
                 continue
             tr.seen = gen
+            if tr.destroyed:
+                continue  # a dump older than its DESTROY event: the event's counters are final
             tr.present = True
             old = tr.conn
             if old.dying:
@@ -166,6 +172,52 @@ class ConnectionStore:
                 else:
                     queue.update(key, idle_expire=now + t.idle)
         self._sweep(now, gen)
+
+    def apply_events(
+        self, new: Iterable[Connection], destroyed: Iterable[Connection], now: float, wall_ns: int
+    ) -> None:
+        """Conntrack NEW and DESTROY events: connections polling may never see.
+
+        NEW adds a connection the next dump has not shown yet (so enrichment and the
+        flow start happen early); DESTROY sets its final counters and schedules its
+        end-of-flow record now, even if no dump ever contained it.
+        """
+        for conn in new:
+            key = conn.key
+            if key not in self.connections:
+                self._add(key, conn, now, wall_ns)
+                self.stats.added_from_events += 1
+        queue = self.queue
+        for conn in destroyed:
+            key = conn.key
+            tr = self.connections.get(key)
+            if tr is not None and _is_new_incarnation(tr.conn, conn):
+                if conn.start_ns and tr.conn.start_ns and conn.start_ns < tr.conn.start_ns:
+                    continue  # the end of an incarnation already replaced
+                self._orphan(tr)
+                tr = None
+            if tr is None:
+                self._add(key, conn, now, wall_ns)
+                tr = self.connections[key]
+                self.stats.added_from_events += 1
+            elif tr.ready_to_delete or tr.final_acked:
+                # Its final record went out before the event was read (it left the dump
+                # first). If the event shows more traffic, one more end-of-flow record
+                # carries the difference; otherwise there is nothing to add.
+                if tr.in_flight or tr.orphan or _totals(conn) == tr.totals:
+                    continue
+                tr.conn = conn
+                tr.ready_to_delete = tr.final_acked = False
+            else:
+                tr.conn = conn
+            tr.destroyed = True
+            tr.present = False
+            tr.last_active_ns = conn.stop_ns or wall_ns
+            self.stats.destroyed_events += 1
+            if key in queue:
+                queue.update(key, active_expire=now)
+            else:
+                queue.push(key, now, now)
 
     def _add(self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int) -> None:
         start = conn.start_ns or wall_ns
@@ -310,6 +362,10 @@ class ConnectionStore:
         elif tr.key not in self.queue and self.connections.get(tr.key) is tr:
             idle = now + (self.timeouts.idle if tr.active else RETRY_DELAY)
             self.queue.push(tr.key, now + RETRY_DELAY, idle)
+
+
+def _totals(c: Connection) -> tuple[int, int, int, int]:
+    return (c.orig_packets, c.orig_bytes, c.reply_packets, c.reply_bytes)
 
 
 def _is_new_incarnation(old: Connection, new: Connection) -> bool:

@@ -334,3 +334,31 @@ def test_end_of_flow_reported_at_the_poll_that_sees_it() -> None:
     poll(store, clock, tcp(1, packets=5, state=TIME_WAIT))  # closed; the UDP entry vanished
     out = expire(store, clock)
     assert sorted((e.reason, e.totals[0]) for e in out) == [(END_OF_FLOW, 1), (END_OF_FLOW, 5)]
+
+
+def test_destroy_event_between_polls_gets_end_of_flow_with_final_counters() -> None:
+    clock = Clock()
+    store = make(clock)
+    poll(store, clock, tcp(1, packets=2))
+    short = replace(udp(9, packets=4), stop_ns=clock.wall())  # born and gone between polls
+    store.apply_events(
+        [], [short, replace(tcp(1, packets=7, state=TIME_WAIT), stop_ns=clock.wall())], clock.now, clock.wall()
+    )
+    poll(store, clock, tcp(1, packets=5))  # a dump taken before the event: must not undo it
+    out = expire(store, clock)
+    assert sorted((e.reason, e.totals[0], e.final) for e in out) == [(END_OF_FLOW, 4, True), (END_OF_FLOW, 7, True)]
+    poll(store, clock)
+    assert len(store) == 0
+
+
+def test_new_event_adds_connection_and_late_destroy_adds_the_rest() -> None:
+    clock = Clock()
+    store = make(clock)
+    store.apply_events([udp(9, packets=1)], [], clock.now, clock.wall())
+    assert udp(9).key in store.connections
+    poll(store, clock)  # gone before the dump, its DESTROY not read yet
+    (first,) = expire(store, clock)
+    assert first.reason == END_OF_FLOW and first.totals[0] == 1
+    store.apply_events([], [udp(9, packets=3)], clock.now, clock.wall())
+    (second,) = expire(store, clock)
+    assert second.sequence == 1 and second.deltas[0] == 2 and second.final
