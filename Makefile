@@ -20,7 +20,8 @@ demo: setup
 	$(PY) -m pipeline demo
 
 bench: setup
-	$(PY) -m bench
+	@$(PY) -m pip install -q -e '.[dev,bench]'
+	$(PY) -m bench $(BENCH)
 
 clean:
 	rm -rf .venv .cache .pytest_cache .ruff_cache build *.egg-info

@@ -1,0 +1,42 @@
+"""``make bench``: every benchmark in turn; each updates its own section of BENCHMARKS.md.
+
+``python -m bench [NAME ...]`` runs only the named ones (poll, export, capture, latency, k8s, spark).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUITE = {
+    "poll": ("bench.bench_poll", []),
+    "export": ("bench.bench_export", []),
+    "capture": ("bench.bench_capture", []),
+    "latency": ("bench.bench_latency", []),
+    "k8s": ("bench.bench_k8s", []),
+    "spark": ("bench.bench_spark", []),
+}
+
+
+def main(argv: list[str]) -> int:
+    names = argv or list(SUITE)
+    unknown = [n for n in names if n not in SUITE]
+    if unknown:
+        print(f"unknown benchmark(s): {', '.join(unknown)}; choose from {', '.join(SUITE)}", file=sys.stderr)
+        return 2
+    for name in names:
+        module, args = SUITE[name]
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            print(f"bench {name}: skipped ({exc})", file=sys.stderr)
+            continue
+        print(f"== bench {name}", flush=True)
+        rc = mod.main(args)
+        if rc:
+            return rc
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
