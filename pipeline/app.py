@@ -68,6 +68,8 @@ class Exporter:
         retry_initial: float = 0.2,
         retry_max: float = 30.0,
         grace: float = 30.0,
+        max_connections: int = 500_000,
+        max_in_flight: int = 100_000,
         on_new: Callable[[Tracked], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_ns: Callable[[], int] = time.time_ns,
@@ -81,7 +83,8 @@ class Exporter:
         self.grace = grace
         self.clock = clock
         self.wall_ns = wall_ns
-        self.store = ConnectionStore(timeouts, on_new=on_new)
+        self.store = ConnectionStore(timeouts, on_new=on_new, max_connections=max_connections)
+        self.max_in_flight = max_in_flight
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
         self.stats = LoopStats()
@@ -198,8 +201,11 @@ class Exporter:
     def expire_once(self) -> int:
         """Export everything that is due; returns the number of records produced."""
         self._apply_reports()
+        room = self.max_in_flight - self.sink.in_flight
+        if room <= 0:
+            return 0  # Kafka is behind: due connections wait, coalescing, instead of piling up
         with self.lock:
-            exports = self.store.expire(self.clock(), self.wall_ns())
+            exports = self.store.expire(self.clock(), self.wall_ns(), limit=room)
         if exports:
             t0 = time.perf_counter()
             self._send(exports)

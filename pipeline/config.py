@@ -111,6 +111,17 @@ def parse_zones(key: str, value: object) -> tuple[int, ...]:
     return tuple(sorted(set(zones)))
 
 
+def parse_count(key: str, value: object, minimum: int = 0) -> int:
+    """A whole number >= ``minimum`` (``100000`` or ``100_000``)."""
+    try:
+        n = int(str(value).replace("_", ""), 10)
+    except ValueError:
+        raise ConfigError(key, value, "expected a whole number") from None
+    if isinstance(value, bool) or n < minimum:
+        raise ConfigError(key, value, f"expected a whole number >= {minimum}")
+    return n
+
+
 def parse_port(key: str, value: object) -> int:
     """A TCP port; 0 turns the listener off."""
     try:
@@ -185,6 +196,42 @@ def parse_routes(key: str, value: object) -> tuple[dict[str, Any], ...]:
     return tuple(routes)
 
 
+MAX_POD_LABEL_KEYS = 16  # labels are copied into every record: keep the set small
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_LABEL_PREFIX = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def parse_label_keys(key: str, value: object) -> tuple[str, ...]:
+    """Pod label keys (``app``, ``app.kubernetes.io/name``): a list, or ``a,b`` from env/flags."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        items: list[object] = [v for v in re.split(r"[,\s]+", value) if v]
+    elif isinstance(value, list | tuple):
+        items = list(value)
+    else:
+        raise ConfigError(key, value, "expected a list of label keys")
+    keys: list[str] = []
+    for item in items:
+        if not isinstance(item, str):
+            raise ConfigError(key, value, f"label key {item!r} is not a string")
+        prefix, _, name = item.rpartition("/")
+        if not _LABEL_NAME.fullmatch(name) or (prefix and (len(prefix) > 253 or not _LABEL_PREFIX.fullmatch(prefix))):
+            raise ConfigError(key, value, f"{item!r} is not a valid label key")
+        if item not in keys:
+            keys.append(item)
+    if len(keys) > MAX_POD_LABEL_KEYS:
+        raise ConfigError(key, value, f"at most {MAX_POD_LABEL_KEYS} label keys")
+    return tuple(keys)
+
+
+def parse_k8s_scope(key: str, value: object) -> str:
+    s = parse_str(key, value).lower()
+    if s not in ("cluster", "node"):
+        raise ConfigError(key, value, "one of cluster (every pod), node (this node's pods)")
+    return s
+
+
 # --------------------------------------------------------------------- settings
 @dataclass(frozen=True, slots=True)
 class Setting:
@@ -213,6 +260,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("kafka.routes", parse_routes, (), "Other topics by flowType or endReason; first match wins."),
     Setting("kafka.producer", parse_map, {}, "librdkafka producer settings passed through as they are."),
     Setting("kafka.checkTopics", parse_bool, True, "Check at start that every topic exists."),
+    Setting("k8s.enabled", parse_bool, False, "Enrich records with pod, node and Service names from the API server."),
+    Setting("k8s.kubeconfig", parse_opt_str, None, "Kubeconfig file; empty: in-cluster account, else ~/.kube/config."),
+    Setting("k8s.scope", parse_k8s_scope, "cluster", "Pods to cache: cluster (all) or node (only this node's)."),
+    Setting("k8s.podLabels", parse_label_keys, ("app", "app.kubernetes.io/name"), "Pod label keys put in records."),
+    Setting("k8s.deletedPodRetention", parse_duration, 300.0, "Deleted pods' IPs still resolve for older flows."),
+    Setting("limits.maxConnections", lambda k, v: parse_count(k, v, 1), 500_000, "Cap on tracked connections."),
+    Setting("limits.maxInFlight", lambda k, v: parse_count(k, v, 1), 100_000, "Cap on records awaiting Kafka's ack."),
     Setting("retry.initialBackoff", positive_duration, 0.2, "First wait after a failed dump or produce."),
     Setting("retry.maxBackoff", positive_duration, 30.0, "Longest wait between retries."),
     Setting("shutdown.grace", parse_duration, 30.0, "On SIGTERM: how long to keep delivering final records."),

@@ -145,6 +145,11 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         log.error("cannot open conntrack: %s", exc)
         return 1
     sink = build_sink(cfg)
+    enricher = None
+    if cfg["k8s.enabled"]:  # caches fill in the background; records go out meanwhile
+        from pipeline.k8s import start_enricher
+
+        enricher = start_enricher(cfg)
     exporter = Exporter(
         source,
         sink,
@@ -154,7 +159,10 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         retry_initial=cfg["retry.initialBackoff"],
         retry_max=cfg["retry.maxBackoff"],
         grace=cfg["shutdown.grace"],
+        max_connections=cfg["limits.maxConnections"],
+        max_in_flight=cfg["limits.maxInFlight"],
         is_fatal=is_fatal_source_error,
+        on_new=enricher,
     )
     if install_signals is not None:
         install_signals(exporter.stop_event)

@@ -21,6 +21,7 @@ these differences, each closing a gap of the original:
 from __future__ import annotations
 
 import hashlib
+import logging
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -30,12 +31,20 @@ from pipeline.connection import Connection, ConnectionKey
 from pipeline.expiry import ExpiryQueue
 from pipeline.timeouts import Timeouts
 
+log = logging.getLogger(__name__)
+
 # flowEndReason codes (IPFIX, REFERENCE.md section 2).
 IDLE_TIMEOUT = 1
 ACTIVE_TIMEOUT = 2
 END_OF_FLOW = 3
 FORCED_END = 4
 LACK_OF_RESOURCES = 5
+
+EVICTION_REASONS = (
+    "idle, fully reported connections",
+    "ended connections whose final record was not acknowledged",
+    "active connections",
+)
 
 # How soon a connection whose record is still in flight (or failed) is looked at again.
 RETRY_DELAY = 1.0
@@ -104,6 +113,8 @@ class StoreStats:
     added_from_events: int = 0
     destroyed_events: int = 0
     evicted: int = 0
+    dropped_new: int = 0
+    evicted_by_reason: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -112,6 +123,7 @@ class ConnectionStore:
 
     timeouts: Timeouts = field(default_factory=Timeouts)
     on_new: Callable[[Tracked], None] | None = None  # enrichment hook, called once per new connection
+    max_connections: int = 500_000  # bounded memory: beyond this, evict (counted, logged)
 
     def __post_init__(self) -> None:
         self.connections: dict[ConnectionKey, Tracked] = {}
@@ -197,8 +209,9 @@ class ConnectionStore:
                 self._orphan(tr)
                 tr = None
             if tr is None:
-                self._add(key, conn, now, wall_ns)
-                tr = self.connections[key]
+                tr = self._add(key, conn, now, wall_ns)
+                if tr is None:
+                    continue
                 self.stats.added_from_events += 1
             elif tr.ready_to_delete or tr.final_acked:
                 # Its final record went out before the event was read (it left the dump
@@ -219,7 +232,10 @@ class ConnectionStore:
             else:
                 queue.push(key, now, now)
 
-    def _add(self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int) -> None:
+    def _add(self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int) -> Tracked | None:
+        if len(self.connections) + len(self._orphans) >= self.max_connections and not self._make_room():
+            self.stats.dropped_new += 1
+            return None
         start = conn.start_ns or wall_ns
         tr = Tracked(
             key=key,
@@ -235,6 +251,50 @@ class ConnectionStore:
         if self.on_new is not None:
             self.on_new(tr)
         self.queue.push(key, now + self.timeouts.active, now + self.timeouts.idle)
+        return tr
+
+    def _make_room(self) -> bool:
+        """Evict about 1% of the cap, least valuable first; False if nothing could go.
+
+        Order: connections with nothing unreported that are idle (their next record,
+        if any, starts a new sequence), then ended connections whose final record is
+        not acknowledged (Kafka down for long: that record is lost), then active ones.
+        Every eviction is counted by reason and logged.
+        """
+        want = max(1, self.max_connections // 100)
+        tiers: tuple[list[ConnectionKey], list[ConnectionKey], list[ConnectionKey]] = ([], [], [])
+        queue = self.queue
+        for key, tr in self.connections.items():
+            if tr.in_flight:
+                continue
+            if tr.totals == tr.acked and key not in queue:
+                tiers[0].append(key)
+                if len(tiers[0]) >= want:
+                    break
+            elif tr.ready_to_delete or not tr.present:
+                tiers[1].append(key)
+            else:
+                tiers[2].append(key)
+        evicted = 0
+        for reason, keys in zip(EVICTION_REASONS, tiers, strict=True):
+            take = keys[: want - evicted]
+            for key in take:
+                queue.remove(key)
+                del self.connections[key]
+            if take:
+                self.stats.evicted += len(take)
+                self.stats.evicted_by_reason[reason] = self.stats.evicted_by_reason.get(reason, 0) + len(take)
+                log.warning("connection cap %d reached: evicted %d %s", self.max_connections, len(take), reason)
+            evicted += len(take)
+            if evicted >= want:
+                break
+        if evicted < want and self._orphans:
+            n = min(len(self._orphans), want - evicted)
+            del self._orphans[:n]
+            self.stats.evicted += n
+            log.warning("connection cap %d reached: dropped %d unreported ended connections", self.max_connections, n)
+            evicted += n
+        return evicted > 0
 
     def _orphan(self, tr: Tracked) -> None:
         """The 5-tuple now belongs to a new entry: the old connection ended unseen."""
@@ -281,8 +341,12 @@ class ConnectionStore:
             return 0.0
         return self.queue.next_deadline()
 
-    def expire(self, now: float, wall_ns: int) -> list[Export]:
-        """Records for every connection that is due at ``now``."""
+    def expire(self, now: float, wall_ns: int, limit: int | None = None) -> list[Export]:
+        """Records for every connection that is due at ``now`` (at most ``limit``).
+
+        What the limit holds back stays due and is exported later with its latest
+        counters: while Kafka is slow, connections coalesce instead of queueing.
+        """
         out: list[Export] = []
         t = self.timeouts
         queue = self.queue
@@ -292,6 +356,9 @@ class ConnectionStore:
                 out.append(self._export(tr, END_OF_FLOW, now, final=True))
         retry: list[Tracked] = []
         for key, item in queue.pop_due(now):
+            if limit is not None and len(out) >= limit:
+                queue.push(key, item.active_expire, item.idle_expire)
+                break
             tr = self.connections[key]
             if tr.in_flight:
                 retry.append(tr)

@@ -362,3 +362,38 @@ def test_new_event_adds_connection_and_late_destroy_adds_the_rest() -> None:
     store.apply_events([], [udp(9, packets=3)], clock.now, clock.wall())
     (second,) = expire(store, clock)
     assert second.sequence == 1 and second.deltas[0] == 2 and second.final
+
+
+def test_connection_cap_evicts_idle_reported_first_and_counts() -> None:
+    clock = Clock()
+    store = ConnectionStore(Timeouts(), max_connections=100)
+    poll(store, clock, *(udp(1000 + i, packets=1) for i in range(100)))
+    for _ in range(3):  # all become idle, fully reported
+        clock.tick(5)
+        poll(store, clock, *(udp(1000 + i, packets=1) for i in range(100)))
+        expire(store, clock)
+    poll(store, clock, *(udp(1000 + i, packets=1) for i in range(100)), tcp(5))
+    assert tcp(5).key in store.connections and len(store) <= 100
+    assert store.stats.evicted >= 1 and store.stats.evicted_by_reason
+    assert next(iter(store.stats.evicted_by_reason)).startswith("idle")
+
+
+def test_connection_cap_with_nothing_evictable_drops_new_and_counts() -> None:
+    clock = Clock()
+    store = ConnectionStore(Timeouts(), max_connections=10)
+    poll(store, clock, *(tcp(2000 + i) for i in range(10)))
+    clock.tick(5)
+    out = expire(store, clock, ack=False)  # all in flight: none can go
+    poll(store, clock, *(tcp(2000 + i) for i in range(10)), tcp(9))
+    assert tcp(9).key not in store.connections and store.stats.dropped_new == 1
+    assert len(out) == 10
+
+
+def test_expire_limit_leaves_the_rest_due() -> None:
+    clock = Clock()
+    store = make(clock)
+    poll(store, clock, *(tcp(3000 + i) for i in range(50)))
+    clock.tick(5)
+    first = store.expire(clock.now, clock.wall(), limit=20)
+    rest = store.expire(clock.now, clock.wall())
+    assert len(first) == 20 and len(rest) == 30

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import threading
 from collections import deque
 from collections.abc import Collection, Iterable, Mapping
 from datetime import datetime
@@ -247,9 +248,7 @@ class PodIndex:
             items: tuple[tuple[str, str], ...] = ()
         else:
             keep = self.keep_labels
-            items = tuple(
-                sorted((str(k), str(v)) for k, v in labels.items() if keep is None or k in keep)
-            )
+            items = tuple(sorted((str(k), str(v)) for k, v in labels.items() if keep is None or k in keep))
         hit = self._label_sets.get(items)
         if hit is None:
             if len(self._label_sets) > 4 * len(self._pods) + 1024:
@@ -300,9 +299,7 @@ class ServiceIndex:
         texts += spec.get("externalIPs") or []
         texts += [i.get("ip") for i in (status.get("loadBalancer") or {}).get("ingress") or () if i.get("ip")]
         ips = [ip for ip in map(pack_ip, texts) if ip is not None]  # "None" (headless) packs to None
-        keys: list[tuple[bytes, int, int]] = []
-        node_keys: list[tuple[int, int]] = []
-        values: dict[tuple[int, int], tuple[str, str]] = {}
+        ports: list[tuple[int, int, int | None, tuple[str, str]]] = []
         for p in spec.get("ports") or ():
             proto_name = p.get("protocol") or "TCP"
             proto = _PROTOCOLS.get(proto_name)
@@ -310,31 +307,43 @@ class ServiceIndex:
             if proto is None or not isinstance(port, int):
                 continue
             value = (sys.intern(f"{name}:{port}/{proto_name}"), sys.intern(f"{name}:{p.get('name') or ''}"))
-            values[(port, proto)] = value
-            if isinstance(p.get("nodePort"), int):
-                node_keys.append((p["nodePort"], proto))
-                values[(-p["nodePort"], proto)] = value
+            node_port = p.get("nodePort")
+            ports.append((port, proto, node_port if isinstance(node_port, int) else None, value))
+        keys = tuple((ip, port, proto) for ip in ips for port, proto, _, _ in ports)
+        node_keys = tuple((np, proto) for _, proto, np, _ in ports if np is not None)
+        # New entries first, stale ones after: a concurrent lookup never sees the service missing.
         for ip in ips:
-            keys.extend((ip, port, proto) for port, proto in values if port >= 0)
-        self.delete(key, now)
-        for k in keys:
-            self.by_key[k] = values[(k[1], k[2])]
-        for nk in node_keys:
-            self.node_ports[nk] = values[(-nk[0], nk[1])]
+            for port, proto, _, value in ports:
+                self.by_key[(ip, port, proto)] = value
+        for _, proto, np, value in ports:
+            if np is not None:
+                self.node_ports[(np, proto)] = value
         for ip in set(ips):
             self.ips[ip] = self.ips.get(ip, 0) + 1
-        self._svcs[key] = (tuple(keys), tuple(node_keys))
+        old = self._svcs.get(key)
+        self._svcs[key] = (keys, node_keys)
+        if old is not None:
+            self._drop(old, keep=set(keys), keep_nodes=set(node_keys))
         return key
 
     def delete(self, key: str, now: int = 0, exact: bool = True) -> None:
         old = self._svcs.pop(key, None)
-        if old is None:
-            return
+        if old is not None:
+            self._drop(old, set(), set())
+
+    def _drop(
+        self,
+        old: tuple[tuple[tuple[bytes, int, int], ...], tuple[tuple[int, int], ...]],
+        keep: set[tuple[bytes, int, int]],
+        keep_nodes: set[tuple[int, int]],
+    ) -> None:
         keys, node_keys = old
         for k in keys:
-            self.by_key.pop(k, None)
+            if k not in keep:
+                self.by_key.pop(k, None)
         for nk in node_keys:
-            self.node_ports.pop(nk, None)
+            if nk not in keep_nodes:
+                self.node_ports.pop(nk, None)
         for ip in {k[0] for k in keys}:
             n = self.ips.get(ip, 0) - 1
             if n > 0:
@@ -360,8 +369,9 @@ class NodeIndex:
 
     def __init__(self) -> None:
         self.by_ip: dict[bytes, str] = {}
-        # address length in bytes -> prefix length -> network number (shifted) -> node
-        self._cidrs: dict[int, dict[int, dict[int, str]]] = {4: {}, 16: {}}
+        # address length in bytes -> ((prefix length, {network number >> host bits: node}), ...);
+        # the tuple is replaced, never changed, so a lookup can walk it while the cache thread writes.
+        self._cidrs: dict[int, tuple[tuple[int, dict[int, str]], ...]] = {4: (), 16: ()}
         self._nodes: dict[str, tuple[tuple[bytes, ...], tuple[tuple[int, int, int], ...]]] = {}
         self.bad_objects = 0
 
@@ -381,7 +391,7 @@ class NodeIndex:
             return None
         n = int.from_bytes(ip, "big")
         bits = len(ip) * 8
-        for plen, nets in tables.items():
+        for plen, nets in tables:
             hit = nets.get(n >> (bits - plen))
             if hit is not None:
                 return hit
@@ -412,26 +422,46 @@ class NodeIndex:
             net = _parse_cidr(text)
             if net is not None:
                 cidrs.append(net)
-        self.delete(key, now)
         for ip in ips:
             self.by_ip[ip] = name
         for size, plen, net in cidrs:
-            self._cidrs[size].setdefault(plen, {})[net] = name
+            self._nets(size, plen)[net] = name
+        old = self._nodes.get(key)
         self._nodes[key] = (ips, tuple(cidrs))
+        if old is not None:
+            self._drop(old, set(ips), set(cidrs))
         return key
 
     def delete(self, key: str, now: int = 0, exact: bool = True) -> None:
         old = self._nodes.pop(key, None)
-        if old is None:
-            return
+        if old is not None:
+            self._drop(old, set(), set())
+
+    def _drop(
+        self,
+        old: tuple[tuple[bytes, ...], tuple[tuple[int, int, int], ...]],
+        keep_ips: set[bytes],
+        keep_cidrs: set[tuple[int, int, int]],
+    ) -> None:
         for ip in old[0]:
-            self.by_ip.pop(ip, None)
-        for size, plen, net in old[1]:
-            nets = self._cidrs[size].get(plen)
-            if nets is not None:
-                nets.pop(net, None)
-                if not nets:
-                    del self._cidrs[size][plen]
+            if ip not in keep_ips:
+                self.by_ip.pop(ip, None)
+        for cidr in old[1]:
+            if cidr in keep_cidrs:
+                continue
+            size, plen, net = cidr
+            nets = self._nets(size, plen)
+            nets.pop(net, None)
+            if not nets:
+                self._cidrs[size] = tuple(t for t in self._cidrs[size] if t[0] != plen)
+
+    def _nets(self, size: int, plen: int) -> dict[int, str]:
+        for p, nets in self._cidrs[size]:
+            if p == plen:
+                return nets
+        nets = {}
+        self._cidrs[size] = (*self._cidrs[size], (plen, nets))
+        return nets
 
     def prune(self, now: int) -> int:
         return 0
@@ -459,8 +489,6 @@ class Indexes:
     """
 
     def __init__(self, pods: PodIndex | None = None) -> None:
-        import threading
-
         self.pods = pods if pods is not None else PodIndex()
         self.services = ServiceIndex()
         self.nodes = NodeIndex()
