@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
-from typing import NamedTuple
 
 # Kernel enum ip_conntrack_status bits we look at.
 IPS_DYING = 1 << 9
@@ -45,19 +44,12 @@ PROTO_NAMES = {
 }
 
 
-class ConnectionKey(NamedTuple):
-    """5-tuple (plus zone) identifying a flow in the store.
-
-    The destination comes from the reply tuple, i.e. the endpoint after DNAT,
-    so a connection to a Service VIP is keyed by the backend it reached.
-    """
-
-    zone: int
-    proto: int
-    src: bytes
-    sport: int
-    dst: bytes
-    dport: int
+# 5-tuple (plus zone) identifying a flow in the store:
+# (zone, proto, src, sport, dst, dport). The destination comes from the reply tuple,
+# i.e. the endpoint after DNAT, so a connection to a Service VIP is keyed by the
+# backend it reached. A plain tuple, not a NamedTuple: one is built per entry per
+# poll, and a NamedTuple's constructor costs more than the rest of the lookup.
+ConnectionKey = tuple[int, int, bytes, int, bytes, int]
 
 
 @dataclass(slots=True)
@@ -99,8 +91,10 @@ class Connection:
     def key(self) -> ConnectionKey:
         # Source from the original tuple, destination from the reply tuple
         # (reply source = the real endpoint after DNAT).
-        dport = self.orig_dport if self.proto in (PROTO_ICMP, PROTO_ICMPV6) else self.reply_sport
-        return ConnectionKey(self.zone, self.proto, self.orig_src, self.orig_sport, self.reply_src, dport)
+        proto = self.proto
+        if proto in (PROTO_ICMP, PROTO_ICMPV6):
+            return (self.zone, proto, self.orig_src, self.orig_sport, self.reply_src, self.orig_dport)
+        return (self.zone, proto, self.orig_src, self.orig_sport, self.reply_src, self.reply_sport)
 
     @property
     def dying(self) -> bool:

@@ -109,8 +109,8 @@ def partition_key(export: Export) -> bytes:
     Two exporters that see the same connection (source node and destination
     node) see the same post-DNAT endpoints, so sorting them gives equal keys.
     """
-    k = export.tracked.key
-    a = (k.src, k.sport)
-    b = (k.dst, k.dport)
+    _zone, proto, src, sport, dst, dport = export.tracked.key
+    a = (src, sport)
+    b = (dst, dport)
     lo, hi = (a, b) if a <= b else (b, a)
-    return bytes((k.proto,)) + lo[0] + lo[1].to_bytes(2, "big") + hi[0] + hi[1].to_bytes(2, "big")
+    return bytes((proto,)) + lo[0] + lo[1].to_bytes(2, "big") + hi[0] + hi[1].to_bytes(2, "big")

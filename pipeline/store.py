@@ -53,10 +53,11 @@ RETRY_DELAY = 1.0
 def connection_id(key: ConnectionKey, start_ns: int, ct_id: int) -> int:
     """A signed 64-bit id stable for the connection's life (fits Avro ``long``)."""
     h = hashlib.blake2b(digest_size=8)
-    h.update(struct.pack("!HB", key.zone & 0xFFFF, key.proto))
-    h.update(key.src)
-    h.update(key.dst)
-    h.update(struct.pack("!HHQI", key.sport, key.dport, start_ns, ct_id & 0xFFFFFFFF))
+    zone, proto, src, sport, dst, dport = key
+    h.update(struct.pack("!HB", zone & 0xFFFF, proto))
+    h.update(src)
+    h.update(dst)
+    h.update(struct.pack("!HHQI", sport, dport, start_ns, ct_id & 0xFFFFFFFF))
     return int.from_bytes(h.digest(), "big", signed=True)
 
 
@@ -151,7 +152,10 @@ class ConnectionStore:
                 continue
             if tr.seen == gen:
                 continue  # the same tuple twice in one dump (another zone filtered later): keep the first
-            if _is_new_incarnation(tr.conn, conn):
+            old = tr.conn
+            if (old.ct_id != conn.ct_id and old.ct_id and conn.ct_id) or (
+                old.start_ns != conn.start_ns and old.start_ns and conn.start_ns
+            ):  # a new incarnation of the 5-tuple (inlined _is_new_incarnation: hot loop)
                 self._orphan(tr)
                 self._add(key, conn, now, wall_ns)
                 continue
@@ -159,7 +163,6 @@ class ConnectionStore:
             if tr.destroyed:
                 continue  # a dump older than its DESTROY event: the event's counters are final
             tr.present = True
-            old = tr.conn
             if old.dying:
                 continue  # counters of a dying connection are frozen (Antrea)
             moved = (

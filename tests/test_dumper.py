@@ -272,7 +272,7 @@ def test_dump_content(table: Table) -> None:
     assert len(echo6) == 1 and echo6[0].orig_dport == 128 << 8 and echo6[0].reply_dport == 129 << 8
     dnat = [c for c in conns if c.orig_dst == socket.inet_aton("10.96.0.10")]
     assert len(dnat) == 1 and dnat[0].reply_src == socket.inet_aton("10.6.0.7") and dnat[0].reply_sport == 8080
-    assert dnat[0].key.dst == socket.inet_aton("10.6.0.7") and dnat[0].key.dport == 8080
+    assert dnat[0].key[4] == socket.inet_aton("10.6.0.7") and dnat[0].key[5] == 8080
     if table.labels:
         labelled = [c for c in conns if c.labels is not None and c.orig_src.startswith(b"\x0a\x09")]
         assert len(labelled) == 3

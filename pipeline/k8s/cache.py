@@ -131,6 +131,11 @@ class K8sCaches(Indexes):
         ]
         self._threads: list[threading.Thread] = []
 
+    def open_list(self, method: str) -> tuple[Callable[..., Any], Callable[[], None]]:
+        """A CoreV1Api list method on an ApiClient of its own (one per thread), and its closer."""
+        api = client.ApiClient(self.configuration)
+        return getattr(client.CoreV1Api(api), method), api.close
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> K8sCaches:
         """Start the three threads; returns at once (``ready`` tells when the first lists are in)."""
@@ -227,16 +232,16 @@ class _Watcher:
     def run(self) -> None:
         caches = self.caches
         stop = caches.stop_event
-        with client.ApiClient(caches.configuration) as api:
-            self._list = getattr(client.CoreV1Api(api), self.method)
-            retrying = tenacity.Retrying(
-                retry=tenacity.retry_if_exception_type(Exception),
-                wait=tenacity.wait_exponential_jitter(initial=caches.backoff_initial, max=caches.backoff_max),
-                stop=tenacity.stop_when_event_set(stop),
-                sleep=stop.wait,
-                before_sleep=self._before_sleep,
-                reraise=True,
-            )
+        self._list, close = caches.open_list(self.method)
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(Exception),
+            wait=tenacity.wait_exponential_jitter(initial=caches.backoff_initial, max=caches.backoff_max),
+            stop=tenacity.stop_when_event_set(stop),
+            sleep=stop.wait,
+            before_sleep=self._before_sleep,
+            reraise=True,
+        )
+        try:
             while not stop.is_set():
                 try:
                     retrying(self._session)  # a fresh Retrying call per session: backoff restarts after success
@@ -244,6 +249,8 @@ class _Watcher:
                     if not stop.is_set():  # only reachable if tenacity itself misbehaves
                         log.exception("k8s %s cache: unexpected %s", self.resource, exc)
                         stop.wait(caches.backoff_max)
+        finally:
+            close()
 
     def interrupt(self) -> None:
         """Unblock a watch read (used by stop())."""
