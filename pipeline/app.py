@@ -51,6 +51,7 @@ class LoopStats:
     table_max: int = 0
     records_lost_at_shutdown: int = 0
     resyncs: int = 0
+    decode_skipped: int = 0
     poll_seconds: list[float] = field(default_factory=list)
 
 
@@ -113,13 +114,14 @@ class Exporter:
         s.polls += 1
         s.last_poll_seconds = elapsed
         s.last_poll_entries = len(conns)
+        s.decode_skipped += getattr(self.source, "last_skipped", 0)
         try:
             s.table_count = self.source.count()
             s.table_max = self.source.max_entries()
         except OSError as exc:
             log.debug("conntrack count unavailable: %s", exc)
         if s.polls == 1:
-            log.info("first poll: %d connections in %.2fs", len(conns), elapsed)
+            log.info("first poll: %s connections in %.2fs", f"{len(conns):,}", elapsed)
             self.first_poll_done.set()
         return len(conns)
 
@@ -232,16 +234,20 @@ class Exporter:
         for t in threads:
             t.start()
         self.stop_event.wait()
+        # The grace period runs from the signal, not from when the loops have wound down;
+        # a second of it is kept for the process to exit.
+        deadline = time.monotonic() + max(self.grace - 1.0, self.grace / 2)
         for t in threads:
             t.join()
         if self.fatal is not None:
             log.error("%s", self.fatal)
             return 1
-        return self.shutdown()
+        return self.shutdown(deadline)
 
-    def shutdown(self) -> int:
+    def shutdown(self, deadline: float | None = None) -> int:
         """Final records (flowEndReason 4) for every connection, delivered within the grace period."""
-        deadline = time.monotonic() + self.grace
+        if deadline is None:
+            deadline = time.monotonic() + self.grace
         self.sink.stopping = lambda: time.monotonic() >= deadline
         # Connections with a record in flight get their final one once it settles,
         # so no counts are sent twice.
@@ -265,6 +271,7 @@ class Exporter:
             lost = self.store.unfinished()
         self.stats.records_lost_at_shutdown = lost
         if lost:
+            self.sink.purge()  # so closing the producer does not wait on a broker that is gone
             log.error("shutdown: grace period over, %d connections' final records were not delivered", lost)
         else:
             log.info("shutdown: %d final records delivered", sent)

@@ -1,4 +1,4 @@
-"""``flow-exporter`` command line: ``run``, ``config``, ``demo``.
+"""``flow-exporter`` command line: ``run``, ``config``, ``demo``, ``tail``, ``schema``.
 
 Exit codes: 0 done, 1 runtime failure (message logged), 2 bad configuration or usage.
 """
@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline import __version__
+from pipeline import __version__, tools
 from pipeline.config import Config, ConfigError, defaults_text, load, parse_overrides
 
 log = logging.getLogger("pipeline")
@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="local broker + namespace lab + exporter, then show the records")
     demo.add_argument("--duration", type=float, default=60.0, help="seconds of generated traffic")
+    tools.add_parsers(sub)  # tail, schema
     return p
 
 
@@ -98,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         _parser().print_help()
         return 2
+    if args.command in tools.COMMANDS:
+        return tools.run(args)
     if args.command == "demo":
         from pipeline.devtools.demo import run_demo
 
@@ -109,10 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "config":
         if args.print:
-            shown = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.values.items()}
-            shown["kafka.producer"] = {
-                k: ("***" if "password" in k or "secret" in k else v) for k, v in cfg["kafka.producer"].items()
-            }
+            shown = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.masked().items()}
             print(json.dumps(shown, indent=2, default=str))
         else:
             print(defaults_text(), end="")

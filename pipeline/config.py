@@ -12,7 +12,7 @@ import os
 import re
 import socket
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ class ConfigError(ValueError):
     """A setting that cannot be used; the message names the key and the value."""
 
     def __init__(self, key: str, value: object, reason: str) -> None:
-        shown = "***" if _is_secret(key) else repr(value)
+        shown = "***" if _is_secret(key) and value is not None else repr(value)
         super().__init__(f"config {key}={shown}: {reason}")
         self.key = key
 
@@ -147,6 +147,26 @@ def parse_log_format(key: str, value: object) -> str:
     return s
 
 
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+
+
+def parse_security_protocol(key: str, value: object) -> str:
+    s = parse_str(key, value).strip().upper()
+    if s not in SECURITY_PROTOCOLS:
+        raise ConfigError(key, value, "one of " + ", ".join(SECURITY_PROTOCOLS))
+    return s
+
+
+def parse_sasl_mechanism(key: str, value: object) -> str | None:
+    if value is None or value == "":
+        return None
+    s = parse_str(key, value).strip().upper()
+    if s not in SASL_MECHANISMS:
+        raise ConfigError(key, value, "one of " + ", ".join(SASL_MECHANISMS))
+    return s
+
+
 def parse_map(key: str, value: object) -> dict[str, Any]:
     """A mapping; from the environment or a flag, ``k=v,k=v``."""
     if value is None:
@@ -232,6 +252,44 @@ def parse_k8s_scope(key: str, value: object) -> str:
     return s
 
 
+# Schema Registry (pipeline.sink.registry); kept here so loading a config imports no registry client.
+REGISTRY_COMPATIBILITY = (
+    "BACKWARD", "BACKWARD_TRANSITIVE", "FORWARD", "FORWARD_TRANSITIVE", "FULL", "FULL_TRANSITIVE", "NONE"
+)
+
+
+def parse_registry_url(key: str, value: object) -> str | None:
+    """``http(s)://host:port[,...]``; ``mock://name`` is confluent-kafka's in-memory registry (tests)."""
+    s = parse_opt_str(key, value)
+    if s is not None and not all(re.match(r"(https?|mock)://[^\s/]", u.strip()) for u in s.split(",")):
+        raise ConfigError(key, value, "expected http://host:port or https://host:port (comma-separated)")
+    return s
+
+
+def parse_compatibility(key: str, value: object) -> str | None:
+    """A subject compatibility level, or empty/none to leave the registry's level alone."""
+    s = parse_opt_str(key, value)
+    if s is None:
+        return None
+    if s.strip().upper() not in REGISTRY_COMPATIBILITY:
+        raise ConfigError(key, value, "one of " + ", ".join(REGISTRY_COMPATIBILITY) + " or empty")
+    return s.strip().upper()
+
+
+def parse_subject(key: str, value: object) -> str:
+    s = parse_str(key, value).strip()
+    if not s:
+        raise ConfigError(key, value, "must not be empty")
+    return s
+
+
+def parse_user_info(key: str, value: object) -> str | None:
+    s = parse_opt_str(key, value)
+    if s is not None and ":" not in s:
+        raise ConfigError(key, value, "expected user:password")
+    return s
+
+
 # --------------------------------------------------------------------- settings
 @dataclass(frozen=True, slots=True)
 class Setting:
@@ -258,7 +316,21 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("kafka.bootstrapServers", parse_str, "localhost:9092", "Kafka bootstrap servers, host:port[,...]."),
     Setting("kafka.topic", parse_topic, "flows", "Topic for flow records (unless a route matches)."),
     Setting("kafka.routes", parse_routes, (), "Other topics by flowType or endReason; first match wins."),
+    Setting("schemaRegistry.url", parse_registry_url, None, "Schema Registry URL; set: Confluent-framed values."),
+    Setting("schemaRegistry.subject", parse_subject, "io.flowexporter.FlowRecord", "Subject for the schema."),
+    Setting("schemaRegistry.compatibility", parse_compatibility, "BACKWARD_TRANSITIVE", "Set at start; empty: keep."),
+    Setting("schemaRegistry.basicAuthUserInfo", parse_user_info, None, "user:password for the registry (a secret)."),
     Setting("kafka.producer", parse_map, {}, "librdkafka producer settings passed through as they are."),
+    Setting("kafka.securityProtocol", parse_security_protocol, "PLAINTEXT", "PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL"),
+    Setting("kafka.sasl.mechanism", parse_sasl_mechanism, None, "PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (SASL_*)."),
+    Setting("kafka.sasl.username", parse_opt_str, None, "SASL user name."),
+    Setting("kafka.sasl.password", parse_opt_str, None, "SASL password; prefer the env variable or passwordFile."),
+    Setting("kafka.sasl.passwordFile", parse_opt_str, None, "File holding the SASL password, read at start."),
+    Setting("kafka.tls.caFile", parse_opt_str, None, "PEM CA bundle to verify the brokers; empty: system CAs."),
+    Setting("kafka.tls.certFile", parse_opt_str, None, "PEM client certificate for mutual TLS."),
+    Setting("kafka.tls.keyFile", parse_opt_str, None, "PEM private key of that certificate."),
+    Setting("kafka.tls.keyPasswordFile", parse_opt_str, None, "File holding the key's passphrase, if encrypted."),
+    Setting("kafka.tls.verifyHostname", parse_bool, True, "Check the broker certificate matches its host name."),
     Setting("kafka.checkTopics", parse_bool, True, "Check at start that every topic exists."),
     Setting("k8s.enabled", parse_bool, False, "Enrich records with pod, node and Service names from the API server."),
     Setting("k8s.kubeconfig", parse_opt_str, None, "Kubeconfig file; empty: in-cluster account, else ~/.kube/config."),
@@ -280,19 +352,128 @@ BY_KEY = {s.key: s for s in SETTINGS}
 
 @dataclass(frozen=True)
 class Config:
-    """Validated settings, by key (``config["kafka.topic"]``) and a few helpers."""
+    """Validated settings, by key (``config["kafka.topic"]``) and a few helpers.
+
+    ``secrets`` holds passwords read from files at load time, by the key of the setting they
+    stand for; they never appear in ``values``, ``repr()`` or :meth:`masked`.
+    """
 
     values: Mapping[str, Any]
+    secrets: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def __getitem__(self, key: str) -> Any:
         return self.values[key]
+
+    def __repr__(self) -> str:
+        return f"Config({self.masked()!r})"
 
     @property
     def node_name(self) -> str:
         return self.values["nodeName"] or os.environ.get("NODE_NAME") or socket.gethostname()
 
+    def masked(self) -> dict[str, Any]:
+        """The values with every secret (also inside kafka.producer) shown as ``***``, for printing."""
+        out = {k: ("***" if v is not None and _is_secret(k) else v) for k, v in self.values.items()}
+        out["kafka.producer"] = {k: ("***" if _is_secret(k) else v) for k, v in self.values["kafka.producer"].items()}
+        return out
+
     def producer_config(self) -> dict[str, Any]:
-        return {"bootstrap.servers": self.values["kafka.bootstrapServers"], **self.values["kafka.producer"]}
+        """librdkafka settings; ``kafka.producer`` entries win over the ones derived here."""
+        v = self.values
+        conf: dict[str, Any] = {"bootstrap.servers": v["kafka.bootstrapServers"]}
+        protocol = v["kafka.securityProtocol"]
+        if protocol != "PLAINTEXT":
+            conf["security.protocol"] = protocol
+        if protocol.startswith("SASL_"):
+            conf["sasl.mechanisms"] = v["kafka.sasl.mechanism"]
+            conf["sasl.username"] = v["kafka.sasl.username"]
+            conf["sasl.password"] = self.secrets.get("kafka.sasl.password", v["kafka.sasl.password"])
+        if protocol in ("SSL", "SASL_SSL"):
+            for key, name in _TLS_FILES.items():
+                if v[key] is not None:
+                    conf[name] = v[key]
+            if "kafka.tls.keyPassword" in self.secrets:
+                conf["ssl.key.password"] = self.secrets["kafka.tls.keyPassword"]
+            conf["ssl.endpoint.identification.algorithm"] = "https" if v["kafka.tls.verifyHostname"] else "none"
+        return {**conf, **v["kafka.producer"]}
+
+
+_TLS_FILES = {
+    "kafka.tls.caFile": "ssl.ca.location",
+    "kafka.tls.certFile": "ssl.certificate.location",
+    "kafka.tls.keyFile": "ssl.key.location",
+}
+_SASL_KEYS = ("kafka.sasl.mechanism", "kafka.sasl.username", "kafka.sasl.password", "kafka.sasl.passwordFile")
+
+
+def _read_secret(key: str, path: str) -> str:
+    """A password file's text without its trailing newline; errors name the key, never the content."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(key, path, f"unreadable: {exc.strerror or type(exc).__name__}") from None
+    try:
+        text = data.decode().rstrip("\r\n")
+    except UnicodeDecodeError:
+        raise ConfigError(key, path, "unreadable: not UTF-8 text") from None
+    if not text:
+        raise ConfigError(key, path, "the file is empty")
+    return text
+
+
+def _check_readable(key: str, path: str) -> None:
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise ConfigError(key, path, f"unreadable: {exc.strerror or type(exc).__name__}") from None
+
+
+def _kafka_security(values: Mapping[str, Any]) -> dict[str, str]:
+    """Check the SASL and TLS settings against the protocol; read the secret files (once, at start).
+
+    Settings that the protocol would silently ignore are errors: an operator who gave a
+    password or a CA meant the connection to be authenticated or encrypted.
+    """
+    protocol = values["kafka.securityProtocol"]
+    sasl, tls = protocol.startswith("SASL_"), protocol in ("SSL", "SASL_SSL")
+    for key in _SASL_KEYS:
+        if values[key] is not None and not sasl:
+            raise ConfigError(key, values[key], f"needs kafka.securityProtocol SASL_PLAINTEXT/SASL_SSL, not {protocol}")
+    for key in (*_TLS_FILES, "kafka.tls.keyPasswordFile"):
+        if values[key] is not None and not tls:
+            raise ConfigError(key, values[key], f"needs kafka.securityProtocol SSL/SASL_SSL, not {protocol}")
+    secrets: dict[str, str] = {}
+    if sasl:
+        if values["kafka.sasl.mechanism"] is None:
+            raise ConfigError("kafka.sasl.mechanism", None, f"required with {protocol}: " + ", ".join(SASL_MECHANISMS))
+        if values["kafka.sasl.username"] is None:
+            raise ConfigError("kafka.sasl.username", None, f"required with {protocol}")
+        inline, path = values["kafka.sasl.password"], values["kafka.sasl.passwordFile"]
+        if inline is not None and path is not None:
+            raise ConfigError("kafka.sasl.password", inline, "given both inline and as kafka.sasl.passwordFile")
+        if path is not None:
+            secrets["kafka.sasl.password"] = _read_secret("kafka.sasl.passwordFile", path)
+        elif inline is None:
+            raise ConfigError(
+                "kafka.sasl.password",
+                None,
+                f"required with {protocol}: set kafka.sasl.passwordFile or {BY_KEY['kafka.sasl.password'].env}",
+            )
+    if tls:
+        for key in _TLS_FILES:
+            if values[key] is not None:
+                _check_readable(key, values[key])
+        cert, key_file = values["kafka.tls.certFile"], values["kafka.tls.keyFile"]
+        if (cert is None) != (key_file is None):
+            missing = "kafka.tls.keyFile" if key_file is None else "kafka.tls.certFile"
+            raise ConfigError(missing, None, "mutual TLS needs both kafka.tls.certFile and kafka.tls.keyFile")
+        key_password = values["kafka.tls.keyPasswordFile"]
+        if key_password is not None:
+            if key_file is None:
+                raise ConfigError("kafka.tls.keyPasswordFile", key_password, "needs kafka.tls.keyFile")
+            secrets["kafka.tls.keyPassword"] = _read_secret("kafka.tls.keyPasswordFile", key_password)
+    return secrets
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -368,7 +549,7 @@ def load(
         values[key] = BY_KEY[key].parse(key, value)
     if values["retry.maxBackoff"] < values["retry.initialBackoff"]:
         raise ConfigError("retry.maxBackoff", values["retry.maxBackoff"], "must be >= retry.initialBackoff")
-    return Config(values)
+    return Config(values, _kafka_security(values))
 
 
 def defaults_text() -> str:
@@ -386,4 +567,6 @@ def defaults_text() -> str:
 
 def _is_secret(key: str) -> bool:
     k = key.lower()
-    return "password" in k or "secret" in k
+    if k.endswith(("file", ".location")):  # the path to a secret, which helps to show
+        return False
+    return "password" in k or "secret" in k or "userinfo" in k

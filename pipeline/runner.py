@@ -18,6 +18,7 @@ from pipeline.metrics import HealthServer, Metrics, liveness, readiness
 from pipeline.sink import KafkaSink, Route
 from pipeline.sink.encoder import RecordEncoder
 from pipeline.sink.kafka import redact
+from pipeline.sink.registry import with_registry
 from pipeline.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
@@ -28,9 +29,10 @@ def build_sink(cfg: Config) -> KafkaSink:
         Route(r["topic"], flow_type=r.get("flowType"), end_reason=r.get("endReason")) for r in cfg["kafka.routes"]
     ]
     return KafkaSink(
-        cfg.producer_config(),
+        # librdkafka's own log lines through Python logging, so --log-format json holds for them too.
+        {"logger": logging.getLogger("pipeline.rdkafka"), **cfg.producer_config()},
         cfg["kafka.topic"],
-        RecordEncoder(cfg.node_name).encode,
+        with_registry(cfg, RecordEncoder(cfg.node_name).encode),  # Confluent framing if a registry is set
         routes,
         retry_initial=cfg["retry.initialBackoff"],
         retry_max=cfg["retry.maxBackoff"],
@@ -130,10 +132,11 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
 
     netns = cfg["conntrack.netns"]
     log.info(
-        "flow-exporter starting: node=%s netns=%s kafka=%s topic=%s",
+        "flow-exporter starting: node=%s netns=%s kafka=%s (%s) topic=%s",
         cfg.node_name,
         netns or "(own)",
         redact(cfg.producer_config()).get("bootstrap.servers"),
+        cfg["kafka.securityProtocol"],
         cfg["kafka.topic"],
     )
     if cfg["conntrack.setSysctls"]:

@@ -83,7 +83,7 @@ class ConntrackEvents:
             sock.bind((0, 0))
             for group in (NFNLGRP_CONNTRACK_NEW, NFNLGRP_CONNTRACK_DESTROY):
                 sock.setsockopt(SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, group)
-            sock.settimeout(0.5)  # so stop() is noticed
+            sock.settimeout(0.2)  # so stop() is noticed quickly
         except OSError as e:
             raise error_from_errno(e.errno or errno.EIO, where) from e
         return sock

@@ -6,7 +6,8 @@ Kafka jars on Maven Central (``tools/kafka/pom.xml``), resolved once into a cach
 as a plain ``java`` process on free loopback ports, with its data and logs in one work directory.
 
 Only the standard library is used, plus confluent-kafka's AdminClient to tell when the broker
-really answers (and to create topics).
+really answers (and to create topics). With ``tls=True`` the certificates are made with the
+``openssl`` command and the broker's truststore with the JDK's ``keytool``.
 
 Command line: ``python -m pipeline.devtools.kafka fetch`` (resolve the jars, print count and time)
 and ``python -m pipeline.devtools.kafka serve`` (run a broker until Ctrl-C).
@@ -44,6 +45,7 @@ __all__ = [
     "KafkaBrokerError",
     "cache_dir",
     "ensure_jars",
+    "make_ca",
 ]
 
 KAFKA_VERSION = "4.4.0"
@@ -257,6 +259,100 @@ def _tail(path: Path, lines: int = 30) -> str:
         return f"({path} not readable)"
 
 
+# --------------------------------------------------------------------------- TLS material
+
+# Test-only stores in the broker's work dir; the password just satisfies the PKCS12 format.
+_STORE_PASSWORD = "flow-exporter-test"
+_TLS_DAYS = "825"
+_OPENSSL_CNF = """\
+[req]
+distinguished_name = dn
+prompt = no
+[dn]
+[ca_ext]
+basicConstraints = critical, CA:TRUE
+keyUsage = critical, keyCertSign, cRLSign
+subjectKeyIdentifier = hash
+[server_ext]
+basicConstraints = critical, CA:FALSE
+keyUsage = critical, digitalSignature, keyEncipherment
+extendedKeyUsage = serverAuth
+subjectAltName = IP:127.0.0.1, DNS:localhost
+authorityKeyIdentifier = keyid
+[client_ext]
+basicConstraints = critical, CA:FALSE
+keyUsage = critical, digitalSignature, keyEncipherment
+extendedKeyUsage = clientAuth
+authorityKeyIdentifier = keyid
+"""
+
+
+def _tool(*cmd: str, cwd: Path) -> None:
+    """Run openssl/keytool; a failure quotes its output (these tools say little otherwise)."""
+    if shutil.which(cmd[0]) is None:
+        raise KafkaBrokerError(f"{cmd[0]} is not on PATH; the TLS listeners need it to make test certificates")
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        out = (proc.stdout + proc.stderr).strip()[-2000:]
+        raise KafkaBrokerError(f"{' '.join(cmd[:2])} failed (exit {proc.returncode}): {out}")
+
+
+def make_ca(directory: Path, name: str = "ca", subject: str = "/CN=flow-exporter test CA") -> Path:
+    """A self-signed CA (``<name>.pem`` and ``<name>.key``, EC P-256) in ``directory``; returns the PEM path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cnf = directory / "openssl.cnf"
+    cnf.write_text(_OPENSSL_CNF)
+    _tool(
+        "openssl", "req", "-x509", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+        "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", _TLS_DAYS, "-subj", subject,
+        "-config", cnf.name, "-extensions", "ca_ext",
+        cwd=directory,
+    )  # fmt: skip
+    return directory / f"{name}.pem"
+
+
+def _signed_cert(directory: Path, name: str, subject: str, extensions: str, ca: str = "ca") -> None:
+    """``<name>.key`` and ``<name>.pem``, signed by the CA ``<ca>.pem`` in the same directory."""
+    _tool(
+        "openssl", "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+        "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", subject, "-config", "openssl.cnf",
+        cwd=directory,
+    )  # fmt: skip
+    _tool(
+        "openssl", "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+        "-set_serial", str(int.from_bytes(os.urandom(8), "big")), "-days", _TLS_DAYS, "-sha256",
+        "-extfile", "openssl.cnf", "-extensions", extensions, "-out", f"{name}.pem",
+        cwd=directory,
+    )  # fmt: skip
+    (directory / f"{name}.csr").unlink()
+
+
+def _make_tls_material(directory: Path) -> None:
+    """CA, broker certificate (SAN 127.0.0.1, localhost) in PKCS12 key- and truststores, client cert.
+
+    Made once per work dir, so a restarted broker keeps the certificates clients already trust.
+    """
+    if (directory / ".complete").is_file():
+        return
+    make_ca(directory)
+    _signed_cert(directory, "broker", "/CN=localhost", "server_ext")
+    _signed_cert(directory, "client", "/CN=flow-exporter-client", "client_ext")
+    for stale in ("broker.keystore.p12", "broker.truststore.p12"):
+        (directory / stale).unlink(missing_ok=True)
+    _tool(
+        "openssl", "pkcs12", "-export", "-in", "broker.pem", "-inkey", "broker.key", "-certfile", "ca.pem",
+        "-name", "broker", "-out", "broker.keystore.p12", "-passout", f"pass:{_STORE_PASSWORD}",
+        cwd=directory,
+    )  # fmt: skip
+    # keytool, not openssl: Java only trusts a PKCS12 certificate entry carrying its own trust attribute.
+    _tool(
+        "keytool", "-importcert", "-noprompt", "-alias", "ca", "-file", "ca.pem", "-keystore",
+        "broker.truststore.p12", "-storetype", "PKCS12", "-storepass", _STORE_PASSWORD,
+        cwd=directory,
+    )  # fmt: skip
+    (directory / ".complete").write_text("")
+
+
 # --------------------------------------------------------------------------- broker
 
 
@@ -268,6 +364,12 @@ class KafkaBroker:
     ``scram_users`` an extra SASL_PLAINTEXT listener accepts SCRAM-SHA-256, SCRAM-SHA-512 and
     PLAIN for those users; ``bootstrap`` (PLAINTEXT) stays open for setup and inspection.
 
+    With ``tls=True`` the first ``start()`` makes a CA, a broker certificate for 127.0.0.1 and
+    localhost and a client certificate (in ``tls_dir``), and the broker gets an SSL listener
+    (``ssl_bootstrap``) that requires a client certificate (mutual TLS), plus, with
+    ``scram_users``, a SASL_SSL listener (``sasl_ssl_bootstrap``, no client certificate needed).
+    ``ca_path``, ``client_cert_path`` and ``client_key_path`` are PEM files for librdkafka.
+
     ``jvm_options`` may be changed before ``start()`` (e.g. a larger heap for benchmarks).
     """
 
@@ -278,6 +380,7 @@ class KafkaBroker:
         scram_users: dict[str, str] | None = None,
         auto_create_topics: bool = True,
         extra_props: dict[str, str] | None = None,
+        tls: bool = False,
     ) -> None:
         self.scram_users: dict[str, str] = dict(scram_users or {})
         for user, password in self.scram_users.items():
@@ -291,11 +394,20 @@ class KafkaBroker:
         self.auto_create_topics = auto_create_topics
         self.extra_props: dict[str, str] = dict(extra_props or {})
         self.jvm_options: list[str] = list(DEFAULT_JVM_OPTIONS)
-        ports = _free_ports(3 if scram_users else 2)
-        self.port, self.controller_port = ports[0], ports[1]
-        self.sasl_port: int | None = ports[2] if scram_users else None
+        self.tls = tls
+        ports = _free_ports(2 + int(bool(scram_users)) + int(tls) + int(tls and bool(scram_users)))
+        self.port, self.controller_port = ports.pop(0), ports.pop(0)
+        self.sasl_port: int | None = ports.pop(0) if scram_users else None
+        self.ssl_port: int | None = ports.pop(0) if tls else None
+        self.sasl_ssl_port: int | None = ports.pop(0) if tls and scram_users else None
         self.bootstrap = f"127.0.0.1:{self.port}"
         self.sasl_bootstrap: str | None = f"127.0.0.1:{self.sasl_port}" if self.sasl_port else None
+        self.ssl_bootstrap: str | None = f"127.0.0.1:{self.ssl_port}" if self.ssl_port else None
+        self.sasl_ssl_bootstrap: str | None = f"127.0.0.1:{self.sasl_ssl_port}" if self.sasl_ssl_port else None
+        self.tls_dir: Path | None = self.workdir / "tls" if tls else None
+        self.ca_path: Path | None = self.tls_dir / "ca.pem" if self.tls_dir else None
+        self.client_cert_path: Path | None = self.tls_dir / "client.pem" if self.tls_dir else None
+        self.client_key_path: Path | None = self.tls_dir / "client.key" if self.tls_dir else None
         self.log_path: Path = self.workdir / "broker.log"
         self.stdout_path: Path = self.workdir / "broker.out"
         self.data_dir: Path = self.workdir / "data"
@@ -322,18 +434,45 @@ class KafkaBroker:
         return {"bootstrap.servers": self.bootstrap, **overrides}
 
     def sasl_client_config(
-        self, user: str, mechanism: str = "SCRAM-SHA-256", password: str | None = None, **overrides: Any
+        self,
+        user: str,
+        mechanism: str = "SCRAM-SHA-256",
+        password: str | None = None,
+        *,
+        tls: bool = False,
+        **overrides: Any,
     ) -> dict[str, Any]:
-        """A confluent-kafka config for the SASL_PLAINTEXT listener as ``user`` (its own password
-        unless ``password`` is given, e.g. a wrong one)."""
+        """A confluent-kafka config for the SASL_PLAINTEXT listener (SASL_SSL with ``tls``) as
+        ``user`` (its own password unless ``password`` is given, e.g. a wrong one)."""
         if self.sasl_bootstrap is None:
             raise KafkaBrokerError("this broker has no SASL listener (no scram_users given)")
+        conf: dict[str, Any] = {"bootstrap.servers": self.sasl_bootstrap, "security.protocol": "SASL_PLAINTEXT"}
+        if tls:
+            if self.sasl_ssl_bootstrap is None or self.ca_path is None:
+                raise KafkaBrokerError("this broker has no SASL_SSL listener (needs tls=True and scram_users)")
+            conf = {
+                "bootstrap.servers": self.sasl_ssl_bootstrap,
+                "security.protocol": "SASL_SSL",
+                "ssl.ca.location": str(self.ca_path),
+            }
         return {
-            "bootstrap.servers": self.sasl_bootstrap,
-            "security.protocol": "SASL_PLAINTEXT",
+            **conf,
             "sasl.mechanism": mechanism,
             "sasl.username": user,
             "sasl.password": self.scram_users[user] if password is None else password,
+            **overrides,
+        }
+
+    def ssl_client_config(self, **overrides: Any) -> dict[str, Any]:
+        """A confluent-kafka config for the mutual-TLS SSL listener, with the harness's client certificate."""
+        if self.ssl_bootstrap is None or self.ca_path is None:
+            raise KafkaBrokerError("this broker has no SSL listener (tls=True not given)")
+        return {
+            "bootstrap.servers": self.ssl_bootstrap,
+            "security.protocol": "SSL",
+            "ssl.ca.location": str(self.ca_path),
+            "ssl.certificate.location": str(self.client_cert_path),
+            "ssl.key.location": str(self.client_key_path),
             **overrides,
         }
 
@@ -352,6 +491,8 @@ class KafkaBroker:
         java = shutil.which("java")
         if java is None:
             raise KafkaBrokerError("java is not on PATH; the Kafka broker needs Java 17 or newer")
+        if self.tls_dir is not None:
+            _make_tls_material(self.tls_dir)
         self._write_config()
         if not (self.data_dir / "meta.properties").is_file():
             self._format(java, lib)
@@ -450,9 +591,14 @@ class KafkaBroker:
         """The broker's server.properties, as written at each start (``extra_props`` win)."""
         listeners = [f"PLAINTEXT://127.0.0.1:{self.port}", f"CONTROLLER://127.0.0.1:{self.controller_port}"]
         advertised = [f"PLAINTEXT://127.0.0.1:{self.port}"]
-        if self.sasl_port is not None:
-            listeners.append(f"SASL_PLAINTEXT://127.0.0.1:{self.sasl_port}")
-            advertised.append(f"SASL_PLAINTEXT://127.0.0.1:{self.sasl_port}")
+        for name, port in (
+            ("SASL_PLAINTEXT", self.sasl_port),
+            ("SSL", self.ssl_port),
+            ("SASL_SSL", self.sasl_ssl_port),
+        ):
+            if port is not None:
+                listeners.append(f"{name}://127.0.0.1:{port}")
+                advertised.append(f"{name}://127.0.0.1:{port}")
         props = {
             "process.roles": "broker,controller",
             "node.id": "1",
@@ -462,7 +608,7 @@ class KafkaBroker:
             "listeners": ",".join(listeners),
             "advertised.listeners": ",".join(advertised),
             "listener.security.protocol.map": (
-                "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT"
+                "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT,SSL:SSL,SASL_SSL:SASL_SSL"
             ),
             "log.dirs": str(self.data_dir),
             "num.partitions": "1",
@@ -487,12 +633,26 @@ class KafkaBroker:
         if self.scram_users:
             props["sasl.enabled.mechanisms"] = "SCRAM-SHA-256,SCRAM-SHA-512,PLAIN"
             scram_login = "org.apache.kafka.common.security.scram.ScramLoginModule required;"
-            props["listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config"] = scram_login
-            props["listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config"] = scram_login
             # PLAIN checks passwords against user_<name> options of its JAAS entry.
             plain_users = " ".join(f"user_{u}={_jaas_quote(p)}" for u, p in self.scram_users.items())
-            props["listener.name.sasl_plaintext.plain.sasl.jaas.config"] = (
-                f"org.apache.kafka.common.security.plain.PlainLoginModule required {plain_users};"
+            plain_login = f"org.apache.kafka.common.security.plain.PlainLoginModule required {plain_users};"
+            for listener in ("sasl_plaintext", "sasl_ssl") if self.tls else ("sasl_plaintext",):
+                props[f"listener.name.{listener}.scram-sha-256.sasl.jaas.config"] = scram_login
+                props[f"listener.name.{listener}.scram-sha-512.sasl.jaas.config"] = scram_login
+                props[f"listener.name.{listener}.plain.sasl.jaas.config"] = plain_login
+        if self.tls_dir is not None:
+            props.update(
+                {
+                    "ssl.keystore.type": "PKCS12",
+                    "ssl.keystore.location": str(self.tls_dir / "broker.keystore.p12"),
+                    "ssl.keystore.password": _STORE_PASSWORD,
+                    "ssl.key.password": _STORE_PASSWORD,
+                    "ssl.truststore.type": "PKCS12",
+                    "ssl.truststore.location": str(self.tls_dir / "broker.truststore.p12"),
+                    "ssl.truststore.password": _STORE_PASSWORD,
+                    "listener.name.ssl.ssl.client.auth": "required",
+                    "listener.name.sasl_ssl.ssl.client.auth": "none",
+                }
             )
         props.update(self.extra_props)
         return props
@@ -646,6 +806,7 @@ def main(argv: list[str] | None = None) -> int:
         help="add a SASL_PLAINTEXT listener with this SCRAM/PLAIN user (repeatable)",
     )
     serve.add_argument("--no-auto-create", action="store_true", help="disable auto.create.topics.enable")
+    serve.add_argument("--tls", action="store_true", help="add SSL (mutual TLS) and, with --user, SASL_SSL listeners")
     serve.add_argument("--topic", action="append", default=[], help="create this topic at start (repeatable)")
     args = ap.parse_args(argv)
 
@@ -663,6 +824,7 @@ def main(argv: list[str] | None = None) -> int:
             args.workdir,
             scram_users=_parse_users(args.user) or None,
             auto_create_topics=not args.no_auto_create,
+            tls=args.tls,
         )
         with _sigterm_as_interrupt():
             try:
@@ -674,6 +836,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"bootstrap:      {broker.bootstrap}")
                     if broker.sasl_bootstrap:
                         print(f"sasl bootstrap: {broker.sasl_bootstrap} (SCRAM-SHA-256/512, PLAIN)")
+                    if broker.ssl_bootstrap:
+                        print(f"ssl bootstrap:  {broker.ssl_bootstrap} (client certificate required)")
+                        print(f"CA, client:     {broker.ca_path}, {broker.client_cert_path}, {broker.client_key_path}")
+                    if broker.sasl_ssl_bootstrap:
+                        print(f"sasl_ssl:       {broker.sasl_ssl_bootstrap}")
                     print(f"log:            {broker.log_path}")
                     print("Ctrl-C to stop", flush=True)
                     while broker.running:

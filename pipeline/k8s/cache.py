@@ -235,7 +235,7 @@ class _Watcher:
         self._list, close = caches.open_list(self.method)
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(Exception),
-            wait=tenacity.wait_exponential_jitter(initial=caches.backoff_initial, max=caches.backoff_max),
+            wait=tenacity.wait_exponential_jitter(multiplier=caches.backoff_initial, max=caches.backoff_max),
             stop=tenacity.stop_when_event_set(stop),
             sleep=stop.wait,
             before_sleep=self._before_sleep,

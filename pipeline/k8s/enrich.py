@@ -178,15 +178,23 @@ class Enricher:
         if src is None and dst is None and src_node is None and dst_node is None and svc is None:
             return None  # every field null and flowType 0: the encoder's shared default
 
+        token = self._token
+        src_labels = dst_labels = None
+        if src is not None:
+            memo = src.out
+            src_labels = memo[1] if memo is not None and memo[0] is token else self._labels(src)
+        if dst is not None:
+            memo = dst.out
+            dst_labels = memo[1] if memo is not None and memo[0] is token else self._labels(dst)
         return {
             "sourcePodName": src.name if src is not None else None,
             "sourcePodNamespace": src.namespace if src is not None else None,
             "sourceNodeName": src_node,
-            "sourcePodLabels": self._labels(src) if src is not None else None,
+            "sourcePodLabels": src_labels,
             "destinationPodName": dst.name if dst is not None else None,
             "destinationPodNamespace": dst.namespace if dst is not None else None,
             "destinationNodeName": dst_node,
-            "destinationPodLabels": self._labels(dst) if dst is not None else None,
+            "destinationPodLabels": dst_labels,
             "destinationServicePortName": svc[1] if svc is not None else None,
             "destinationService": svc[0] if svc is not None else None,
             "flowType": flow_type,
@@ -194,9 +202,6 @@ class Enricher:
 
     def _labels(self, pod: PodInfo) -> dict[str, str]:
         """The pod's configured labels, memoized on the pod (shared dicts: never mutate them)."""
-        out = pod.out
-        if out is not None and out[0] is self._token:
-            return out[1]
         labels = pod.labels
         n = self.max_value_len
         items = []

@@ -143,9 +143,12 @@ class PodIndex:
         hist = self.by_ip.get(ip)
         if hist is None:
             return None
+        owner = hist[-1]
         if not start_ns:
-            return hist[-1].pod
-        for owner in reversed(hist):
+            return owner.pod
+        if start_ns >= owner.since:  # the common case: the current (or last) owner
+            return owner.pod if start_ns < owner.until else None
+        for owner in hist[-2::-1]:
             if start_ns >= owner.since:
                 return owner.pod if start_ns < owner.until else None
         return None

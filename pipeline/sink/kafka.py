@@ -22,6 +22,7 @@ from pipeline.record import partition_key
 from pipeline.store import Export
 
 log = logging.getLogger(__name__)
+_rdkafka_log = logging.getLogger(__name__ + ".rdkafka")
 
 # Defaults chosen for an idempotent, batched, compressed stream; any of them can
 # be overridden in the config's kafka.producer map.
@@ -34,6 +35,19 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
     "queue.buffering.max.messages": 500_000,
     "message.timeout.ms": 120_000,
     "socket.keepalive.enable": True,
+    # Pace reconnects after a refused login or TLS handshake: librdkafka's 100 ms default lets a
+    # client with a bad certificate reconnect ~20 times a second. With librdkafka >= 2.10 a client
+    # whose only brokers are failing re-bootstraps and retries every reconnect.backoff.ms / 2
+    # (at most 1 s), so the cap mostly applies once some broker has been reached.
+    "reconnect.backoff.ms": 500,
+    "reconnect.backoff.max.ms": 10_000,
+}
+_RECONNECT_KEYS = ("reconnect.backoff.ms", "reconnect.backoff.max.ms")
+ERROR_LOG_INTERVAL = 10.0  # seconds between two log lines for the same kind of client error
+# Errors no retry fixes without the operator: logged as errors with what to check.
+_SECURITY_HINTS = {
+    KafkaError._AUTHENTICATION: "authentication failed; check kafka.sasl.mechanism, username and password",
+    KafkaError._SSL: "TLS failed; check kafka.tls.caFile, certFile, keyFile and verifyHostname",
 }
 
 
@@ -69,6 +83,17 @@ def redact(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class _LibrdkafkaLog:
+    """librdkafka's own log lines, into Python logging (one format, JSON too) instead of raw stderr.
+
+    Connection failures (facility FAIL) repeat at every reconnect and also reach ``error_cb``,
+    which logs them rate-limited; here they go to DEBUG.
+    """
+
+    def log(self, level: int, fmt: str, *args: Any) -> None:
+        _rdkafka_log.log(logging.DEBUG if args and args[0] == "FAIL" else level, fmt, *args)
+
+
 class KafkaSink:
     """Produces records to Kafka topics; one producer for all of them."""
 
@@ -86,6 +111,7 @@ class KafkaSink:
         self.encode = encode
         self.config = {**PRODUCER_DEFAULTS, **producer_config}
         self.config.setdefault("error_cb", self._on_error)
+        self.config.setdefault("logger", _LibrdkafkaLog())
         self._producer = Producer(self.config)
         self.reports: deque[DeliveryReport] = deque()
         self.produced = 0
@@ -93,7 +119,7 @@ class KafkaSink:
         self.failed = 0
         self.bytes_produced = 0
         self.connected = False  # the broker answered (metadata or a delivery)
-        self._last_error_log = 0.0
+        self._last_error_log: dict[int | None, float] = {}  # by error code; None: any other error
         self.stopping: Callable[[], bool] = lambda: False
         self.on_wait: Callable[[], None] = lambda: None  # called while blocked on a full queue
         self._retry = tenacity.Retrying(
@@ -173,6 +199,11 @@ class KafkaSink:
         """Wait up to ``timeout`` for everything in flight; returns how many are still undelivered."""
         return self._producer.flush(timeout)
 
+    def purge(self) -> None:
+        """Drop everything still queued (shutdown after the grace period)."""
+        self._producer.purge(in_queue=True, in_flight=True, blocking=False)
+        self._producer.poll(0)
+
     def close(self) -> None:
         self._producer.flush(0)
 
@@ -182,12 +213,19 @@ class KafkaSink:
         self._producer.poll(seconds)
 
     def _on_error(self, err: KafkaError) -> None:
+        # librdkafka's error strings name the broker and the reason, never the configured secrets.
         if err.fatal():
             log.error("kafka producer fatal error: %s", err.str())
             return
+        hint = _SECURITY_HINTS.get(err.code())
+        kind = err.code() if hint else None  # a login failure is not drowned out by "brokers are down"
         now = time.monotonic()
-        if now - self._last_error_log >= 10.0:  # broker-down errors repeat every few ms
-            self._last_error_log = now
+        if now - self._last_error_log.get(kind, -ERROR_LOG_INTERVAL) < ERROR_LOG_INTERVAL:
+            return  # broker-down and login errors repeat at every reconnect
+        self._last_error_log[kind] = now
+        if hint:
+            log.error("kafka %s: %s", hint, err.str())
+        else:
             log.warning("kafka: %s", err.str())
 
 
@@ -203,4 +241,6 @@ class _StopFlag:
 
 def _is_admin_key(key: str) -> bool:
     # The admin client needs only connection and security settings.
+    if key in _RECONNECT_KEYS:
+        return True
     return key not in PRODUCER_DEFAULTS and key not in ("delivery.timeout.ms", "batch.num.messages")
