@@ -479,7 +479,7 @@ def _kafka_security(values: Mapping[str, Any]) -> dict[str, str]:
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in data.items():
-        key = f"{prefix}{k}"
+        key = f"{prefix}{k}" if str(k) else f"{prefix}(empty key)"
         if key in BY_KEY:
             out[key] = v
         elif isinstance(v, Mapping) and any(s.startswith(key + ".") for s in BY_KEY):
