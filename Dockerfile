@@ -1,0 +1,82 @@
+# syntax=docker/dockerfile:1
+#
+# flow-exporter image: docker build -t flow-exporter:0.1.0 .
+#
+# Two stages. "build" turns the project and its dependencies into wheels; the final stage
+# installs those wheels into a virtual environment and keeps nothing else: no build tree, no
+# wheel files (they are bind-mounted from the build stage, never copied into a layer), no pip
+# cache, no compilers (the slim base has none, and every dependency ships a manylinux wheel).
+#
+# tests/test_dockerfile.py replays this file's COPY and RUN steps, in order, in a temporary
+# directory, and checks the result; keep RUN steps free of steps that only make sense in a
+# container (creating users, apt-get), or teach that test about them.
+
+# ----------------------------------------------------------------------------- build
+FROM python:3.11.14-slim-bookworm AS build
+
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_INPUT=1
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY pipeline/ pipeline/
+# The Avro schema lives at the repo root (schemas/); the wheel carries it as package data
+# (pyproject: [tool.setuptools.package-data] pipeline = ["schemas/*.avsc"]), where
+# pipeline.record.schema_path() looks for it once installed.
+COPY schemas/ pipeline/schemas/
+
+# The project's wheel first (no dependencies resolved), then the wheels of its dependencies next
+# to it. The pip cache is a BuildKit cache mount: it speeds up rebuilds and stays out of layers.
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -m pip wheel --no-deps --wheel-dir /wheels . \
+ && python -m pip wheel --wheel-dir /wheels --find-links /wheels /wheels/flow_exporter-*.whl
+
+# ----------------------------------------------------------------------------- runtime
+FROM python:3.11.14-slim-bookworm
+
+# VERSION follows pyproject.toml (tests/test_dockerfile.py checks it); SOURCE_URL is the
+# repository the image is built from: pass the real one with --build-arg SOURCE_URL=...
+ARG VERSION=0.1.0
+ARG SOURCE_URL=https://github.com/example/flow-exporter
+LABEL org.opencontainers.image.title="flow-exporter" \
+      org.opencontainers.image.description="Linux conntrack flow records, Avro-encoded, to Kafka (Kubernetes DaemonSet)" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.source="${SOURCE_URL}"
+
+ENV VIRTUAL_ENV=/opt/flow-exporter \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# The venv gets no pip of its own: the base image's pip installs into it (--python), so the
+# runtime environment holds the exporter and its dependencies only. Wheels come from the build
+# stage alone (--no-index): what was built and tested is what ships. pip compiles the .pyc
+# files here, since the root filesystem is read-only at run time.
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    python -m venv --without-pip "$VIRTUAL_ENV" \
+ && python -m pip --python "$VIRTUAL_ENV/bin/python" install --no-cache-dir --no-index \
+        --find-links /wheels flow-exporter
+
+# Only now: before the install, "python" must stay the base image's (the venv has no pip).
+ENV PATH=/opt/flow-exporter/bin:$PATH
+
+# Who the process runs as.
+#
+# Reading conntrack over netlink (dumps and NEW/DESTROY events) needs CAP_NET_ADMIN in the
+# node's network namespace. A non-root process cannot hold it here:
+#   * file capabilities (setcap on the interpreter) would hand NET_ADMIN to every Python program
+#     in the image, and the kernel ignores them anyway under no_new_privs, which the DaemonSet
+#     sets (allowPrivilegeEscalation: false);
+#   * ambient capabilities cannot be requested through a Kubernetes securityContext, and
+#     container runtimes give a non-root user's added capabilities no effective bit.
+# So the image defaults to an unprivileged user (65532, no passwd entry needed), which is what
+# `docker run flow-exporter:0.1.0 config --print-defaults` and any other ad hoc use gets, and the
+# DaemonSet (k8s/daemonset.yaml) opts in to UID 0 explicitly with every capability dropped except
+# NET_ADMIN, no privilege escalation, a read-only root filesystem and the RuntimeDefault seccomp
+# profile. Root without CAP_DAC_OVERRIDE, CAP_CHOWN, CAP_SYS_* etc. gains nothing beyond NET_ADMIN.
+USER 65532:65532
+
+EXPOSE 9690
+ENTRYPOINT ["flow-exporter"]
+CMD ["run", "--config", "/etc/flow-exporter/config.yaml"]
