@@ -410,8 +410,8 @@ def _read_secret(key: str, path: str) -> str:
     """A password file's text without its trailing newline; errors name the key, never the content."""
     try:
         data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(key, path, f"unreadable: {exc.strerror or type(exc).__name__}") from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise ConfigError(key, path, f"unreadable: {getattr(exc, 'strerror', None) or exc}") from None
     try:
         text = data.decode().rstrip("\r\n")
     except UnicodeDecodeError:
@@ -425,8 +425,8 @@ def _check_readable(key: str, path: str) -> None:
     try:
         with open(path, "rb"):
             pass
-    except OSError as exc:
-        raise ConfigError(key, path, f"unreadable: {exc.strerror or type(exc).__name__}") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(key, path, f"unreadable: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def _kafka_security(values: Mapping[str, Any]) -> dict[str, str]:

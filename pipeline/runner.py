@@ -18,7 +18,7 @@ from pipeline.metrics import HealthServer, Metrics, liveness, readiness
 from pipeline.sink import KafkaSink, Route
 from pipeline.sink.encoder import RecordEncoder
 from pipeline.sink.kafka import redact
-from pipeline.sink.registry import with_registry
+from pipeline.sink.registry import ensure_registered, with_registry
 from pipeline.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
@@ -175,6 +175,8 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         if cfg["kafka.checkTopics"] and not check_topics(
             sink, exporter.stop_event, cfg["retry.initialBackoff"], cfg["retry.maxBackoff"]
         ):
+            return 0
+        if not ensure_registered(sink.encode, exporter.stop_event):  # after /healthz is up: waiting is not dying
             return 0
         return exporter.run()
     finally:

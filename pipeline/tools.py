@@ -14,7 +14,9 @@ import io
 import json
 import logging
 import os
+import re
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
@@ -344,12 +346,14 @@ def tail_command(args: argparse.Namespace, cfg: Config, out: TextIO, err: TextIO
 
         registry = make_client(cfg["schemaRegistry.url"], cfg["schemaRegistry.basicAuthUserInfo"])
     decoder = ValueDecoder(require_framing=args.confluent, registry=registry)
-    consumer = Consumer({**consumer_config(cfg), "logger": _kafka_logger(err)})
+    consumer = Consumer({**consumer_config(cfg), "logger": _QUIET, "error_cb": _ErrorLine(err)})
     try:
         try:
             md = consumer.list_topics(topic, timeout=15.0)
         except KafkaException as exc:
-            print(f"flow-exporter tail: kafka {cfg['kafka.bootstrapServers']} not reachable: {exc.args[0]}", file=err)
+            consumer.poll(0)  # the error_cb lines that say why come first
+            reason = exc.args[0].str() if hasattr(exc.args[0], "str") else exc.args[0]
+            print(f"flow-exporter tail: kafka {cfg['kafka.bootstrapServers']} not reachable: {reason}", file=err)
             return 1
         tmd = md.topics.get(topic)
         if tmd is None or tmd.error is not None or not tmd.partitions:
@@ -401,15 +405,27 @@ def _messages(consumer: Any, timeout: float = 0.5) -> Iterator[Any]:
             yield msg
 
 
-def _kafka_logger(err: TextIO) -> logging.Logger:
-    """librdkafka's log lines as tail's one-line warnings (instead of its raw ``%3|...`` lines)."""
-    logger = logging.getLogger("pipeline.tools.rdkafka")
-    logger.propagate = False
-    logger.setLevel(logging.WARNING)
-    handler = logging.StreamHandler(err)
-    handler.setFormatter(logging.Formatter("flow-exporter tail: warning: kafka: %(message)s"))
-    logger.handlers[:] = [handler]
-    return logger
+# librdkafka's log repeats every reconnect attempt; its errors come through error_cb instead.
+_QUIET = logging.getLogger("pipeline.tools.rdkafka")
+_QUIET.addHandler(logging.NullHandler())
+_QUIET.propagate = False
+
+
+class _ErrorLine:
+    """Kafka client errors as one-line warnings, each distinct one at most every 30 s."""
+
+    def __init__(self, err: TextIO, every: float = 30.0) -> None:
+        self.err = err
+        self.every = every
+        self.last: dict[str, float] = {}
+
+    def __call__(self, error: Any) -> None:
+        text = error.str()
+        key = re.sub(r" \(after \d+ms[^)]*\)", "", text)  # the same error, however long the attempt took
+        now = time.monotonic()
+        if now - self.last.get(key, -self.every) >= self.every:
+            self.last[key] = now
+            _warn(self.err, f"kafka: {text}")
 
 
 def _warn(err: TextIO, text: str) -> None:

@@ -17,6 +17,7 @@ consumers of a registry-framed topic would then misread every value.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -174,7 +175,7 @@ def register(
         stop = stop | tenacity.stop_after_attempt(max_attempts)
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception_type(Exception),
-        wait=tenacity.wait_exponential_jitter(initial=initial, max=maximum),
+        wait=tenacity.wait_exponential_jitter(multiplier=initial, max=maximum, jitter=initial),
         stop=stop,
         sleep=sleep,
         before_sleep=before_sleep,
@@ -189,25 +190,68 @@ def register(
 
 
 def with_registry(cfg: Config, encode: Encode, client: SchemaRegistryClient | None = None) -> Encode:
-    """``encode`` framed for the registry when ``schemaRegistry.url`` is set, else unchanged.
+    """``encode`` as a :class:`RegistryFraming` when ``schemaRegistry.url`` is set, else unchanged.
 
-    Blocks at start until the schema is registered (see :func:`register`).
+    Nothing is registered yet: the runner calls :func:`ensure_registered` once the health
+    listener is up, so a pod that waits for its registry stays alive (and not ready) instead
+    of being restarted by its liveness probe.
     """
-    url = cfg["schemaRegistry.url"]
-    if not url:
+    if not cfg["schemaRegistry.url"]:
         return encode
-    if client is None:
-        client = make_client(url, cfg["schemaRegistry.basicAuthUserInfo"])
-    schema_id = register(
-        client,
-        cfg["schemaRegistry.subject"],
-        schema_path().read_text(),
-        cfg["schemaRegistry.compatibility"],
-        initial=cfg["retry.initialBackoff"],
-        maximum=cfg["retry.maxBackoff"],
-        url=url,
-    )
-    return framed(encode, schema_id)
+    return RegistryFraming(cfg, encode, client)
+
+
+class RegistryFraming:
+    """The sink's encode callable with a registry: registers the schema at start, then frames every value."""
+
+    def __init__(self, cfg: Config, encode: Encode, client: SchemaRegistryClient | None = None) -> None:
+        self.url: str = cfg["schemaRegistry.url"]
+        self.subject: str = cfg["schemaRegistry.subject"]
+        self.compatibility: str | None = cfg["schemaRegistry.compatibility"]
+        self._auth: str | None = cfg["schemaRegistry.basicAuthUserInfo"]
+        self._backoff = (cfg["retry.initialBackoff"], cfg["retry.maxBackoff"])
+        self._client = client
+        self._encode = encode
+        self._call: Encode = self._unregistered
+        self.schema_id: int | None = None
+
+    def register(self, stop: threading.Event | None = None) -> bool:
+        """Register (retrying with backoff) and start framing; False if ``stop`` was set first."""
+        stop = stop or threading.Event()
+        if self._client is None:
+            self._client = make_client(self.url, self._auth)
+        try:
+            schema_id = register(
+                self._client,
+                self.subject,
+                schema_path().read_text(),
+                self.compatibility,
+                initial=self._backoff[0],
+                maximum=self._backoff[1],
+                stopping=stop.is_set,
+                sleep=stop.wait,
+                url=self.url,
+            )
+        except RegistryError:
+            if stop.is_set():
+                return False
+            raise
+        self.schema_id = schema_id
+        self._call = framed(self._encode, schema_id)
+        return True
+
+    def __call__(self, export: Export, export_ms: int) -> bytes:
+        return self._call(export, export_ms)
+
+    def _unregistered(self, export: Export, export_ms: int) -> bytes:
+        raise RegistryError(f"schema registry subject {self.subject!r}: no schema id yet (register() first)")
+
+
+def ensure_registered(encode: Encode, stop: threading.Event) -> bool:
+    """Register the schema if ``encode`` frames for a registry; False if ``stop`` came first."""
+    if isinstance(encode, RegistryFraming) and encode.schema_id is None:
+        return encode.register(stop)
+    return True
 
 
 class _Flag:

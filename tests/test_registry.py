@@ -1,0 +1,458 @@
+"""Schema Registry framing: byte-identical to confluent-kafka's AvroSerializer, registration retried.
+
+No real registry can be run here (Confluent's is not on Maven Central, and Apicurio's app
+modules there are incomplete), so the registry is confluent-kafka's own in-memory one
+(``mock://``), shared by our code and by the reference serializer. The HTTP path of the
+real client (basic auth, the compatibility PUT, HTTP 409) is checked against a small stub
+server that answers those three calls the way the registry's REST API documents them.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+from confluent_kafka import Consumer
+from confluent_kafka.schema_registry import SchemaRegistryClient, record_subject_name_strategy
+from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+from hypothesis import given, settings
+
+from bench.bench_export import synthetic_exports
+from pipeline.config import ConfigError, load
+from pipeline.devtools.kafka import KafkaBroker
+from pipeline.record import build_record, schema_path
+from pipeline.runner import build_sink
+from pipeline.sink import registry
+from pipeline.sink.encoder import RecordEncoder
+from pipeline.sink.registry import DEFAULT_SUBJECT, RegistryError, framed, register, split_header
+from pipeline.store import Export
+from pipeline.tools import ValueDecoder
+from tests.test_encoder import exports as any_export
+from tests.test_tools import EXPORT_MS, NODE, ROOT, clean_env, from_json, run_tail
+
+SCHEMA_TEXT = schema_path().read_text()
+
+
+def mock_client() -> SchemaRegistryClient:
+    return SchemaRegistryClient.new_client({"url": f"mock://flow-{time.time_ns()}"})
+
+
+def reference(client: SchemaRegistryClient) -> AvroSerializer:
+    """confluent-kafka's serializer, told to find (not register) the schema under the record's name."""
+    return AvroSerializer(
+        client,
+        SCHEMA_TEXT,
+        conf={"auto.register.schemas": False, "subject.name.strategy": record_subject_name_strategy},
+    )
+
+
+CTX = SerializationContext("flows", MessageField.VALUE)
+_CLIENT = mock_client()
+_ID = register(_CLIENT, DEFAULT_SUBJECT, SCHEMA_TEXT)
+_REFERENCE = reference(_CLIENT)
+_ENCODE = framed(RecordEncoder(NODE).encode, _ID)
+
+
+# ----------------------------------------------------------- byte identity
+@settings(max_examples=400, deadline=None)
+@given(any_export())
+def test_framed_values_equal_the_confluent_serializer(export: Export) -> None:
+    """Any export: header + hand-written body == AvroSerializer(build_record(...))."""
+    ms = 1_700_000_000_000
+    assert _ENCODE(export, ms) == _REFERENCE(build_record(export, NODE, ms), CTX)
+
+
+def test_header_layout_and_deserializer() -> None:
+    client = mock_client()
+    client.register_schema("other-subject", registry_schema('{"type": "string"}'))  # so ours is not id 1
+    schema_id = register(client, DEFAULT_SUBJECT, SCHEMA_TEXT)
+    assert schema_id == 2
+    encode = framed(RecordEncoder(NODE).encode, schema_id)
+    deser = AvroDeserializer(client)
+    for e in synthetic_exports(20):
+        value = encode(e, EXPORT_MS)
+        assert value[0] == 0 and int.from_bytes(value[1:5], "big") == schema_id
+        assert split_header(value) == (schema_id, RecordEncoder(NODE).encode(e, EXPORT_MS))
+        got = deser(value, CTX)
+        want = build_record(e, NODE, EXPORT_MS)
+        for name in ("flowStart", "flowEnd", "exportTime"):
+            got[name] = round(got[name].timestamp() * 1000)
+        assert got == want
+    assert registry.header(0x01020304) == b"\x00\x01\x02\x03\x04"
+    with pytest.raises(ValueError):
+        registry.header(2**32)
+
+
+def test_default_subject_is_the_record_name_strategy() -> None:
+    """The fixed default subject is what Confluent's RecordNameStrategy names this schema."""
+    assert record_subject_name_strategy(CTX, "io.flowexporter.FlowRecord") == DEFAULT_SUBJECT
+    assert f"{json.loads(SCHEMA_TEXT)['namespace']}.{json.loads(SCHEMA_TEXT)['name']}" == DEFAULT_SUBJECT
+    assert load(environ={})["schemaRegistry.subject"] == DEFAULT_SUBJECT
+    assert load(environ={})["schemaRegistry.compatibility"] == "BACKWARD_TRANSITIVE"
+
+
+# --------------------------------------------------------- real broker
+def consume_values(bootstrap: str, topic: str, n: int, timeout: float = 30.0) -> list[bytes]:
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"g{time.time_ns()}", "auto.offset.reset": "earliest"})
+    c.subscribe([topic])
+    out: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < n and time.monotonic() < deadline:
+            m = c.poll(0.5)
+            if m is not None and m.error() is None:
+                out.append(m.value())
+    finally:
+        c.close()
+    return out
+
+
+@pytest.mark.kafka
+def test_build_sink_writes_what_the_serializer_writes(
+    kafka_broker: KafkaBroker, kafka_topic: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = mock_client()
+    monkeypatch.setattr(registry, "make_client", lambda url, auth=None: client)
+    cfg = load(
+        environ={},
+        overrides={
+            "kafka.bootstrapServers": kafka_broker.bootstrap,
+            "kafka.topic": kafka_topic,
+            "nodeName": NODE,
+            "schemaRegistry.url": "mock://shared",
+        },
+    )
+    sink = build_sink(cfg)
+    assert registry.ensure_registered(sink.encode, threading.Event())  # as run_exporter does, after /healthz is up
+    exports = synthetic_exports(25)
+    for e in exports:
+        sink.send(e, EXPORT_MS)
+    assert sink.flush(30) == 0 and sink.acked == len(exports)
+    values = consume_values(kafka_broker.bootstrap, kafka_topic, len(exports))
+    ser = reference(client)
+    assert values == [ser(build_record(e, NODE, EXPORT_MS), CTX) for e in exports]
+    # tail finds the framing by itself and decodes the same records.
+    proc = run_tail(kafka_broker.bootstrap, kafka_topic, "--json", "--count", str(len(exports)))
+    assert proc.returncode == 0, proc.stderr
+    assert [from_json(line) for line in proc.stdout.splitlines()] == [build_record(e, NODE, EXPORT_MS) for e in exports]
+    proc = run_tail(kafka_broker.bootstrap, kafka_topic, "--json", "--confluent", "--count", "1")
+    assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 1, proc.stderr
+
+
+def test_build_sink_without_registry_stays_bare() -> None:
+    cfg = load(environ={}, overrides={"kafka.bootstrapServers": "127.0.0.1:9", "kafka.producer": {"log_level": 0}})
+    sink = build_sink(cfg)
+    e = synthetic_exports(1)[0]
+    assert sink.encode(e, EXPORT_MS) == RecordEncoder(cfg.node_name).encode(e, EXPORT_MS)
+
+
+def test_tail_reads_an_older_writer_schema_from_the_registry() -> None:
+    """A framed value written with another schema version resolves into the current one."""
+    import io
+
+    import fastavro
+
+    current = json.loads(SCHEMA_TEXT)
+    older = dict(current, fields=[*reversed(current["fields"]), {"name": "legacy", "type": "string", "default": ""}])
+    client = mock_client()
+    older_id = client.register_schema("io.flowexporter.FlowRecord", registry_schema(json.dumps(older)))
+    rec = build_record(synthetic_exports(1)[0], NODE, EXPORT_MS) | {"legacy": "gone"}
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, fastavro.parse_schema(older), rec)
+    value = registry.header(older_id) + buf.getvalue()
+    got, schema_id = ValueDecoder(registry=client).decode(value)
+    assert schema_id == older_id and "legacy" not in got
+    assert got["connectionId"] == rec["connectionId"] and got["reverseOctetDeltaCount"] == rec["reverseOctetDeltaCount"]
+    # Without the registry the local schema is used, and the bytes do not fit it.
+    with pytest.raises(ValueError):
+        ValueDecoder().decode(value)
+
+
+def registry_schema(text: str) -> Any:
+    from confluent_kafka.schema_registry import Schema
+
+    return Schema(text, "AVRO")
+
+
+# --------------------------------------------------- failures and retries
+def closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_registry_down_is_a_clear_error_after_retries(caplog: pytest.LogCaptureFixture) -> None:
+    url = f"http://127.0.0.1:{closed_port()}"
+    client = registry.make_client(url)
+    with caplog.at_level(logging.ERROR, logger="pipeline.sink.registry"), pytest.raises(RegistryError) as info:
+        register(client, DEFAULT_SUBJECT, SCHEMA_TEXT, initial=0.01, maximum=0.02, max_attempts=3, url=url)
+    message = str(info.value)
+    assert DEFAULT_SUBJECT in message and url in message and "not reachable" in message
+    retries = [r.getMessage() for r in caplog.records]
+    assert len(retries) == 2 and all(DEFAULT_SUBJECT in m and "retry" in m for m in retries)
+
+
+def test_stopping_ends_the_wait() -> None:
+    """SIGTERM while the registry is down: the wait ends at once, and nothing is ever sent unframed."""
+    url = f"http://127.0.0.1:{closed_port()}"
+    cfg = load(environ={}, overrides={"schemaRegistry.url": url, "retry.initialBackoff": "5s"})
+    encode = registry.with_registry(cfg, RecordEncoder(NODE).encode)
+    e = synthetic_exports(1)[0]
+    with pytest.raises(RegistryError, match="no schema id yet"):
+        encode(e, EXPORT_MS)
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    t0 = time.monotonic()
+    assert registry.ensure_registered(encode, stop) is False
+    assert time.monotonic() - t0 < 3.0
+    with pytest.raises(RegistryError):
+        encode(e, EXPORT_MS)
+
+
+class StubRegistry(ThreadingHTTPServer):
+    """Answers PUT /config/{subject} and POST /subjects/{subject}/versions like the registry's REST API.
+
+    ``answers`` holds the (status, body) to give to successive registrations; after them, id 7.
+    Not a registry: it only lets the test see what the real client sends.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _StubHandler)
+        self.requests: list[tuple[str, str, dict[str, Any], str | None]] = []
+        self.answers: list[tuple[int, dict[str, Any]]] = []
+        self.config_status = 200
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _StubHandler(BaseHTTPRequestHandler):
+    server: StubRegistry
+
+    def _reply(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/vnd.schemaregistry.v1+json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _record(self) -> dict[str, Any]:
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        self.server.requests.append((self.command, self.path, body, self.headers.get("Authorization")))
+        return body
+
+    def do_PUT(self) -> None:
+        body = self._record()
+        if self.server.config_status != 200:
+            self._reply(self.server.config_status, {"error_code": 40301, "message": "User is denied operation"})
+        else:
+            self._reply(200, body)
+
+    def do_POST(self) -> None:
+        self._record()
+        if self.server.answers:
+            self._reply(*self.server.answers.pop(0))
+        else:
+            self._reply(200, {"id": 7})
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def stub() -> Iterator[StubRegistry]:
+    server = StubRegistry()
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+INCOMPATIBLE = (409, {"error_code": 409, "message": "Schema being registered is incompatible with an earlier schema"})
+
+
+def test_with_registry_sets_compatibility_then_registers_with_basic_auth(stub: StubRegistry) -> None:
+    cfg = load(
+        environ={},
+        overrides={
+            "schemaRegistry.url": stub.url,
+            "schemaRegistry.basicAuthUserInfo": "flows:s3cret",
+            "nodeName": NODE,
+        },
+    )
+    encode = registry.with_registry(cfg, RecordEncoder(NODE).encode)
+    assert stub.requests == []  # nothing happens before the runner asks
+    assert registry.ensure_registered(encode, threading.Event())
+    e = synthetic_exports(1)[0]
+    assert encode(e, EXPORT_MS) == b"\x00\x00\x00\x00\x07" + RecordEncoder(NODE).encode(e, EXPORT_MS)
+    (put, put_path, put_body, auth), (post, post_path, post_body, _) = stub.requests
+    subject = "io.flowexporter.FlowRecord"
+    assert (put, put_path, put_body) == ("PUT", f"/config/{subject}", {"compatibility": "BACKWARD_TRANSITIVE"})
+    assert (post, post_path.split("?")[0]) == ("POST", f"/subjects/{subject}/versions")
+    assert json.loads(post_body["schema"]) == json.loads(SCHEMA_TEXT)
+    assert auth == "Basic " + base64.b64encode(b"flows:s3cret").decode()
+
+
+def test_incompatible_schema_is_retried_and_named(stub: StubRegistry, caplog: pytest.LogCaptureFixture) -> None:
+    stub.answers = [INCOMPATIBLE, INCOMPATIBLE]
+    client = registry.make_client(stub.url)
+    with caplog.at_level(logging.ERROR, logger="pipeline.sink.registry"):
+        schema_id = register(client, "flows-subject", SCHEMA_TEXT, initial=0.01, maximum=0.02, url=stub.url)
+    assert schema_id == 7
+    errors = [r.getMessage() for r in caplog.records]
+    assert len(errors) == 2
+    assert all("'flows-subject'" in m and "incompatible" in m and "HTTP 409" in m for m in errors)
+
+
+def test_incompatible_schema_for_good_is_an_error(stub: StubRegistry) -> None:
+    stub.answers = [INCOMPATIBLE] * 3
+    with pytest.raises(RegistryError, match=r"subject 'flows-subject'.*incompatible.*409"):
+        register(registry.make_client(stub.url), "flows-subject", SCHEMA_TEXT, initial=0.01, max_attempts=3)
+
+
+def test_compatibility_refused_keeps_registering(stub: StubRegistry, caplog: pytest.LogCaptureFixture) -> None:
+    stub.config_status = 403
+    with caplog.at_level(logging.WARNING, logger="pipeline.sink.registry"):
+        assert register(registry.make_client(stub.url), "s", SCHEMA_TEXT, max_attempts=1) == 7
+    assert any("cannot set compatibility" in r.getMessage() for r in caplog.records)
+    stub.requests.clear()
+    assert register(registry.make_client(stub.url), "s", SCHEMA_TEXT, compatibility=None) == 7
+    assert [r[0] for r in stub.requests] == ["POST"]  # empty level: the subject's is left alone
+
+
+# ----------------------------------------------------------------- config
+def test_registry_settings() -> None:
+    env = {
+        "FLOW_EXPORTER_SCHEMA_REGISTRY_URL": "https://registry.example:8081",
+        "FLOW_EXPORTER_SCHEMA_REGISTRY_SUBJECT": "flows-value",
+        "FLOW_EXPORTER_SCHEMA_REGISTRY_COMPATIBILITY": "full_transitive",
+        "FLOW_EXPORTER_SCHEMA_REGISTRY_BASIC_AUTH_USER_INFO": "user:pw",
+    }
+    cfg = load(environ=env)
+    assert cfg["schemaRegistry.url"] == "https://registry.example:8081"
+    assert cfg["schemaRegistry.subject"] == "flows-value"
+    assert cfg["schemaRegistry.compatibility"] == "FULL_TRANSITIVE"
+    assert cfg.masked()["schemaRegistry.basicAuthUserInfo"] == "***"
+    assert "user:pw" not in repr(cfg)
+    assert load(environ={})["schemaRegistry.url"] is None
+    assert load(environ={}, overrides={"schemaRegistry.compatibility": ""})["schemaRegistry.compatibility"] is None
+    for key, bad in (
+        ("schemaRegistry.url", "registry:8081"),
+        ("schemaRegistry.compatibility", "SOMETIMES"),
+        ("schemaRegistry.subject", " "),
+    ):
+        with pytest.raises(ConfigError) as info:
+            load(environ={}, overrides={key: bad})
+        assert info.value.key == key
+    with pytest.raises(ConfigError) as info:
+        load(environ={}, overrides={"schemaRegistry.basicAuthUserInfo": "no-colon-secret"})
+    assert "no-colon-secret" not in str(info.value) and "***" in str(info.value)
+
+
+def test_config_print_masks_the_user_info(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.cli import main
+
+    monkeypatch.setenv("FLOW_EXPORTER_SCHEMA_REGISTRY_BASIC_AUTH_USER_INFO", "flows:hunter2")
+    assert main(["config", "--print"]) == 0
+    out = capsys.readouterr().out
+    assert "hunter2" not in out and json.loads(out)["schemaRegistry.basicAuthUserInfo"] == "***"
+
+
+def test_safe_url_hides_credentials() -> None:
+    assert registry.safe_url("https://u:p@reg.example:8081/x,http://b:1") == "https://***@reg.example:8081/x,http://b:1"
+
+
+@pytest.mark.kafka
+@pytest.mark.skipif(os.geteuid() != 0, reason="reading conntrack needs root")
+def test_run_waits_alive_for_the_registry_then_registers(
+    kafka_broker: KafkaBroker, kafka_topic: str, stub: StubRegistry
+) -> None:
+    """``run`` with a registry refusing the schema: /healthz answers while it retries, then it registers.
+
+    (The own network namespace has no conntrack entries here, so the framed values themselves
+    are checked by test_build_sink_writes_what_the_serializer_writes.)
+    """
+    stub.answers = [INCOMPATIBLE] * 4
+    port = closed_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "run",
+            "--log-format",
+            "json",
+            "--bootstrap-servers",
+            kafka_broker.bootstrap,
+            "--topic",
+            kafka_topic,
+            "--node-name",
+            NODE,
+            "--set",
+            f"schemaRegistry.url={stub.url}",
+            "--set",
+            "metrics.address=127.0.0.1",
+            "--set",
+            f"metrics.port={port}",
+            "--set",
+            "conntrack.events=false",
+            "--set",
+            "conntrack.setSysctls=false",
+            "--set",
+            "conntrack.pollInterval=1s",
+            "--set",
+            "expiry.activeTimeout=1s",
+            "--set",
+            "retry.initialBackoff=0.3s",
+            "--set",
+            "retry.maxBackoff=1s",
+        ],
+        cwd=ROOT,
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        alive_while_waiting = False
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and stub.answers:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
+                    alive_while_waiting = alive_while_waiting or (resp.status == 200 and bool(stub.answers))
+            except OSError:
+                pass
+            time.sleep(0.2)
+        assert alive_while_waiting, "no /healthz answer while the registry refused the schema"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and len(stub.requests) < 10:  # 5 compatibility PUTs + 5 POSTs
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    messages = [json.loads(line)["message"] for line in err.splitlines() if line.strip()]
+    refused = [m for m in messages if "cannot register" in m]
+    assert len(refused) == 4 and all(DEFAULT_SUBJECT in m and "HTTP 409" in m for m in refused)
+    assert any("schema registered, id 7" in m for m in messages)
