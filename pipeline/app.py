@@ -104,16 +104,33 @@ class Exporter:
     def poll_once(self) -> int:
         """One dump and store update; returns the number of entries dumped."""
         t0 = time.perf_counter()
-        conns = self.source.dump(self.zones or None)
-        with self.lock:
-            self.store.update(conns, self.clock(), self.wall_ns())
+        zones = self.zones or None
+        store = self.store
+        lock = self.lock
+        with lock:
+            store.begin_poll()
+        dump_into = getattr(self.source, "dump_into", None)
+        if dump_into is not None:
+            # Batch by batch, so the table never exists twice in memory.
+            def consume(batch: list[Connection]) -> None:
+                with lock:
+                    store.update_batch(batch, self.clock(), self.wall_ns())
+
+            n = dump_into(consume, zones)
+        else:
+            conns = self.source.dump(zones)
+            n = len(conns)
+            with lock:
+                store.update_batch(conns, self.clock(), self.wall_ns())
+        with lock:
+            store.end_poll(self.clock())
         elapsed = time.perf_counter() - t0
         if self.metrics is not None:
             self.metrics.poll_seconds.observe(elapsed)
         s = self.stats
         s.polls += 1
         s.last_poll_seconds = elapsed
-        s.last_poll_entries = len(conns)
+        s.last_poll_entries = n
         s.decode_skipped += getattr(self.source, "last_skipped", 0)
         try:
             s.table_count = self.source.count()
@@ -121,9 +138,9 @@ class Exporter:
         except OSError as exc:
             log.debug("conntrack count unavailable: %s", exc)
         if s.polls == 1:
-            log.info("first poll: %s connections in %.2fs", f"{len(conns):,}", elapsed)
+            log.info("first poll: %s connections in %.2fs", f"{n:,}", elapsed)
             self.first_poll_done.set()
-        return len(conns)
+        return n
 
     def _poll_with_retry(self) -> None:
         def before_sleep(state: tenacity.RetryCallState) -> None:

@@ -139,7 +139,20 @@ class ConnectionStore:
     # ----------------------------------------------------------------- polling
     def update(self, dumped: Iterable[Connection], now: float, wall_ns: int) -> None:
         """Apply one full conntrack dump: add or update what is in it, then sweep what is not."""
+        self.begin_poll()
+        self.update_batch(dumped, now, wall_ns)
+        self.end_poll(now)
+
+    def begin_poll(self) -> None:
+        """Start applying a dump that arrives in batches (``update_batch``, then ``end_poll``)."""
         self._generation += 1
+
+    def end_poll(self, now: float) -> None:
+        """The dump is complete: whatever it did not contain has left the table."""
+        self._sweep(now, self._generation)
+
+    def update_batch(self, dumped: Iterable[Connection], now: float, wall_ns: int) -> None:
+        """Add or update the connections of one part of the current dump."""
         gen = self._generation
         t = self.timeouts
         conns = self.connections
@@ -186,7 +199,6 @@ class ConnectionStore:
                     queue.push(key, now + t.active, now + t.idle)
                 else:
                     queue.update(key, idle_expire=now + t.idle)
-        self._sweep(now, gen)
 
     def apply_events(
         self, new: Iterable[Connection], destroyed: Iterable[Connection], now: float, wall_ns: int
@@ -422,6 +434,8 @@ class ConnectionStore:
         if delivered:
             tr.acked = export.totals
             tr.acked_records += 1
+            if not tr.active:
+                tr.avro_prefix = None  # idle: free the cached record prefix until it is needed again
             if export.final:
                 tr.final_acked = True
             return

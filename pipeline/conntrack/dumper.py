@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import gc
 import socket
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from types import TracebackType
 
 from pyroute2.netlink import NETLINK_NETFILTER, NLM_F_DUMP, NLM_F_REQUEST
@@ -133,15 +133,27 @@ class ConntrackDumper:
         ones ignore it); the result is always filtered here as well.
         Raises ConntrackOverrun / ConntrackDumpInterrupted (retry), ConntrackError otherwise.
         """
+        out: list[Connection] = []
+        self.dump_into(out.extend, zones)
+        return out
+
+    def dump_into(self, consume: Callable[[list[Connection]], None], zones: Collection[int] | None = None) -> int:
+        """Like `dump`, but hands each receive buffer's entries to `consume` as they arrive.
+
+        The poll loop uses this so the table never exists twice in memory (the store's
+        copy plus a full new dump): at 250k entries that is ~160 MB of peak RSS saved.
+        Returns the number of entries passed on. Errors as for `dump`; entries of a dump
+        that fails midway have been consumed already (they are real, current values).
+        """
         zone_set = frozenset(zones) if zones is not None else None
         zone = next(iter(zone_set)) if zone_set is not None and len(zone_set) == 1 else None
         what = f"{self._where()}: dump"
-        out: list[Connection] = []
         if zone_set is not None and not zone_set:
             self.last_skipped = 0
-            return out
+            return 0
         sock = self._socket()
         skipped = 0
+        total = 0
         interrupted = False
         decode = self.decoder.decode_batch
         ok = False
@@ -152,11 +164,15 @@ class ConntrackDumper:
         try:
             sock.send(_request(IPCTNL_MSG_CT_GET, NLM_F_REQUEST | NLM_F_DUMP, self._next_seq(), zone))
             while True:
-                res: DecodeResult = decode(self._recv(sock, what), out, zone_set)
+                batch: list[Connection] = []
+                res: DecodeResult = decode(self._recv(sock, what), batch, zone_set)
                 skipped += res.skipped
                 interrupted = interrupted or res.interrupted
                 if res.errno:
                     raise error_from_errno(res.errno, what)
+                if batch:
+                    total += len(batch)
+                    consume(batch)
                 if res.done:
                     break
             ok = True
@@ -172,7 +188,7 @@ class ConntrackDumper:
                 self._discard()
         if interrupted:
             raise error_from_errno(errno.EINTR, what)
-        return out
+        return total
 
     def _stats(self) -> tuple[int | None, int | None]:
         """(entries, max entries) from IPCTNL_MSG_CT_GET_STATS, answered for the socket's netns."""
