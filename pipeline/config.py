@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -326,7 +327,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("kafka.sasl.username", parse_opt_str, None, "SASL user name."),
     Setting("kafka.sasl.password", parse_opt_str, None, "SASL password; prefer the env variable or passwordFile."),
     Setting("kafka.sasl.passwordFile", parse_opt_str, None, "File holding the SASL password, read at start."),
-    Setting("kafka.tls.caFile", parse_opt_str, None, "PEM CA bundle to verify the brokers; empty: system CAs."),
+    Setting("kafka.tls.caFile", parse_opt_str, None, "PEM CA bundle (or directory) for the brokers; empty: system's."),
     Setting("kafka.tls.certFile", parse_opt_str, None, "PEM client certificate for mutual TLS."),
     Setting("kafka.tls.keyFile", parse_opt_str, None, "PEM private key of that certificate."),
     Setting("kafka.tls.keyPasswordFile", parse_opt_str, None, "File holding the key's passphrase, if encrypted."),
@@ -462,7 +463,7 @@ def _kafka_security(values: Mapping[str, Any]) -> dict[str, str]:
             )
     if tls:
         for key in _TLS_FILES:
-            if values[key] is not None:
+            if values[key] is not None and not _ca_not_a_file(key, values[key]):
                 _check_readable(key, values[key])
         cert, key_file = values["kafka.tls.certFile"], values["kafka.tls.keyFile"]
         if (cert is None) != (key_file is None):
@@ -473,7 +474,40 @@ def _kafka_security(values: Mapping[str, Any]) -> dict[str, str]:
             if key_file is None:
                 raise ConfigError("kafka.tls.keyPasswordFile", key_password, "needs kafka.tls.keyFile")
             secrets["kafka.tls.keyPassword"] = _read_secret("kafka.tls.keyPasswordFile", key_password)
+        _check_pem(values, secrets.get("kafka.tls.keyPassword"))
     return secrets
+
+
+def _ca_not_a_file(key: str, path: str) -> bool:
+    """librdkafka also takes a directory of CA certificates, or "probe" for the system's usual places."""
+    return key == "kafka.tls.caFile" and (path == "probe" or os.path.isdir(path))
+
+
+def _check_pem(values: Mapping[str, Any], key_password: str | None) -> None:
+    """Load the CA, certificate and key with OpenSSL as librdkafka will, so a wrong file or
+    passphrase stops the start naming its key, instead of a traceback from the producer."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    for key in ("kafka.tls.caFile", "kafka.tls.certFile"):
+        if values[key] is not None and not _ca_not_a_file(key, values[key]):
+            try:
+                ctx.load_verify_locations(cafile=values[key])
+            except ssl.SSLError:
+                raise ConfigError(key, values[key], "holds no PEM certificate") from None
+    cert, key_file = values["kafka.tls.certFile"], values["kafka.tls.keyFile"]
+    if cert is None or key_file is None:
+        return
+    try:  # the callback keeps OpenSSL from prompting on a terminal for a missing passphrase
+        ctx.load_cert_chain(cert, key_file, password=lambda: key_password or "")
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise ConfigError("kafka.tls.keyFile", key_file, "not the key of kafka.tls.certFile") from None
+        if b"ENCRYPTED" not in Path(key_file).read_bytes():
+            raise ConfigError("kafka.tls.keyFile", key_file, "holds no PEM private key") from None
+        if key_password is None:
+            raise ConfigError("kafka.tls.keyFile", key_file, "encrypted: set kafka.tls.keyPasswordFile") from None
+        raise ConfigError(
+            "kafka.tls.keyPasswordFile", values["kafka.tls.keyPasswordFile"], "does not decrypt kafka.tls.keyFile"
+        ) from None
 
 
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -287,14 +287,28 @@ authorityKeyIdentifier = keyid
 """
 
 
-def _tool(*cmd: str, cwd: Path) -> None:
-    """Run openssl/keytool; a failure quotes its output (these tools say little otherwise)."""
+def _tool_start(*cmd: str, cwd: Path) -> subprocess.Popen[str]:
     if shutil.which(cmd[0]) is None:
         raise KafkaBrokerError(f"{cmd[0]} is not on PATH; the TLS listeners need it to make test certificates")
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(
+        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True
+    )
+
+
+def _tool_wait(proc: subprocess.Popen[str]) -> None:
+    """Wait for openssl/keytool; a failure quotes its output (these tools say little otherwise)."""
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
     if proc.returncode != 0:
-        out = (proc.stdout + proc.stderr).strip()[-2000:]
-        raise KafkaBrokerError(f"{' '.join(cmd[:2])} failed (exit {proc.returncode}): {out}")
+        name = " ".join(map(str, proc.args[:2]))
+        raise KafkaBrokerError(f"{name} failed (exit {proc.returncode}): {out.strip()[-2000:]}")
+
+
+def _tool(*cmd: str, cwd: Path) -> None:
+    _tool_wait(_tool_start(*cmd, cwd=cwd))
 
 
 def make_ca(directory: Path, name: str = "ca", subject: str = "/CN=flow-exporter test CA") -> Path:
@@ -334,22 +348,27 @@ def _make_tls_material(directory: Path) -> None:
     """
     if (directory / ".complete").is_file():
         return
-    make_ca(directory)
-    _signed_cert(directory, "broker", "/CN=localhost", "server_ext")
-    _signed_cert(directory, "client", "/CN=flow-exporter-client", "client_ext")
     for stale in ("broker.keystore.p12", "broker.truststore.p12"):
         (directory / stale).unlink(missing_ok=True)
-    _tool(
-        "openssl", "pkcs12", "-export", "-in", "broker.pem", "-inkey", "broker.key", "-certfile", "ca.pem",
-        "-name", "broker", "-out", "broker.keystore.p12", "-passout", f"pass:{_STORE_PASSWORD}",
+    make_ca(directory)
+    # keytool, not openssl: Java only trusts a PKCS12 certificate entry carrying its own trust
+    # attribute. It is a JVM (~1 s), so it runs while openssl makes the other certificates.
+    keytool = _tool_start(
+        "keytool", "-J-XX:TieredStopAtLevel=1", "-J-XX:+UseSerialGC", "-importcert", "-noprompt", "-alias", "ca",
+        "-file", "ca.pem", "-keystore", "broker.truststore.p12", "-storetype", "PKCS12",
+        "-storepass", _STORE_PASSWORD,
         cwd=directory,
     )  # fmt: skip
-    # keytool, not openssl: Java only trusts a PKCS12 certificate entry carrying its own trust attribute.
-    _tool(
-        "keytool", "-importcert", "-noprompt", "-alias", "ca", "-file", "ca.pem", "-keystore",
-        "broker.truststore.p12", "-storetype", "PKCS12", "-storepass", _STORE_PASSWORD,
-        cwd=directory,
-    )  # fmt: skip
+    try:
+        _signed_cert(directory, "broker", "/CN=localhost", "server_ext")
+        _signed_cert(directory, "client", "/CN=flow-exporter-client", "client_ext")
+        _tool(
+            "openssl", "pkcs12", "-export", "-in", "broker.pem", "-inkey", "broker.key", "-certfile", "ca.pem",
+            "-name", "broker", "-out", "broker.keystore.p12", "-passout", f"pass:{_STORE_PASSWORD}",
+            cwd=directory,
+        )  # fmt: skip
+    finally:
+        _tool_wait(keytool)
     (directory / ".complete").write_text("")
 
 

@@ -46,9 +46,21 @@ _RECONNECT_KEYS = ("reconnect.backoff.ms", "reconnect.backoff.max.ms")
 ERROR_LOG_INTERVAL = 10.0  # seconds between two log lines for the same kind of client error
 # Errors no retry fixes without the operator: logged as errors with what to check.
 _SECURITY_HINTS = {
-    KafkaError._AUTHENTICATION: "authentication failed; check kafka.sasl.mechanism, username and password",
-    KafkaError._SSL: "TLS failed; check kafka.tls.caFile, certFile, keyFile and verifyHostname",
+    "auth": "authentication failed; check kafka.sasl.mechanism, username and password",
+    "tls": "TLS failed; check kafka.tls.caFile, certFile, keyFile and verifyHostname",
 }
+
+
+def _security_failure(err: KafkaError) -> str | None:
+    """Which setting group a refused login ("auth") or handshake ("tls") points at, else None.
+
+    librdkafka reports some handshake failures as transport errors, so OpenSSL's wording counts too.
+    """
+    if err.code() == KafkaError._AUTHENTICATION:
+        return "auth"
+    if err.code() == KafkaError._SSL or "SSL routines" in err.str():
+        return "tls"
+    return None
 
 
 class SinkError(RuntimeError):
@@ -87,11 +99,14 @@ class _LibrdkafkaLog:
     """librdkafka's own log lines, into Python logging (one format, JSON too) instead of raw stderr.
 
     Connection failures (facility FAIL) repeat at every reconnect and also reach ``error_cb``,
-    which logs them rate-limited; here they go to DEBUG.
+    which logs them rate-limited; here they go to DEBUG, or a refused login would log twice a second.
     """
 
+    def __init__(self, target: Any) -> None:
+        self.target = target  # a logging.Logger, or anything with its log(level, fmt, *args)
+
     def log(self, level: int, fmt: str, *args: Any) -> None:
-        _rdkafka_log.log(logging.DEBUG if args and args[0] == "FAIL" else level, fmt, *args)
+        self.target.log(logging.DEBUG if args and args[0] == "FAIL" else level, fmt, *args)
 
 
 class KafkaSink:
@@ -111,7 +126,7 @@ class KafkaSink:
         self.encode = encode
         self.config = {**PRODUCER_DEFAULTS, **producer_config}
         self.config.setdefault("error_cb", self._on_error)
-        self.config.setdefault("logger", _LibrdkafkaLog())
+        self.config["logger"] = _LibrdkafkaLog(self.config.get("logger") or _rdkafka_log)
         self._producer = Producer(self.config)
         self.reports: deque[DeliveryReport] = deque()
         self.produced = 0
@@ -119,7 +134,7 @@ class KafkaSink:
         self.failed = 0
         self.bytes_produced = 0
         self.connected = False  # the broker answered (metadata or a delivery)
-        self._last_error_log: dict[int | None, float] = {}  # by error code; None: any other error
+        self._last_error_log: dict[str | None, float] = {}  # by _security_failure(); None: other errors
         self.stopping: Callable[[], bool] = lambda: False
         self.on_wait: Callable[[], None] = lambda: None  # called while blocked on a full queue
         self._retry = tenacity.Retrying(
@@ -137,7 +152,10 @@ class KafkaSink:
     def missing_topics(self, timeout: float = 10.0) -> set[str]:
         """Topics this sink writes to that the cluster does not have (raises if unreachable)."""
         admin = AdminClient({k: v for k, v in self.config.items() if _is_admin_key(k)})
-        md = admin.list_topics(timeout=timeout)
+        try:
+            md = admin.list_topics(timeout=timeout)
+        finally:
+            admin.poll(0)  # serve error_cb: a refused login says so, not just "transport failure"
         self.connected = True
         return {t for t in self.topics() if t not in md.topics or md.topics[t].error is not None}
 
@@ -217,14 +235,13 @@ class KafkaSink:
         if err.fatal():
             log.error("kafka producer fatal error: %s", err.str())
             return
-        hint = _SECURITY_HINTS.get(err.code())
-        kind = err.code() if hint else None  # a login failure is not drowned out by "brokers are down"
+        kind = _security_failure(err)  # its own rate limit: not drowned out by "brokers are down"
         now = time.monotonic()
         if now - self._last_error_log.get(kind, -ERROR_LOG_INTERVAL) < ERROR_LOG_INTERVAL:
             return  # broker-down and login errors repeat at every reconnect
         self._last_error_log[kind] = now
-        if hint:
-            log.error("kafka %s: %s", hint, err.str())
+        if kind:
+            log.error("kafka %s: %s", _SECURITY_HINTS[kind], err.str())
         else:
             log.warning("kafka: %s", err.str())
 
