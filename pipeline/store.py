@@ -50,14 +50,20 @@ EVICTION_REASONS = (
 RETRY_DELAY = 1.0
 
 
-def connection_id(key: ConnectionKey, start_ns: int, ct_id: int) -> int:
-    """A signed 64-bit id stable for the connection's life (fits Avro ``long``)."""
-    h = hashlib.blake2b(digest_size=8)
+def connection_id(key: ConnectionKey, ct_id: int) -> int:
+    """A signed 64-bit id stable for the connection's life (fits Avro ``long``).
+
+    From the 5-tuple, zone and the kernel's conntrack id: all known from the first
+    sight of a connection, whether a dump or a NEW event (which carries no start
+    timestamp), and unchanged when the exporter restarts, so a consumer can match a
+    restarted exporter's records to the earlier ones.
+    """
     zone, proto, src, sport, dst, dport = key
+    h = hashlib.blake2b(digest_size=8)
     h.update(struct.pack("!HB", zone & 0xFFFF, proto))
     h.update(src)
     h.update(dst)
-    h.update(struct.pack("!HHQI", sport, dport, start_ns, ct_id & 0xFFFFFFFF))
+    h.update(struct.pack("!HHI", sport, dport, ct_id & 0xFFFFFFFF))
     return int.from_bytes(h.digest(), "big", signed=True)
 
 
@@ -255,7 +261,7 @@ class ConnectionStore:
         tr = Tracked(
             key=key,
             conn=conn,
-            flow_id=connection_id(key, conn.start_ns, conn.ct_id),
+            flow_id=connection_id(key, conn.ct_id),
             first_seen_ns=start,
             last_active_ns=conn.stop_ns or wall_ns,
             last_export=now,

@@ -307,9 +307,9 @@ def test_timeouts_raised_like_antrea() -> None:
 
 def test_connection_id_stable_and_distinct() -> None:
     k = tcp().key
-    assert connection_id(k, 1, 2) == connection_id(k, 1, 2)
-    assert connection_id(k, 1, 2) != connection_id(k, 2, 2)
-    assert -(2**63) <= connection_id(k, 1, 2) < 2**63
+    assert connection_id(k, 2) == connection_id(k, 2)
+    assert connection_id(k, 2) != connection_id(k, 3)
+    assert -(2**63) <= connection_id(k, 2) < 2**63
 
 
 def test_queue_orders_by_min_deadline_and_updates_lazily() -> None:
