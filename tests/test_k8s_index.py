@@ -410,17 +410,26 @@ def test_pod_index_keeps_only_wanted_label_keys() -> None:
     assert one.labels == {"app": "a"} and one.labels is two.labels
 
 
-def test_every_new_dict_and_no_exception_escapes(cluster: Indexes) -> None:
+def test_meta_dicts_are_shared_never_mutated_and_errors_stay_inside(cluster: Indexes) -> None:
     e = Enricher(cluster, "node-a", ["app"], 4)
-    tr = tracked("10.244.1.2", "10.244.1.3")
-    e(tr)
-    first = tr.meta
-    e(tr)
-    assert tr.meta == first and tr.meta is not first  # the encoder caches by id(meta)
+    a, b = tracked("10.244.1.2", "10.244.1.3"), tracked("10.244.1.2", "10.244.1.3")
+    b.conn.orig_sport = 40001
+    e(a)
+    e(b)
+    assert a.meta is b.meta  # same ends: one shared dict
+    before = dict(a.meta)
+    cluster.pods.upsert(pod("web-1", ["10.244.1.3", "fd00:1::3"], labels={"app": "web2"}), T0 + S)
+    c = tracked("10.244.1.2", "10.244.1.3")
+    e(c)
+    assert c.meta is not a.meta and c.meta["destinationPodLabels"] == {"app": "web2"}
+    assert a.meta == before  # what records already point to never changes (the encoder caches by id)
 
     class Broken:
-        pods = property(lambda self: 1 / 0)
         ready = cluster.ready
+        scope = "cluster"
+        services = cluster.services
+        nodes = cluster.nodes
+        pods = property(lambda self: 1 / 0)
 
     bad = Enricher(Broken(), "node-a", ["app"], 4)  # type: ignore[arg-type]
     tr2 = tracked("10.244.1.2", "10.244.1.3")

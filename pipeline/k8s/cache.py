@@ -147,6 +147,7 @@ class K8sCaches(Indexes):
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop the threads, closing their open watches (a lingering one would hold the server)."""
         self.stop_event.set()
         for w in self.watchers:
             w.interrupt()
@@ -196,15 +197,23 @@ class K8sCaches(Indexes):
             self._down.setdefault(resource, _describe(exc))
             if started:
                 self.outages += 1
-        if started:
-            log.warning(
-                "API server unreachable (%s: %s); records are enriched from cached data (%s), "
-                "retrying with backoff up to %.0fs",
+        if not started:
+            return
+        if isinstance(exc, ApiException) and exc.status in (401, 403):
+            log.error(
+                "API server refused to list %s (%s): check the ServiceAccount's RBAC (k8s/rbac.yaml); retrying",
                 resource,
                 _describe(exc),
-                self.status_line(),
-                self.backoff_max,
             )
+            return
+        log.warning(
+            "API server unreachable (%s: %s); records are enriched from cached data (%s), "
+            "retrying with backoff up to %.0fs",
+            resource,
+            _describe(exc),
+            self.status_line(),
+            self.backoff_max,
+        )
 
 
 class _Watcher:
@@ -349,6 +358,8 @@ class _Watcher:
         caches._on_reachable(self.resource)
         events = 0
         try:
+            if caches.stop_event.is_set():  # stop() came before _resp was set: it could not interrupt us
+                return
             for line in _lines(resp):
                 event = json.loads(line)
                 kind = event.get("type")

@@ -102,7 +102,9 @@ class IpOwner:
 class PodIndex:
     """Pod IP -> pod, with a short per-address history so a reused IP resolves by connection start.
 
-    Each address maps to a tuple of :class:`IpOwner`, oldest first. A pod that is deleted (or
+    Each address maps to its pod directly while that pod is its first and only owner (nearly
+    always: one object less per address, one memory access less per lookup), else to a tuple of
+    :class:`IpOwner`, oldest first. A pod that is deleted (or
     reaches a terminal phase, or drops the address) keeps its entry, closed at the time the cache
     saw that happen, for ``retention_ns``; a connection is attributed to the owner whose tenure
     contains its start time. The first owner of an address starts at 0 (any earlier connection is
@@ -121,11 +123,10 @@ class PodIndex:
         self.retention_ns = retention_ns
         self.keep_labels = frozenset(keep_labels) if keep_labels is not None else None
         self.history = max(history, 2)
-        self.by_ip: dict[bytes, tuple[IpOwner, ...]] = {}
+        self.by_ip: dict[bytes, PodInfo | tuple[IpOwner, ...]] = {}
         self._pods: dict[str, tuple[PodInfo, tuple[bytes, ...]]] = {}
         self._ended: deque[tuple[int, bytes, IpOwner]] = deque()
         self._label_sets: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
-        self.bad_objects = 0
 
     def __len__(self) -> int:
         return len(self._pods)
@@ -141,8 +142,8 @@ class PodIndex:
     def lookup(self, ip: bytes, start_ns: int = 0) -> PodInfo | None:
         """The pod that held ``ip`` when a connection started at ``start_ns`` (0: unknown, the latest)."""
         hist = self.by_ip.get(ip)
-        if hist is None:
-            return None
+        if hist is None or type(hist) is PodInfo:
+            return hist
         owner = hist[-1]
         if not start_ns:
             return owner.pod
@@ -187,9 +188,8 @@ class PodIndex:
             for ip in old[1]:
                 if ip not in ips:
                     self._end(ip, key, now, exact)
-        lower = max(parse_time_ns(m.get("creationTimestamp")), parse_time_ns(status.get("startTime")))
         for ip in ips:
-            self._claim(ip, info, lower, now)
+            self._claim(ip, info, m, status, now)
         self._pods[key] = (info, ips)
         return key
 
@@ -205,26 +205,41 @@ class PodIndex:
         ended = self._ended
         while ended and ended[0][0] + self.retention_ns <= now:
             _, ip, owner = ended.popleft()
-            hist = self.by_ip.get(ip)
-            if hist is None or owner.until == ALIVE or not any(o is owner for o in hist):
+            hist = self._owners(ip)
+            if owner.until == ALIVE or not any(o is owner for o in hist):
                 continue
-            rest = tuple(o for o in hist if o is not owner)
-            if rest:
-                self.by_ip[ip] = rest
-            else:
-                del self.by_ip[ip]
+            self._store(ip, tuple(o for o in hist if o is not owner))
             n += 1
         return n
 
-    def _claim(self, ip: bytes, info: PodInfo, lower: int, now: int) -> None:
-        hist = self.by_ip.get(ip, ())
+    def _owners(self, ip: bytes) -> tuple[IpOwner, ...]:
+        h = self.by_ip.get(ip)
+        if h is None:
+            return ()
+        if isinstance(h, PodInfo):
+            return (IpOwner(h, 0),)
+        return h
+
+    def _store(self, ip: bytes, owners: tuple[IpOwner, ...]) -> None:
+        if not owners:
+            self.by_ip.pop(ip, None)
+        elif len(owners) == 1 and owners[0].since == 0 and owners[0].until == ALIVE:
+            self.by_ip[ip] = owners[0].pod
+        else:
+            self.by_ip[ip] = owners
+
+    def _claim(self, ip: bytes, info: PodInfo, meta: Mapping[str, Any], status: Mapping[str, Any], now: int) -> None:
+        hist = self._owners(ip)
         for owner in hist:
             if owner.pod.uid == info.uid and owner.until == ALIVE:
                 owner.pod = info  # same tenure, fresher details
+                self._store(ip, hist)
                 return
         if not hist:
             since = 0
         else:
+            # Parsed only here, for the rare new owner of a known address: relists stay cheap.
+            lower = max(parse_time_ns(meta.get("creationTimestamp")), parse_time_ns(status.get("startTime")))
             last = hist[-1]
             if last.until != ALIVE and last.exact:
                 since = min(max(lower, last.until), now)
@@ -236,14 +251,16 @@ class PodIndex:
                     self._ended.append((now, ip, last))
                 last.until = min(last.until, since)
                 last.exact = False
-        self.by_ip[ip] = (*hist, IpOwner(info, since))[-self.history :]
+        self._store(ip, (*hist, IpOwner(info, since))[-self.history :])
 
     def _end(self, ip: bytes, key: str, now: int, exact: bool) -> None:
-        for owner in self.by_ip.get(ip, ()):
+        hist = self._owners(ip)
+        for owner in hist:
             if owner.pod.uid == key and owner.until == ALIVE:
                 owner.until = now
                 owner.exact = exact
                 self._ended.append((now, ip, owner))
+                self._store(ip, hist)
 
     def _labels(self, labels: object) -> dict[str, str]:
         """The pod's labels (only ``keep_labels`` if set), interned: pods of one workload share one dict."""
@@ -275,7 +292,6 @@ class ServiceIndex:
         self.node_ports: dict[tuple[int, int], tuple[str, str]] = {}
         self.ips: dict[bytes, int] = {}  # every Service IP, with how many services use it
         self._svcs: dict[str, tuple[tuple[tuple[bytes, int, int], ...], tuple[tuple[int, int], ...]]] = {}
-        self.bad_objects = 0
 
     def __len__(self) -> int:
         return len(self._svcs)
@@ -376,7 +392,6 @@ class NodeIndex:
         # the tuple is replaced, never changed, so a lookup can walk it while the cache thread writes.
         self._cidrs: dict[int, tuple[tuple[int, dict[int, str]], ...]] = {4: (), 16: ()}
         self._nodes: dict[str, tuple[tuple[bytes, ...], tuple[tuple[int, int, int], ...]]] = {}
-        self.bad_objects = 0
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -386,6 +401,10 @@ class NodeIndex:
 
     def lookup(self, ip: bytes) -> str | None:
         return self.by_ip.get(ip)
+
+    @property
+    def has_pod_cidrs(self) -> bool:
+        return bool(self._cidrs[4] or self._cidrs[16])
 
     def pod_cidr_node(self, ip: bytes) -> str | None:
         """The node whose pod CIDR contains ``ip``."""
@@ -490,6 +509,8 @@ class Indexes:
 
     :class:`~pipeline.k8s.cache.K8sCaches` fills one from the API server; tests fill one by hand.
     """
+
+    scope = "cluster"  # "node": pods of other nodes are not in ``pods``
 
     def __init__(self, pods: PodIndex | None = None) -> None:
         self.pods = pods if pods is not None else PodIndex()
