@@ -80,6 +80,7 @@ class _ExporterCollector(Collector):
         yield counter("connections_deleted", "Connections removed after their final record.", st.deleted)
         yield counter("connections_evicted", "Connections dropped for lack of room.", getattr(st, "evicted", 0))
         yield counter("decode_skipped", "Netlink messages skipped as malformed.", getattr(s, "decode_skipped", 0))
+        yield counter("event_losses", "Times conntrack events were lost (ENOBUFS) and a resync dump ran.", s.resyncs)
         if self.extra is not None:
             for name, value in self.extra().items():
                 yield counter(name, name.replace("_", " "), value)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from confluent_kafka import KafkaException
 
@@ -74,14 +75,26 @@ def check_topics(sink: KafkaSink, stop: threading.Event, initial: float, maximum
     return False
 
 
-def start_health_server(
-    cfg: Config, exporter: Exporter, caches_ready: Callable[[], bool] | None = None
-) -> HealthServer | None:
+def start_health_server(cfg: Config, exporter: Exporter, enricher: Any = None) -> HealthServer | None:
     """/metrics, /healthz and /readyz, unless metrics.port is 0."""
     if cfg["metrics.port"] == 0:
         return None
     metrics = Metrics()
-    metrics.bind(exporter)
+    caches_ready: Callable[[], bool] | None = None
+    extra: Callable[[], dict[str, float]] | None = None
+    if enricher is not None:
+        caches_ready = enricher.caches.ready.is_set
+        st = enricher.stats
+
+        def extra() -> dict[str, float]:
+            return {
+                "enrichment_lookups": st.lookups,
+                "enrichment_misses": st.misses,
+                "enrichment_errors": st.errors,
+                "labels_truncated": st.truncated_labels,
+            }
+
+    metrics.bind(exporter, extra)
     exporter.metrics = metrics
     # A poll may wait out the longest retry backoff; only silence beyond that is a hang.
     silence = max(3 * cfg["conntrack.pollInterval"], 60.0) + cfg["retry.maxBackoff"]
@@ -169,7 +182,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
     )
     if install_signals is not None:
         install_signals(exporter.stop_event)
-    http = start_health_server(cfg, exporter)
+    http = start_health_server(cfg, exporter, enricher)
     events = start_events(cfg, exporter)
     try:
         if cfg["kafka.checkTopics"] and not check_topics(
