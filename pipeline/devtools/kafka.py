@@ -39,6 +39,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from pipeline.devtools.maven import ANSI, MVN_TIMEOUT, mvn_failure
+
 __all__ = [
     "KAFKA_VERSION",
     "KafkaBroker",
@@ -54,24 +56,10 @@ KAFKA_VERSION = "4.4.0"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _POM = _REPO_ROOT / "tools" / "kafka" / "pom.xml"
 _MARKER = ".complete"
-_MVN_TIMEOUT = 900.0
 # Full plugin coordinates (same version as pinned in the pom): a "dependency:" prefix lookup needs
 # plugin-group metadata first, and when that download fails Maven only says "No plugin found".
 _COPY_DEPENDENCIES = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:copy-dependencies"
-# Signs in Maven's output that Maven Central could not be reached (as opposed to a bad pom).
-_NETWORK_HINTS = (
-    "Could not transfer",
-    "UnknownHostException",
-    "Connection refused",
-    "Connect timed out",
-    "Network is unreachable",
-    "No route to host",
-    "Temporary failure in name resolution",
-    "Could not resolve host",
-    "transfer failed",
-)
 _USER_RE = re.compile(r"[A-Za-z0-9._-]+")
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 # Heap kept modest: tests start several brokers, and a demo broker holds little data.
 # Measured on a 2-CPU machine: SerialGC starts faster than G1, and stopping the JIT at C1
@@ -139,16 +127,6 @@ def _lib_is_complete(lib: Path, digest: str) -> bool:
     return marker.is_file() and marker.read_text().strip() == digest
 
 
-def _mvn_failure(output: str, log: Path) -> str:
-    """A one-line reason for a failed ``mvn`` run, telling a network problem from anything else."""
-    lines = [ln.strip() for ln in output.splitlines()]
-    errors = [ln.removeprefix("[ERROR]").strip() for ln in lines if ln.startswith("[ERROR]")]
-    first = next((e for e in errors if e), lines[-1] if lines else "no output")[:300]
-    if any(hint in output for hint in _NETWORK_HINTS):
-        return f"cannot reach Maven Central to fetch the Kafka {KAFKA_VERSION} jars ({first}); log: {log}"
-    return f"mvn could not resolve the Kafka {KAFKA_VERSION} jars ({first}); log: {log}"
-
-
 def ensure_jars() -> Path:
     """Resolve the broker jars into ``cache_dir()/lib`` once and return that directory.
 
@@ -188,15 +166,15 @@ def ensure_jars() -> Path:
                 cmd,
                 capture_output=True,
                 text=True,
-                timeout=_MVN_TIMEOUT,
+                timeout=MVN_TIMEOUT,
                 check=False,
                 stdin=subprocess.DEVNULL,
             )
             # Maven 3.8 still emits colour resets in batch mode; drop them so the log reads cleanly.
-            output = _ANSI.sub("", proc.stdout + proc.stderr)
+            output = ANSI.sub("", proc.stdout + proc.stderr)
             log.write_text(output)
             if proc.returncode != 0:
-                raise KafkaBrokerError(_mvn_failure(output, log))
+                raise KafkaBrokerError(mvn_failure(output, log, f"the Kafka {KAFKA_VERSION} jars"))
             if not (staging / f"kafka_2.13-{KAFKA_VERSION}.jar").is_file():
                 raise KafkaBrokerError(f"mvn finished but kafka_2.13-{KAFKA_VERSION}.jar is missing; log: {log}")
             staging.chmod(0o755)  # mkdtemp made it private; the cache may be shared
@@ -205,7 +183,7 @@ def ensure_jars() -> Path:
             (lib / _MARKER).write_text(digest + "\n")
         except subprocess.TimeoutExpired as exc:
             raise KafkaBrokerError(
-                f"mvn took over {_MVN_TIMEOUT:.0f}s fetching the Kafka jars (is Maven Central reachable?)"
+                f"mvn took over {MVN_TIMEOUT:.0f}s fetching the Kafka jars (is Maven Central reachable?)"
             ) from exc
         finally:
             shutil.rmtree(staging, ignore_errors=True)

@@ -21,13 +21,14 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from pipeline.devtools.maven import ANSI, MVN_TIMEOUT, mvn_failure
 
 __all__ = ["SCALA_BINARY", "cache_dir", "ensure_spark_jars", "pyspark_jars_dir", "spark_version"]
 
@@ -36,21 +37,8 @@ SCALA_BINARY = "2.13"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _POM = _REPO_ROOT / "tools" / "spark" / "pom.xml"
 _MARKER = ".complete"
-_MVN_TIMEOUT = 900.0
 # Full coordinates: a bare "dependency:" prefix needs plugin-group metadata first (see kafka.py).
 _LIST = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:list"
-_NETWORK_HINTS = (
-    "Could not transfer",
-    "UnknownHostException",
-    "Connection refused",
-    "Connect timed out",
-    "Network is unreachable",
-    "No route to host",
-    "Temporary failure in name resolution",
-    "Could not resolve host",
-    "transfer failed",
-)
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def spark_version() -> str:
@@ -114,16 +102,6 @@ def _parse_list(text: str) -> list[tuple[str, str, Path]]:
     return out
 
 
-def _mvn_failure(output: str, log: Path, version: str) -> str:
-    """One line saying why ``mvn`` failed, telling an unreachable Maven Central from the rest."""
-    lines = [ln.strip() for ln in output.splitlines()]
-    errors = [ln.removeprefix("[ERROR]").strip() for ln in lines if ln.startswith("[ERROR]")]
-    first = next((e for e in errors if e), lines[-1] if lines else "no output")[:300]
-    if any(hint in output for hint in _NETWORK_HINTS):
-        return f"cannot reach Maven Central for the Spark {version} connector jars ({first}); log: {log}"
-    return f"mvn could not resolve the Spark {version} connector jars ({first}); log: {log}"
-
-
 def _complete(jars_dir: Path, digest: str) -> list[Path] | None:
     marker = jars_dir / _MARKER
     if not (marker.is_file() and marker.read_text().splitlines()[:1] == [digest]):
@@ -179,16 +157,16 @@ def ensure_spark_jars(version: str | None = None) -> list[Path]:
         try:
             try:
                 proc = subprocess.run(
-                    cmd, capture_output=True, text=True, timeout=_MVN_TIMEOUT, check=False, stdin=subprocess.DEVNULL
+                    cmd, capture_output=True, text=True, timeout=MVN_TIMEOUT, check=False, stdin=subprocess.DEVNULL
                 )
             except subprocess.TimeoutExpired as exc:
                 raise RuntimeError(
-                    f"mvn took over {_MVN_TIMEOUT:.0f}s fetching the Spark jars (is Maven Central reachable?)"
+                    f"mvn took over {MVN_TIMEOUT:.0f}s fetching the Spark jars (is Maven Central reachable?)"
                 ) from exc
-            output = _ANSI.sub("", proc.stdout + proc.stderr)
+            output = ANSI.sub("", proc.stdout + proc.stderr)
             log.write_text(output)
             if proc.returncode != 0 or not listing.is_file():
-                raise RuntimeError(_mvn_failure(output, log, version))
+                raise RuntimeError(mvn_failure(output, log, f"the Spark {version} connector jars"))
             resolved = _parse_list(listing.read_text())
             names = {a: v for a, v, _ in resolved}
             for connector in (f"spark-sql-kafka-0-10_{SCALA_BINARY}", f"spark-avro_{SCALA_BINARY}"):
