@@ -37,10 +37,6 @@ class Source(Protocol):
     def max_entries(self) -> int: ...
 
 
-class FatalSourceError(Exception):
-    """Raised by a source when retrying cannot help (missing capability or module)."""
-
-
 @dataclass
 class LoopStats:
     polls: int = 0
@@ -74,7 +70,7 @@ class Exporter:
         on_new: Callable[[Tracked], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_ns: Callable[[], int] = time.time_ns,
-        is_fatal: Callable[[BaseException], bool] = lambda e: isinstance(e, FatalSourceError),
+        is_fatal: Callable[[BaseException], bool] = lambda e: False,  # the runner knows the real source's errors
     ) -> None:
         self.source = source
         self.sink = sink

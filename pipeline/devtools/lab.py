@@ -684,6 +684,41 @@ class LongConnection:
 # --------------------------------------------------------------------------- the lab
 
 
+def _exchange_result(
+    proto: str,
+    client: Pod,
+    cres: dict[str, Any],
+    sport: int,
+    dst: str,
+    dport: int,
+    backend: Pod,
+    bport: int,
+    request_bytes: int,
+    response_bytes: int,
+    started: float,
+    **extra: Any,
+) -> Exchange:
+    """The Exchange record of a finished TCP or UDP exchange (``extra``: hold or count)."""
+    fam = 6 if ":" in dst else 4
+    return Exchange(
+        proto=proto,
+        family=fam,
+        client=client.name,
+        client_ip=_norm(cres["src"]),
+        client_port=sport,
+        server_ip=dst,
+        server_port=dport,
+        backend=backend.name,
+        backend_ip=backend.ip(fam),
+        backend_port=bport,
+        request_bytes=request_bytes,
+        response_bytes=response_bytes,
+        started=started,
+        finished=time.time(),
+        **extra,
+    )
+
+
 class Lab:
     """Namespaces, routes, nft rules and traffic agents for one isolated lab.
 
@@ -1107,23 +1142,8 @@ table inet lab {{
         sres = _Agent.wait(sfut, timeout, f"tcp server side in {backend.name}")
         if sres["received"] != request_bytes:
             raise LabError(f"server got {sres['received']} bytes, expected {request_bytes}")
-        fam = 6 if ":" in dst else 4
-        return Exchange(
-            proto="tcp",
-            family=fam,
-            client=client.name,
-            client_ip=_norm(cres["src"]),
-            client_port=sport,
-            server_ip=dst,
-            server_port=dport,
-            backend=backend.name,
-            backend_ip=backend.ip(fam),
-            backend_port=bport,
-            request_bytes=request_bytes,
-            response_bytes=response_bytes,
-            hold=hold,
-            started=started,
-            finished=time.time(),
+        return _exchange_result(
+            "tcp", client, cres, sport, dst, dport, backend, bport, request_bytes, response_bytes, started, hold=hold
         )
 
     def udp_exchange(
@@ -1156,23 +1176,8 @@ table inet lab {{
             timeout,
         )
         _Agent.wait(sfut, timeout, f"udp server side in {backend.name}")
-        fam = 6 if ":" in dst else 4
-        return Exchange(
-            proto="udp",
-            family=fam,
-            client=client.name,
-            client_ip=_norm(cres["src"]),
-            client_port=sport,
-            server_ip=dst,
-            server_port=dport,
-            backend=backend.name,
-            backend_ip=backend.ip(fam),
-            backend_port=bport,
-            request_bytes=request_bytes,
-            response_bytes=response_bytes,
-            count=count,
-            started=started,
-            finished=time.time(),
+        return _exchange_result(
+            "udp", client, cres, sport, dst, dport, backend, bport, request_bytes, response_bytes, started, count=count
         )
 
     def open_tcp(

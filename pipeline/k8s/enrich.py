@@ -172,25 +172,19 @@ class Enricher:
         """Nodes and flowType when at least one end is not a known pod; counts the misses."""
         caches = self.caches
         nodes = caches.nodes
-        # Each end: pod (known, or by pod CIDR), node, or unknown.
-        if src is not None:
-            src_node = src.node
-            src_pod = True
-        else:
-            src_node = nodes.by_ip.get(c.orig_src)
-            src_pod = False
-            if src_node is None:
-                src_node = nodes.pod_cidr_node(c.orig_src)
-                src_pod = src_node is not None
-        if dst is not None:
-            dst_node = dst.node
-            dst_pod = True
-        else:
-            dst_node = nodes.by_ip.get(c.reply_src)
-            dst_pod = False
-            if dst_node is None:
-                dst_node = nodes.pod_cidr_node(c.reply_src)
-                dst_pod = dst_node is not None
+
+        def end(pod: PodInfo | None, addr: bytes) -> tuple[str | None, bool]:
+            """(node, is a pod) of one end: a known pod, a node's address, or an address in a node's pod CIDR."""
+            if pod is not None:
+                return pod.node, True
+            node = nodes.by_ip.get(addr)
+            if node is not None:
+                return node, False
+            node = nodes.pod_cidr_node(addr)
+            return node, node is not None
+
+        src_node, src_pod = end(src, c.orig_src)
+        dst_node, dst_pod = end(dst, c.reply_src)
         src_known = src_pod or src_node is not None
         dst_known = dst_pod or dst_node is not None or c.reply_src in caches.services.ips
         # Unknown means outside the cluster only if every pod address could be known.
