@@ -250,7 +250,7 @@ def child(pages_dir: Path, lookups: int, trace: bool) -> None:
     from pipeline.connection import PROTO_TCP, Connection
     from pipeline.k8s.enrich import Enricher
     from pipeline.k8s.index import pack_ip
-    from pipeline.store import Tracked
+    from pipeline.flow import Tracked
 
     caches = _replay_caches(pages_dir)
     gc.collect()

@@ -13,15 +13,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import tenacity
 
+from pipeline.checkpoint import Checkpoint
 from pipeline.connection import Connection
+from pipeline.flow import FORCED_END, Export, Tracked
 from pipeline.metrics import Metrics
 from pipeline.sink import KafkaSink
-from pipeline.store import FORCED_END, ConnectionStore, Export, Tracked
+from pipeline.store import ConnectionStore, Restored
 from pipeline.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,15 @@ class Source(Protocol):
     def max_entries(self) -> int: ...
 
 
+class EventSource(Protocol):
+    """What the loops need from the conntrack event listener (the real one is ConntrackEvents)."""
+
+    lost: int
+    overruns: int
+
+    def caught_up(self, since: float, timeout: float) -> bool: ...
+
+
 @dataclass
 class LoopStats:
     polls: int = 0
@@ -46,9 +57,11 @@ class LoopStats:
     table_count: int = 0
     table_max: int = 0
     records_lost_at_shutdown: int = 0
+    records_kept_at_shutdown: int = 0  # undelivered at shutdown, in the checkpoint for the next start
+    records_given_up: int = 0  # deliveries Kafka refused for good (e.g. too large): counts lost
     resyncs: int = 0
     decode_skipped: int = 0
-    poll_seconds: list[float] = field(default_factory=list)
+    barrier_timeouts: int = 0  # polls whose sweep ran before the event listener caught up
 
 
 class Exporter:
@@ -71,6 +84,10 @@ class Exporter:
         clock: Callable[[], float] = time.monotonic,
         wall_ns: Callable[[], int] = time.time_ns,
         is_fatal: Callable[[BaseException], bool] = lambda e: False,  # the runner knows the real source's errors
+        checkpoint: Checkpoint | None = None,
+        lineage: bytes = b"",
+        adopt: bool = True,
+        stop_event: threading.Event | None = None,
     ) -> None:
         self.source = source
         self.sink = sink
@@ -80,10 +97,16 @@ class Exporter:
         self.grace = grace
         self.clock = clock
         self.wall_ns = wall_ns
-        self.store = ConnectionStore(timeouts, on_new=on_new, max_connections=max_connections)
+        self.store = ConnectionStore(
+            timeouts, on_new=on_new, max_connections=max_connections, lineage=lineage, adopt=adopt
+        )
+        self.checkpoint = checkpoint
+        self._events_barrier: Callable[[float, float], bool] | None = None
+        self.events: EventSource | None = None
+        self._given_up_logged_at = float("-inf")
         self.max_in_flight = max_in_flight
         self.lock = threading.Lock()
-        self.stop_event = threading.Event()
+        self.stop_event = stop_event or threading.Event()
         self.stats = LoopStats()
         self.first_poll_done = threading.Event()
         self.fatal: BaseException | None = None
@@ -95,6 +118,16 @@ class Exporter:
         self.heartbeats: dict[str, float] = {}
         self._resync = threading.Event()
         self.sink.on_wait = lambda: self.heartbeats.__setitem__("expire", time.monotonic())
+
+    def restore(self, rows: list[Restored], resends: list[Export]) -> None:
+        """Continue from a previous process's checkpoint (call before ``run``)."""
+        with self.lock:
+            self.store.restore(rows, resends)
+
+    def attach_events(self, events: EventSource) -> None:
+        """The event listener: its ``caught_up`` lets the sweep wait for DESTROY events queued until then."""
+        self.events = events
+        self._events_barrier = events.caught_up
 
     # ------------------------------------------------------------------ poll
     def poll_once(self) -> int:
@@ -118,6 +151,12 @@ class Exporter:
             n = len(conns)
             with lock:
                 store.update_batch(conns, self.clock(), self.wall_ns())
+        # An entry missing from the dump was deleted before the dump passed it, and the kernel sends
+        # its DESTROY before deleting it: once the listener has drained its socket after now, every
+        # such DESTROY is applied and the sweep ends those connections with their real final counters.
+        barrier = self._events_barrier
+        if barrier is not None and not barrier(time.monotonic(), min(2.0, self.timeouts.poll_interval)):
+            self.stats.barrier_timeouts += 1
         with lock:
             store.end_poll(self.clock())
         elapsed = time.perf_counter() - t0
@@ -200,18 +239,55 @@ class Exporter:
         if not reports:
             return
         now = self.clock()
+        settled: list[Export] = []
         with self.lock:
             while reports:
                 r = reports.popleft()
-                if not r.delivered:
-                    log.debug("record not delivered (%s); its counts go in the next record", r.error)
-                self.store.acknowledge(r.export, r.delivered, now)
+                if r.delivered:
+                    settled.append(r.export)
+                elif r.permanent:
+                    settled.append(r.export)
+                    self._given_up(r.export, r.error)
+                else:
+                    log.debug("record not delivered (%s); the same record goes again", r.error)
+                self.store.acknowledge(r.export, r.delivered, now, permanent=r.permanent)
+        if self.checkpoint is not None and settled:
+            self.checkpoint.delivered(settled)
+
+    def _given_up(self, export: Export, error: str | None) -> None:
+        self.stats.records_given_up += 1
+        now = time.monotonic()
+        if now - self._given_up_logged_at >= 60.0:
+            self._given_up_logged_at = now
+            log.error(
+                "kafka refused a record for good (%s): connectionId %d sequence %d is lost "
+                "(counted in flow_exporter_records_given_up_total; logged at most once a minute)",
+                error,
+                export.flow_id,
+                export.sequence,
+            )
 
     def _send(self, exports: list[Export]) -> None:
+        """Encode, journal, then produce: a record reaches Kafka only after the checkpoint knows it."""
         export_ms = self.wall_ns() // 1_000_000
-        send = self.sink.send
+        sink = self.sink
+        prepare = sink.prepare
         for e in exports:
-            send(e, export_ms)
+            prepare(e, export_ms)
+        if self.checkpoint is not None:
+            self.checkpoint.sent(exports)
+        produce = sink.produce
+        for e in exports:
+            produce(e)
+
+    def snapshot(self) -> None:
+        """Write the checkpoint (from the expire thread, which is also the journal's only writer)."""
+        if self.checkpoint is None:
+            return
+        with self.lock:
+            rows = list(self.store.reported())
+            records = list(self.store.in_flight())
+        self.checkpoint.snapshot(rows, records)
 
     def expire_once(self) -> int:
         """Export everything that is due; returns the number of records produced."""
@@ -229,9 +305,12 @@ class Exporter:
         return len(exports)
 
     def expire_loop(self) -> None:
+        cp = self.checkpoint
         while not self.stop_event.is_set():
             self.heartbeats["expire"] = time.monotonic()
             self.expire_once()
+            if cp is not None and cp.due():
+                self.snapshot()
             with self.lock:
                 deadline = self.store.next_deadline()
             wait = 0.2 if deadline is None else min(max(deadline - self.clock(), 0.0), 0.2)
@@ -254,6 +333,9 @@ class Exporter:
             t.join()
         if self.fatal is not None:
             log.error("%s", self.fatal)
+            self.sink.flush(min(5.0, max(deadline - time.monotonic(), 0)))
+            self._apply_reports()
+            self.snapshot()  # what was built is kept for the next start
             return 1
         return self.shutdown(deadline)
 
@@ -281,11 +363,24 @@ class Exporter:
         self.sink.flush(0)
         self._apply_reports()
         with self.lock:
-            lost = self.store.unfinished()
-        self.stats.records_lost_at_shutdown = lost
-        if lost:
+            left = self.store.unfinished()
+        if left:
             self.sink.purge()  # so closing the producer does not wait on a broker that is gone
-            log.error("shutdown: grace period over, %d connections' final records were not delivered", lost)
+            self._apply_reports()  # purged records come back as failed: they stay in the store
+        if self.checkpoint is not None and not self.checkpoint.broken:
+            self.snapshot()
+            self.stats.records_kept_at_shutdown = left
+            if left:
+                log.warning(
+                    "shutdown: grace period over, %d records not delivered; kept in the state directory, "
+                    "the next start sends them",
+                    left,
+                )
+            else:
+                log.info("shutdown: %d final records delivered", sent)
+        elif left:
+            self.stats.records_lost_at_shutdown = left
+            log.error("shutdown: grace period over, %d connections' final records were not delivered", left)
         else:
             log.info("shutdown: %d final records delivered", sent)
         return 0

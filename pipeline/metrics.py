@@ -78,9 +78,31 @@ class _ExporterCollector(Collector):
         yield counter("bytes_produced", "Avro bytes handed to the producer.", sink.bytes_produced)
         yield counter("connections_added", "Connections first seen.", st.added)
         yield counter("connections_deleted", "Connections removed after their final record.", st.deleted)
-        yield counter("connections_evicted", "Connections dropped for lack of room.", getattr(st, "evicted", 0))
-        yield counter("decode_skipped", "Netlink messages skipped as malformed.", getattr(s, "decode_skipped", 0))
-        yield counter("event_losses", "Times conntrack events were lost (ENOBUFS) and a resync dump ran.", s.resyncs)
+        given_up = CounterMetricFamily(
+            "flow_exporter_connections_given_up",
+            "Connections given up at limits.maxConnections, by reason (each got one lack-of-resources record).",
+            labels=["reason"],
+        )
+        for reason in ("cap_refused", "cap_idle"):
+            given_up.add_metric([reason], st.given_up.get(reason, 0))
+        yield given_up
+        yield counter("decode_skipped", "Netlink messages skipped as malformed.", s.decode_skipped)
+        ev = e.events
+        yield counter("event_losses", "Conntrack events the kernel dropped (buffer full).", ev.lost if ev else 0)
+        yield counter("conntrack_resyncs", "Full dumps run at once because events were lost.", s.resyncs)
+        yield counter("records_resent", "Records sent again, as the same bytes, after a failed delivery.", st.resends)
+        yield counter("records_given_up", "Records Kafka refused for good (their counts are lost).", s.records_given_up)
+        yield counter("late_events_continued", "Ended connections continued by a late event.", st.resurrected)
+        yield counter("counter_resets", "Entries whose counters went down (new connectionId).", st.counter_resets)
+        yield counter("connections_restored", "Connections continued from the checkpoint after a restart.", st.restored)
+        cp = e.checkpoint
+        if cp is not None:
+            cs = cp.stats
+            yield counter("checkpoint_snapshots", "Checkpoint snapshots written.", cs.snapshots)
+            yield counter("checkpoint_errors", "Checkpoint writes that failed (state then dropped).", cs.errors)
+            yield gauge("checkpoint_snapshot_bytes", "Size of the last checkpoint snapshot.", cs.last_snapshot_bytes)
+            yield gauge("checkpoint_snapshot_seconds", "Time to write the last snapshot.", cs.last_snapshot_seconds)
+            yield gauge("checkpoint_journal_bytes", "Size of the journal since the last snapshot.", cs.journal_bytes)
         if self.extra is not None:
             for name, value in self.extra().items():
                 yield counter(name, name.replace("_", " "), value)

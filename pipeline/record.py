@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, TCP_STATE_NAMES
-from pipeline.store import Export
+from pipeline.flow import Export
 
 SCHEMA_FILE = "flow_record.avsc"
 
@@ -63,7 +63,7 @@ def build_record(export: Export, node: str, export_ms: int) -> dict[str, Any]:
     totals = export.totals
     deltas = export.deltas
     rec: dict[str, Any] = {
-        "connectionId": tr.flow_id,
+        "connectionId": export.flow_id,
         "sequence": export.sequence,
         "exporterNode": node,
         "exportTime": export_ms,
@@ -94,6 +94,7 @@ def build_record(export: Export, node: str, export_ms: int) -> dict[str, Any]:
         "reversePacketDeltaCount": deltas[2],
         "reverseOctetDeltaCount": deltas[3],
         "flowType": 0,
+        "flags": tr.flags,
     }
     meta = tr.meta
     for name in K8S_FIELDS:

@@ -13,6 +13,7 @@ from typing import Any
 from confluent_kafka import KafkaException
 
 from pipeline.app import Exporter
+from pipeline.checkpoint import Checkpoint, CheckpointError, Loaded
 from pipeline.config import Config
 from pipeline.conntrack.events import ConntrackEvents
 from pipeline.metrics import HealthServer, Metrics, liveness, readiness
@@ -128,7 +129,30 @@ def start_events(cfg: Config, exporter: Exporter) -> ConntrackEvents | None:
         log.warning("conntrack events unavailable (%s); short-lived flows may be missed", exc)
         return None
     events.start()
+    exporter.attach_events(events)
     return events
+
+
+def open_state(cfg: Config, stop: threading.Event) -> tuple[Checkpoint | None, Loaded | None]:
+    """The state directory, locked and loaded; (None, None) without one, or when stopped while waiting."""
+    directory = cfg["state.dir"]
+    if not directory:
+        log.warning(
+            "no state.dir: after a restart, connections found live are reported again under new "
+            "connectionIds, flagged adopted (see README, Counting: the contract)"
+        )
+        return None, None
+    cp = Checkpoint(directory, table=cfg["conntrack.netns"] or "")
+    if not cp.lock(stop):
+        return None, None
+    loaded = cp.load()
+    if loaded.valid:
+        log.info("state.dir %s: continuing: %s", directory, loaded.why)
+    else:
+        log.warning("state.dir %s: nothing to continue (%s); new lineage, live connections flagged adopted",
+                    directory, loaded.why)
+    cp.begin(loaded)
+    return cp, loaded
 
 
 def is_fatal_source_error(exc: BaseException) -> bool:
@@ -160,6 +184,18 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
     except ConntrackError as exc:
         log.error("cannot open conntrack: %s", exc)
         return 1
+    stop = threading.Event()
+    if install_signals is not None:
+        install_signals(stop)
+    try:
+        checkpoint, loaded = open_state(cfg, stop)
+    except CheckpointError as exc:
+        log.error("%s", exc)
+        source.close()
+        return 2
+    if stop.is_set():
+        source.close()
+        return 0
     sink = build_sink(cfg)
     enricher = None
     if cfg["k8s.enabled"]:  # caches fill in the background; records go out meanwhile
@@ -179,9 +215,13 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         max_in_flight=cfg["limits.maxInFlight"],
         is_fatal=is_fatal_source_error,
         on_new=enricher,
+        checkpoint=checkpoint,
+        lineage=loaded.lineage if loaded else b"",
+        adopt=not (loaded and loaded.valid),
+        stop_event=stop,
     )
-    if install_signals is not None:
-        install_signals(exporter.stop_event)
+    if loaded is not None and loaded.valid:
+        exporter.restore(loaded.rows, loaded.resends)
     http = start_health_server(cfg, exporter, enricher)
     events = start_events(cfg, exporter)
     try:
@@ -197,4 +237,6 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
             events.stop()
         if http is not None:
             http.stop()
+        if checkpoint is not None:
+            checkpoint.close()
         source.close()

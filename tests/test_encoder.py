@@ -73,6 +73,7 @@ def exports(draw: st.DrawFn) -> Export:
         last_active_ns=draw(st.integers(0, 2**62)),
         last_export=0.0,
         meta=meta,
+        flags=draw(st.integers(0, 3)),
     )
     return Export(
         tracked=tr,
@@ -82,6 +83,7 @@ def exports(draw: st.DrawFn) -> Export:
         deltas=(draw(u64), draw(u64), draw(u64), draw(u64)),
         final=draw(st.booleans()),
         flow_end_ns=draw(st.integers(0, 2**62)),
+        flow_id=tr.flow_id,
     )
 
 
@@ -103,6 +105,8 @@ def test_cached_prefix_follows_mark_and_metadata_changes(export: Export) -> None
     tr = export.tracked
     tr.conn.mark = (tr.conn.mark + 1) & 0xFFFFFFFF
     tr.meta = {"sourcePodName": "p", "flowType": 1}
+    assert enc.encode(export, 1) == SER(build_record(export, "n", 1))
+    tr.flags ^= 1
     assert enc.encode(export, 1) == SER(build_record(export, "n", 1))
 
 

@@ -27,7 +27,7 @@ from pipeline.k8s.cache import K8sCaches
 from pipeline.k8s.enrich import FROM_EXTERNAL, INTER_NODE, INTRA_NODE, TO_EXTERNAL, Enricher
 from pipeline.k8s.index import Indexes, PodIndex, ServiceIndex, pack_ip, parse_time_ns
 from pipeline.record import K8S_FIELDS
-from pipeline.store import Tracked, connection_id
+from pipeline.flow import Tracked, connection_id
 
 S = 1_000_000_000  # ns per second
 T0 = parse_time_ns("2026-01-01T00:00:00Z")
@@ -108,7 +108,7 @@ def tracked(
         reply_dport=40000,
         start_ns=start_ns,
     )
-    return Tracked(c.key, c, connection_id(c.key, 0), start_ns, start_ns, 0.0)
+    return Tracked(c.key, c, connection_id(b"lineage!", c.key, 0, start_ns), start_ns, start_ns, 0.0)
 
 
 # ------------------------------------------------------------------------------ pods

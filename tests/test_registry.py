@@ -39,7 +39,7 @@ from pipeline.runner import build_sink
 from pipeline.sink import registry
 from pipeline.sink.encoder import RecordEncoder
 from pipeline.sink.registry import DEFAULT_SUBJECT, RegistryError, framed, register, split_header
-from pipeline.store import Export
+from pipeline.flow import Export
 from pipeline.tools import ValueDecoder
 from tests.test_encoder import exports as any_export
 from tests.test_tools import EXPORT_MS, NODE, ROOT, clean_env, from_json, run_tail

@@ -17,7 +17,8 @@ from pipeline.connection import PROTO_TCP, Connection
 from pipeline.record import partition_key
 from pipeline.sink import AvroSerializer, KafkaSink, Route
 from pipeline.sink.encoder import RecordEncoder
-from pipeline.store import END_OF_FLOW, ConnectionStore
+from pipeline.flow import END_OF_FLOW
+from pipeline.store import ConnectionStore
 from pipeline.timeouts import Timeouts
 
 pytestmark = pytest.mark.kafka

@@ -1,24 +1,37 @@
-"""Store and expiry-queue rules (REFERENCE.md section 1), driven by a fake clock."""
+"""Store and expiry-queue rules (REFERENCE.md section 1) and the accounting contract, driven by a fake clock.
+
+Each race is driven in both orders by hand; a model-based test then runs random
+interleavings of kernel activity, polls, events, deliveries and failures, and checks
+the contract on everything "Kafka" received against the kernel model's own counters.
+"""
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import replace
+from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from pipeline.connection import IPS_DYING, PROTO_TCP, PROTO_UDP, Connection
 from pipeline.expiry import ExpiryQueue
-from pipeline.store import (
+from pipeline.flow import (
     ACTIVE_TIMEOUT,
+    ADOPTED,
+    COUNTERS_RESET,
     END_OF_FLOW,
     FORCED_END,
     IDLE_TIMEOUT,
-    ConnectionStore,
+    LACK_OF_RESOURCES,
     Export,
     connection_id,
 )
+from pipeline.store import RETRY_DELAY, ConnectionStore
 from pipeline.timeouts import Timeouts
+from tests import contract
 
 ESTABLISHED, FIN_WAIT, CLOSE_WAIT, LAST_ACK, TIME_WAIT, CLOSE = 3, 4, 5, 6, 7, 8
 NS = 1_000_000_000
@@ -58,8 +71,8 @@ def tcp(sport: int = 40000, *, packets: int = 1, state: int = ESTABLISHED, **kw:
     return replace(base, **kw)
 
 
-def udp(sport: int = 5353, *, packets: int = 1, status: int = 0) -> Connection:
-    return replace(tcp(sport, packets=packets), proto=PROTO_UDP, tcp_state=None, status=status)
+def udp(sport: int = 5353, *, packets: int = 1, status: int = 0, **kw: object) -> Connection:
+    return replace(tcp(sport, packets=packets), proto=PROTO_UDP, tcp_state=None, status=status, **kw)
 
 
 def make(clock: Clock, **kw: float) -> ConnectionStore:
@@ -76,6 +89,53 @@ def expire(store: ConnectionStore, clock: Clock, ack: bool = True) -> list[Expor
         for e in out:
             store.acknowledge(e, True, clock.now)
     return out
+
+
+def record(e: Export) -> dict[str, Any]:
+    """What a consumer decodes from an export (the fields the contract is about)."""
+    tr = e.tracked
+    return {
+        "_incarnation": (tr.key[3], tr.conn.mark) if tr is not None else None,  # test-only (mark: the model's serial)
+        "connectionId": e.flow_id,
+        "sequence": e.sequence,
+        "flowEndReason": e.reason,
+        **dict(zip(contract.TOTALS, e.totals, strict=True)),
+        **dict(zip(contract.DELTAS, e.deltas, strict=True)),
+    }
+
+
+class Kafka:
+    """Delivers a store's records like a broker would, including 'failed' ones that were written anyway."""
+
+    def __init__(self, store: ConnectionStore, clock: Clock) -> None:
+        self.store = store
+        self.clock = clock
+        self.log: list[dict[str, Any]] = []
+
+    def run(self, outcome: str = "ok") -> list[Export]:
+        """One expire pass; ``outcome``: ok, fail (never written) or timeout (written, reported failed)."""
+        out = self.store.expire(self.clock.now, self.clock.wall())
+        for e in out:
+            if outcome in ("ok", "timeout"):
+                self.log.append(record(e))
+            self.store.acknowledge(e, outcome == "ok", self.clock.now)
+        return out
+
+    def drain(self, polls: tuple[Connection, ...] | None = None) -> None:
+        """Deliver everything due until nothing is left in flight (ticks the clock)."""
+        for _ in range(100):
+            self.run()
+            if self.store.next_deadline() is None or self.store.next_deadline() > self.clock.now + 60:
+                break
+            self.clock.tick(RETRY_DELAY * 2)
+            if polls is not None:
+                poll(self.store, self.clock, *polls)
+
+    def groups(self) -> dict[int, list[dict[str, Any]]]:
+        return contract.check(self.log)
+
+
+# --------------------------------------------------------------------------- Antrea's rules
 
 
 def test_key_uses_reply_source_as_destination_and_keeps_original() -> None:
@@ -147,22 +207,25 @@ def test_tcp_state_change_counts_as_activity() -> None:
 
 
 @pytest.mark.parametrize("state", [TIME_WAIT, CLOSE])
-def test_dying_tcp_gets_end_of_flow_and_frozen_counters(state: int) -> None:
+def test_dying_tcp_gets_end_of_flow_and_later_counts_too(state: int) -> None:
     clock = Clock()
     store = make(clock)
+    kafka = Kafka(store, clock)
     poll(store, clock, tcp(packets=2))
     clock.tick(2)
     poll(store, clock, tcp(packets=6, state=state))
-    poll(store, clock, tcp(packets=9, state=state))  # frozen: ignored
-    clock.tick(3)
-    (e,) = expire(store, clock)
-    assert e.reason == END_OF_FLOW and e.final and e.totals[0] == 6
+    (e,) = kafka.run()
+    assert e.reason == END_OF_FLOW and e.totals[0] == 6 and not e.final  # still in the table
     assert tcp().key not in store.queue
-    poll(store, clock, tcp(packets=9, state=state))  # still in the table: kept
-    assert tcp().key in store.connections
-    poll(store, clock)  # gone: marked absent
-    poll(store, clock)  # swept
-    assert tcp().key not in store.connections
+    poll(store, clock, tcp(packets=6, state=state))  # nothing new: no record
+    assert kafka.run() == []
+    poll(store, clock, tcp(packets=7, state=state))  # a last ACK in TIME_WAIT still counts
+    (e,) = kafka.run()
+    assert e.reason == END_OF_FLOW and e.sequence == 1 and e.deltas[0] == 1
+    poll(store, clock)  # gone, nothing unreported: forgotten at once
+    assert kafka.run() == [] and tcp().key not in store.connections
+    (rs,) = kafka.groups().values()
+    assert contract.consumer_sum(rs) == (7, 700, 7, 1400)
 
 
 @pytest.mark.parametrize("state", [FIN_WAIT, CLOSE_WAIT, LAST_ACK])
@@ -194,8 +257,7 @@ def test_connection_gone_from_table_gets_end_of_flow_then_deleted() -> None:
     poll(store, clock)  # vanished (e.g. conntrack -D)
     clock.tick(4)
     (e,) = expire(store, clock)
-    assert e.reason == END_OF_FLOW and e.totals[0] == 4
-    poll(store, clock)
+    assert e.reason == END_OF_FLOW and e.totals[0] == 4 and e.final
     assert len(store) == 0
 
 
@@ -209,107 +271,13 @@ def test_vanished_idle_connection_with_nothing_unreported_is_deleted_at_once() -
         expire(store, clock)
     assert udp().key not in store.queue
     poll(store, clock)
-    poll(store, clock)
-    assert len(store) == 0
-
-
-def test_stale_timeout_deletes_unacknowledged_only_when_nothing_is_pending() -> None:
-    clock = Clock()
-    store = make(clock, stale=300.0)
-    poll(store, clock, udp(packets=1))
-    clock.tick(5)
-    poll(store, clock, udp(packets=1))
-    out = expire(store, clock, ack=False)
-    store.acknowledge(out[0], False, clock.now)  # failed: counts still unreported
-    poll(store, clock)
-    clock.tick(400)
-    poll(store, clock)
-    assert udp().key in store.connections  # not silently forgotten
-    (e,) = expire(store, clock)
-    assert e.deltas[0] == 1 and e.sequence == 0
-
-
-def test_failed_record_counts_ride_in_next_record_with_same_sequence() -> None:
-    clock = Clock()
-    store = make(clock)
-    poll(store, clock, tcp(packets=2))
-    clock.tick(5)
-    poll(store, clock, tcp(packets=2))
-    (first,) = expire(store, clock, ack=False)
-    store.acknowledge(first, False, clock.now)
-    clock.tick(5)
-    poll(store, clock, tcp(packets=5))
-    (second,) = expire(store, clock)
-    assert second.sequence == first.sequence == 0
-    assert second.deltas == (5, 500, 5, 1000)
-    clock.tick(5)
-    poll(store, clock, tcp(packets=6))
-    (third,) = expire(store, clock)
-    assert third.sequence == 1 and third.deltas == (1, 100, 1, 200)
-
-
-def test_one_record_in_flight_per_connection() -> None:
-    clock = Clock()
-    store = make(clock)
-    poll(store, clock, tcp(packets=2))
-    clock.tick(5)
-    poll(store, clock, tcp(packets=3))
-    (first,) = expire(store, clock, ack=False)
-    clock.tick(5)
-    poll(store, clock, tcp(packets=4))
-    assert expire(store, clock, ack=False) == []  # previous one not settled yet
-    store.acknowledge(first, True, clock.now)
-    clock.tick(1)
-    (second,) = expire(store, clock)
-    assert second.sequence == 1 and second.deltas[0] == 1
-
-
-def test_deltas_never_negative() -> None:
-    clock = Clock()
-    store = make(clock)
-    poll(store, clock, tcp(packets=5))
-    clock.tick(5)
-    poll(store, clock, tcp(packets=5))
-    expire(store, clock)
-    clock.tick(5)
-    poll(store, clock, replace(tcp(packets=6), orig_bytes=10))  # bytes went down: kernel quirk
-    (e,) = expire(store, clock)
-    assert min(e.deltas) >= 0
-
-
-def test_reused_tuple_ends_old_connection() -> None:
-    clock = Clock()
-    store = make(clock)
-    poll(store, clock, tcp(packets=3))
-    clock.tick(2)
-    poll(store, clock, tcp(packets=1, ct_id=99, start_ns=1001 * NS))
-    out = expire(store, clock)
-    assert [(e.reason, e.totals[0]) for e in out] == [(END_OF_FLOW, 3)]
-    assert out[0].tracked.flow_id != store.connections[tcp().key].flow_id
-
-
-def test_shutdown_exports_every_connection_with_forced_end() -> None:
-    clock = Clock()
-    store = make(clock)
-    poll(store, clock, tcp(1), tcp(2), udp(3))
-    out = store.export_all(clock.now)
-    assert sorted(e.reason for e in out) == [FORCED_END] * 3
-    for e in out:
-        store.acknowledge(e, True, clock.now)
-    assert store.unfinished() == 0
+    assert len(store) == 0 and expire(store, clock) == []
 
 
 def test_timeouts_raised_like_antrea() -> None:
     t = Timeouts.normalized(poll_interval=10, active=5, idle=8, stale=8)
     assert (t.active, t.idle, t.stale) == (10, 10, 20)
     assert Timeouts.normalized(5, 5, 15, 300) == Timeouts(5, 5, 15, 300)
-
-
-def test_connection_id_stable_and_distinct() -> None:
-    k = tcp().key
-    assert connection_id(k, 2) == connection_id(k, 2)
-    assert connection_id(k, 2) != connection_id(k, 3)
-    assert -(2**63) <= connection_id(k, 2) < 2**63
 
 
 def test_queue_orders_by_min_deadline_and_updates_lazily() -> None:
@@ -336,6 +304,169 @@ def test_end_of_flow_reported_at_the_poll_that_sees_it() -> None:
     assert sorted((e.reason, e.totals[0]) for e in out) == [(END_OF_FLOW, 1), (END_OF_FLOW, 5)]
 
 
+def test_expire_limit_leaves_the_rest_due() -> None:
+    clock = Clock()
+    store = make(clock)
+    poll(store, clock, *(tcp(3000 + i) for i in range(50)))
+    clock.tick(5)
+    first = store.expire(clock.now, clock.wall(), limit=20)
+    rest = store.expire(clock.now, clock.wall())
+    assert len(first) == 20 and len(rest) == 30
+
+
+def test_shutdown_exports_every_connection_with_forced_end() -> None:
+    clock = Clock()
+    store = make(clock)
+    poll(store, clock, tcp(1), tcp(2), udp(3))
+    out = store.export_all(clock.now)
+    assert sorted(e.reason for e in out) == [FORCED_END] * 3
+    assert store.export_all(clock.now) == []  # not twice
+    for e in out:
+        store.acknowledge(e, True, clock.now)
+    assert store.unfinished() == 0
+
+
+# --------------------------------------------------------------------------- identity
+
+
+def test_connection_id_per_incarnation_and_lineage() -> None:
+    k = tcp().key
+    lin = b"12345678"
+    assert connection_id(lin, k, 2, 5) == connection_id(lin, k, 2, 5)
+    assert connection_id(lin, k, 2, 5) != connection_id(lin, k, 3, 5)  # another conntrack id
+    assert connection_id(lin, k, 2, 5) != connection_id(lin, k, 2, 6)  # same id reused later
+    assert connection_id(lin, k, 2, 0, 5) != connection_id(lin, k, 2, 5)  # first seen by us vs kernel start
+    assert connection_id(lin, k, 2, 5) != connection_id(b"87654321", k, 2, 5)  # a lineage that lost its state
+    assert -(2**63) <= connection_id(lin, k, 2, 5) < 2**63
+
+
+def test_reused_tuple_ends_old_connection() -> None:
+    clock = Clock()
+    store = make(clock)
+    poll(store, clock, tcp(packets=3))
+    clock.tick(2)
+    poll(store, clock, tcp(packets=1, ct_id=99, start_ns=1001 * NS))
+    out = expire(store, clock)
+    assert [(e.reason, e.totals[0]) for e in out] == [(END_OF_FLOW, 3)]
+    assert out[0].flow_id != store.connections[tcp().key].flow_id
+
+
+def test_reused_conntrack_id_is_a_new_connection() -> None:
+    """Fixed-port UDP (DNS, VXLAN): the kernel can give the re-created tuple the same id; the start differs."""
+    clock = Clock()
+    store = make(clock)
+    kafka = Kafka(store, clock)
+    first = udp(53, packets=2, start_ns=998 * NS)
+    poll(store, clock, first)
+    store.apply_events([], [first], clock.now, clock.wall())
+    store.apply_events([replace(first, orig_packets=0, reply_packets=0, start_ns=0)], [], clock.now, clock.wall())
+    second = udp(53, packets=5, start_ns=999 * NS)  # before its NEW was read
+    clock.tick(5)
+    poll(store, clock, second)
+    kafka.drain()
+    store.apply_events([], [second], clock.now, clock.wall())
+    kafka.drain()
+    groups = kafka.groups()
+    assert sorted(contract.consumer_sum(rs)[0] for rs in groups.values()) == [2, 5]
+
+
+def test_reused_conntrack_id_without_timestamps_told_apart_by_events() -> None:
+    """Timestamps off: same tuple, same id, no start time. DESTROY then NEW still say it is new."""
+    clock = Clock()
+    store = make(clock)
+    kafka = Kafka(store, clock)
+    first = udp(53, packets=2, start_ns=0)
+    poll(store, clock, first)
+    store.apply_events([], [first], clock.now, clock.wall())
+    store.apply_events([udp(53, packets=0, start_ns=0)], [], clock.now, clock.wall())
+    clock.tick(5)
+    poll(store, clock, udp(53, packets=3, start_ns=0))
+    store.apply_events([], [udp(53, packets=4, start_ns=0)], clock.now, clock.wall())
+    kafka.drain()
+    groups = kafka.groups()
+    assert sorted(contract.consumer_sum(rs)[0] for rs in groups.values()) == [2, 4]
+
+
+# --------------------------------------------------------------------------- failed deliveries
+
+
+def test_failed_record_is_resent_as_the_same_record_and_new_counts_wait() -> None:
+    clock = Clock()
+    store = make(clock)
+    kafka = Kafka(store, clock)
+    poll(store, clock, tcp(packets=2))
+    clock.tick(5)
+    poll(store, clock, tcp(packets=2))
+    (first,) = kafka.run("timeout")  # librdkafka timed out, but the broker wrote it
+    clock.tick(5)
+    poll(store, clock, tcp(packets=5))
+    (again,) = kafka.run("fail")
+    assert again is first  # the same record, not one with the new counts
+    clock.tick(RETRY_DELAY * 2)
+    (again,) = kafka.run("ok")
+    assert again is first and first.deltas == (2, 200, 2, 400)
+    clock.tick(5)
+    (second,) = kafka.run("ok")
+    assert second.sequence == 1 and second.deltas == (3, 300, 3, 600)
+    (rs,) = kafka.groups().values()
+    assert contract.consumer_sum(rs) == (5, 500, 5, 1000)
+    assert len(kafka.log) == 3  # the duplicate pair is identical: contract.check accepted it
+
+
+def test_one_record_in_flight_per_connection() -> None:
+    clock = Clock()
+    store = make(clock)
+    poll(store, clock, tcp(packets=2))
+    clock.tick(5)
+    poll(store, clock, tcp(packets=3))
+    (first,) = expire(store, clock, ack=False)
+    clock.tick(5)
+    poll(store, clock, tcp(packets=4))
+    assert expire(store, clock, ack=False) == []  # previous one not settled yet
+    store.acknowledge(first, True, clock.now)
+    clock.tick(1)
+    (second,) = expire(store, clock)
+    assert second.sequence == 1 and second.deltas[0] == 1
+
+
+def test_record_refused_for_good_is_not_resent_and_the_next_continues() -> None:
+    clock = Clock()
+    store = make(clock)
+    poll(store, clock, tcp(packets=2))
+    clock.tick(5)
+    poll(store, clock, tcp(packets=2))
+    (first,) = store.expire(clock.now, clock.wall())
+    store.acknowledge(first, False, clock.now, permanent=True)
+    clock.tick(5)
+    poll(store, clock, tcp(packets=3))
+    (second,) = expire(store, clock)
+    assert second is not first and second.sequence == 1 and second.deltas[0] == 1
+
+
+def test_shutdown_waits_for_records_in_flight_and_resends_failed_ones() -> None:
+    clock = Clock()
+    store = make(clock)
+    poll(store, clock, tcp(1, packets=2), tcp(2, packets=2))
+    clock.tick(5)
+    a, b = store.expire(clock.now, clock.wall())
+    store.acknowledge(a, False, clock.now)  # failed: waits for its resend
+    poll(store, clock, tcp(1, packets=4), tcp(2, packets=4))
+    out = store.export_all(clock.now)
+    assert a in out and all(e.tracked is not b.tracked for e in out)  # b is in flight: its turn comes later
+    for e in out:
+        store.acknowledge(e, True, clock.now)
+    assert store.unfinished() == 2
+    store.acknowledge(b, True, clock.now)
+    last = store.export_all(clock.now)  # both settled: their forced ends carry what came after
+    assert sorted((e.reason, e.sequence, e.deltas[0]) for e in last) == [(FORCED_END, 1, 2)] * 2
+    for e in last:
+        store.acknowledge(e, True, clock.now)
+    assert store.unfinished() == 0 and store.export_all(clock.now) == []
+
+
+# --------------------------------------------------------------------------- sweep and DESTROY races
+
+
 def test_destroy_event_between_polls_gets_end_of_flow_with_final_counters() -> None:
     clock = Clock()
     store = make(clock)
@@ -351,49 +482,357 @@ def test_destroy_event_between_polls_gets_end_of_flow_with_final_counters() -> N
     assert len(store) == 0
 
 
-def test_new_event_adds_connection_and_late_destroy_adds_the_rest() -> None:
+@pytest.mark.parametrize("order", ["destroy-then-sweep", "sweep-then-destroy"])
+def test_sweep_and_destroy_race_counts_once_in_both_orders(order: str) -> None:
+    """A flow ends between two polls; its DESTROY is read before or after the sweep that misses it."""
     clock = Clock()
     store = make(clock)
-    store.apply_events([udp(9, packets=1)], [], clock.now, clock.wall())
-    assert udp(9).key in store.connections
-    poll(store, clock)  # gone before the dump, its DESTROY not read yet
-    (first,) = expire(store, clock)
-    assert first.reason == END_OF_FLOW and first.totals[0] == 1
+    kafka = Kafka(store, clock)
+    poll(store, clock, udp(9, packets=1))
+    clock.tick(5)
+    poll(store, clock, udp(9, packets=2))
+    kafka.run()  # sequence 0: 2 packets
+    final = replace(udp(9, packets=6), stop_ns=clock.wall())  # 4 more packets, then deleted
+    clock.tick(1)
+    if order == "destroy-then-sweep":
+        store.apply_events([], [final], clock.now, clock.wall())
+        poll(store, clock)
+        kafka.run()
+    else:
+        poll(store, clock)  # sweep first: ends it with the last polled counters
+        kafka.run()
+        assert len(store) == 0  # reported and forgotten, but remembered in a tombstone
+        store.apply_events([], [final], clock.now, clock.wall())
+        kafka.run()
+    (rs,) = kafka.groups().values()
+    assert contract.consumer_sum(rs) == (6, 600, 6, 1200)
+    assert rs[-1]["flowEndReason"] == END_OF_FLOW
+
+
+def test_late_destroy_with_nothing_new_adds_no_record() -> None:
+    clock = Clock()
+    store = make(clock)
+    kafka = Kafka(store, clock)
+    poll(store, clock, udp(9, packets=3))
+    poll(store, clock)
+    kafka.run()
     store.apply_events([], [udp(9, packets=3)], clock.now, clock.wall())
-    (second,) = expire(store, clock)
-    assert second.sequence == 1 and second.deltas[0] == 2 and second.final
+    assert kafka.run() == [] and store.stats.late_destroys_dropped == 1
+    assert len(kafka.log) == 1
 
 
-def test_connection_cap_evicts_idle_reported_first_and_counts() -> None:
-    clock = Clock()
-    store = ConnectionStore(Timeouts(), max_connections=100)
-    poll(store, clock, *(udp(1000 + i, packets=1) for i in range(100)))
-    for _ in range(3):  # all become idle, fully reported
-        clock.tick(5)
-        poll(store, clock, *(udp(1000 + i, packets=1) for i in range(100)))
-        expire(store, clock)
-    poll(store, clock, *(udp(1000 + i, packets=1) for i in range(100)), tcp(5))
-    assert tcp(5).key in store.connections and len(store) <= 100
-    assert store.stats.evicted >= 1 and store.stats.evicted_by_reason
-    assert next(iter(store.stats.evicted_by_reason)).startswith("idle")
-
-
-def test_connection_cap_with_nothing_evictable_drops_new_and_counts() -> None:
-    clock = Clock()
-    store = ConnectionStore(Timeouts(), max_connections=10)
-    poll(store, clock, *(tcp(2000 + i) for i in range(10)))
-    clock.tick(5)
-    out = expire(store, clock, ack=False)  # all in flight: none can go
-    poll(store, clock, *(tcp(2000 + i) for i in range(10)), tcp(9))
-    assert tcp(9).key not in store.connections and store.stats.dropped_new == 1
-    assert len(out) == 10
-
-
-def test_expire_limit_leaves_the_rest_due() -> None:
+def test_new_event_only_connection_swept_with_zero_counters_then_destroy_gives_the_counts() -> None:
+    """Under event bursts the sweep can run before the DESTROY is read: the DESTROY continues the sequence."""
     clock = Clock()
     store = make(clock)
-    poll(store, clock, *(tcp(3000 + i) for i in range(50)))
+    kafka = Kafka(store, clock)
+    store.apply_events([udp(9, packets=0)], [], clock.now, clock.wall())
+    poll(store, clock)  # gone before the dump
+    (first,) = kafka.run()
+    assert first.totals == (0, 0, 0, 0) and first.final
+    store.apply_events([], [udp(9, packets=3)], clock.now, clock.wall())
+    (second,) = kafka.run()
+    assert second.sequence == 1 and second.deltas[0] == 3 and second.final
+    (rs,) = kafka.groups().values()
+    assert contract.consumer_sum(rs) == (3, 300, 3, 600)
+
+
+def test_time_wait_end_then_destroy_does_not_start_over() -> None:
+    clock = Clock()
+    store = make(clock)
+    kafka = Kafka(store, clock)
+    poll(store, clock, tcp(packets=4))
+    poll(store, clock, tcp(packets=5, state=TIME_WAIT))
+    kafka.run()
+    poll(store, clock)  # TIME_WAIT over: left the table
+    store.apply_events([], [tcp(packets=5, state=TIME_WAIT)], clock.now, clock.wall())
+    kafka.run()
+    (rs,) = kafka.groups().values()
+    assert [r["sequence"] for r in rs] == [0] and contract.consumer_sum(rs)[0] == 5
+
+
+def test_dump_row_missed_once_continues_the_same_connection() -> None:
+    """A dump can miss an entry (table resize): the next dump's row continues its sequence."""
+    clock = Clock()
+    store = make(clock)
+    kafka = Kafka(store, clock)
+    poll(store, clock, tcp(packets=2))
+    poll(store, clock)  # missed
+    kafka.run()
+    clock.tick(1)
+    poll(store, clock, tcp(packets=3))
     clock.tick(5)
-    first = store.expire(clock.now, clock.wall(), limit=20)
-    rest = store.expire(clock.now, clock.wall())
-    assert len(first) == 20 and len(rest) == 30
+    poll(store, clock, tcp(packets=4))
+    kafka.run()
+    (rs,) = kafka.groups().values()
+    assert [r["sequence"] for r in rs] == [0, 1] and contract.consumer_sum(rs)[0] == 4
+
+
+def test_late_new_event_after_sweep_is_not_a_new_connection() -> None:
+    clock = Clock()
+    store = make(clock)
+    kafka = Kafka(store, clock)
+    poll(store, clock, udp(9, packets=2))
+    poll(store, clock)
+    kafka.run()
+    store.apply_events([udp(9, packets=0)], [udp(9, packets=2)], clock.now, clock.wall())  # NEW read late
+    assert kafka.run() == [] and len(store) == 0
+
+
+def test_destroy_without_counters_never_lowers_totals() -> None:
+    clock = Clock()
+    store = make(clock)
+    kafka = Kafka(store, clock)
+    poll(store, clock, udp(9, packets=5))
+    store.apply_events([], [udp(9, packets=0)], clock.now, clock.wall())  # accounting off in the event
+    (e,) = kafka.run()
+    assert e.totals == (5, 500, 5, 1000) and e.final
+
+
+# --------------------------------------------------------------------------- counter resets
+
+
+def test_counters_going_down_start_a_new_connection_id() -> None:
+    clock = Clock()
+    store = make(clock)
+    kafka = Kafka(store, clock)
+    poll(store, clock, tcp(packets=5))
+    clock.tick(5)
+    poll(store, clock, tcp(packets=6))
+    kafka.run()
+    poll(store, clock, tcp(packets=8))
+    clock.tick(1)
+    poll(store, clock, tcp(packets=1))  # conntrack -Z, one packet since
+    kafka.run()
+    clock.tick(5)
+    poll(store, clock, tcp(packets=3))
+    kafka.run()
+    groups = kafka.groups()
+    assert len(groups) == 2
+    old, new = sorted(groups.values(), key=len, reverse=True)
+    assert contract.consumer_sum(old) == (8, 800, 8, 1600) and old[-1]["flowEndReason"] == FORCED_END
+    assert contract.consumer_sum(new) == (3, 300, 3, 600)
+    assert store.connections[tcp().key].flags & COUNTERS_RESET and store.stats.counter_resets == 1
+
+
+# --------------------------------------------------------------------------- the cap
+
+
+def test_table_larger_than_cap_gives_each_extra_connection_up_once() -> None:
+    clock = Clock()
+    store = ConnectionStore(Timeouts(), max_connections=40)
+    kafka = Kafka(store, clock)
+    table = [tcp(2000 + i, packets=1) for i in range(60)]
+    for step in range(12):  # a minute of polls, all connections active
+        table = [replace(c, orig_packets=c.orig_packets + 1, reply_packets=c.reply_packets + 1) for c in table]
+        poll(store, clock, *table)
+        kafka.run()
+        clock.tick(5)
+        assert len(store.connections) == 40, step
+    given = [r for r in kafka.log if r["flowEndReason"] == LACK_OF_RESOURCES]
+    assert len(given) == 20 and sum(store.stats.given_up.values()) == 20  # once each, no thrash
+    assert all(r["sequence"] == 0 for r in given)
+    tracked = {r["connectionId"] for r in kafka.log} - {r["connectionId"] for r in given}
+    assert len(tracked) == 40  # the tracked ones keep being exported
+    groups = kafka.groups()
+    assert all(len(groups[c]) >= 10 for c in tracked)
+
+
+def test_cap_makes_room_from_an_idle_connection_with_nothing_unreported() -> None:
+    clock = Clock()
+    store = ConnectionStore(Timeouts(), max_connections=2)
+    kafka = Kafka(store, clock)
+    poll(store, clock, udp(1, packets=1), udp(2, packets=1))
+    for _ in range(3):  # both idle and fully reported
+        clock.tick(5)
+        poll(store, clock, udp(1, packets=1), udp(2, packets=1))
+        kafka.run()
+    poll(store, clock, udp(1, packets=1), udp(2, packets=1), udp(3, packets=1))
+    kafka.run()
+    assert udp(3).key in store.connections and store.stats.given_up == {"cap_idle": 1}
+    (gone,) = [r for r in kafka.log if r["flowEndReason"] == LACK_OF_RESOURCES]
+    assert gone["sequence"] > 0 and contract.consumer_sum([gone]) == (0, 0, 0, 0)  # nothing was unreported
+    poll(store, clock, udp(1, packets=2), udp(2, packets=2), udp(3, packets=1))
+    assert len(store.connections) == 2 and sum(store.stats.given_up.values()) == 1  # not taken back
+
+
+# --------------------------------------------------------------------------- restarts
+
+
+def test_restart_continues_from_the_checkpoint_rows_and_resends() -> None:
+    clock = Clock()
+    old = ConnectionStore(Timeouts(), lineage=b"L" * 8, adopt=False)
+    kafka = Kafka(old, clock)
+    poll(old, clock, tcp(1, packets=2), tcp(2, packets=2))
+    clock.tick(5)
+    poll(old, clock, tcp(1, packets=3), tcp(2, packets=3))
+    out = old.expire(clock.now, clock.wall())
+    old.acknowledge(out[0], True, clock.now)  # the other one's delivery is unknown when the process dies
+    kafka.log.append(record(out[0]))
+    kafka.log.append(record(out[1]))  # ... and it did reach Kafka
+    rows = list(old.reported())
+    resends = [replace(e, tracked=None) for e in old.in_flight()]  # as the checkpoint gives them back
+    assert [e.flow_id for e in resends] == [out[1].flow_id]
+
+    new = ConnectionStore(Timeouts(), lineage=b"L" * 8)
+    new.restore(rows, resends)
+    kafka.store = new
+    poll(new, clock, tcp(1, packets=9), tcp(2, packets=9), tcp(3, packets=1))
+    (again,) = kafka.run()
+    assert again is resends[0]  # the same record first
+    clock.tick(5)
+    kafka.run()
+    groups = kafka.groups()
+    assert {contract.consumer_sum(rs)[0] for rs in groups.values()} == {9, 1}
+    assert all(r["sequence"] in (0, 1) for r in kafka.log)
+    assert not any(tr.flags & ADOPTED for tr in new.connections.values())
+    assert new.stats.restored == 2 and new.unfinished() == 3  # nothing in flight; three live connections
+
+
+def test_without_state_connections_found_live_are_flagged_adopted() -> None:
+    clock = Clock()
+    store = make(clock)
+    store.apply_events([udp(7, packets=0)], [], clock.now, clock.wall())  # new while we watch
+    poll(store, clock, tcp(1, packets=4), udp(7, packets=1))
+    poll(store, clock, tcp(1, packets=4), tcp(2, packets=1), udp(7, packets=1))
+    flags = {k[3]: tr.flags for k, tr in store.connections.items()}
+    assert flags == {1: ADOPTED, 2: 0, 7: 0}
+
+
+def test_restored_rows_gone_from_the_table_are_dropped_after_the_first_poll() -> None:
+    clock = Clock()
+    old = ConnectionStore(Timeouts(), lineage=b"L" * 8)
+    poll(old, clock, tcp(1, packets=2))
+    clock.tick(5)
+    expire(old, clock)
+    new = ConnectionStore(Timeouts(), lineage=b"L" * 8)
+    new.restore(list(old.reported()), [])
+    assert len(list(new.reported())) == 1  # kept until a dump decides
+    poll(new, clock)
+    assert list(new.reported()) == [] and new.stats.restored_gone == 1
+
+
+# --------------------------------------------------------------------------- the model
+
+
+class Kernel:
+    """A conntrack table: incarnations with counters, and the event stream it emits."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.wall = clock.wall  # the kernel's CLOCK_REALTIME is the exporter's clock
+        self.live: dict[int, Connection] = {}
+        self.events: list[tuple[str, Connection]] = []
+        self.zeroed: dict[int, int] = {}  # packets counted before a reset, per incarnation
+        self.clock = 0
+
+    def create(self, port: int, ct_id: int) -> None:
+        if port in self.live:
+            return
+        self.clock += 1  # also the incarnation's serial, kept in the mark (the store ignores it)
+        c = udp(port, packets=0, ct_id=ct_id, start_ns=self.wall() - 1000 + self.clock, mark=self.clock)
+        self.live[port] = c
+        self.events.append(("new", replace(c, start_ns=0)))  # NEW events carry no start time
+
+    def traffic(self, port: int, n: int) -> None:
+        c = self.live.get(port)
+        if c is not None:
+            self.live[port] = replace(c, orig_packets=c.orig_packets + n, orig_bytes=c.orig_bytes + 100 * n)
+
+    def destroy(self, port: int) -> None:
+        c = self.live.pop(port, None)
+        if c is not None:
+            self.events.append(("destroy", c))
+
+    def zero(self, port: int) -> None:
+        """conntrack -Z: the counters restart from zero (the lifetime count is kept for the truth)."""
+        c = self.live.get(port)
+        if c is not None:
+            self.zeroed[c.mark] = self.zeroed.get(c.mark, 0) + c.orig_packets
+            self.live[port] = replace(c, orig_packets=0, orig_bytes=0)
+
+
+RACE = [  # the sweep misses a flow whose DESTROY is read only after its final record went out
+    ("create", 1, 1), ("traffic", 1, 2), ("poll", 0, 0), ("traffic", 1, 3), ("destroy", 1, 0),
+    ("poll", 0, 0), ("export", "ok", 0), ("events", 3, 0),
+]
+
+
+# MODEL_EXAMPLES=20000 for a long search; the suite runs 300.
+@settings(
+    max_examples=int(os.environ.get("MODEL_EXAMPLES", "300")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@example(RACE)
+@example([("create", 1, 1), ("traffic", 1, 2), ("poll", 0, 0), ("destroy", 1, 0), ("create", 1, 1), ("poll", 0, 0)])
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("create"), st.integers(1, 3), st.integers(1, 2)),
+            st.tuples(st.just("traffic"), st.integers(1, 3), st.integers(1, 5)),
+            st.tuples(st.just("destroy"), st.integers(1, 3), st.just(0)),
+            st.tuples(st.just("zero"), st.integers(1, 3), st.just(0)),
+            st.tuples(st.just("poll"), st.just(0), st.just(0)),
+            st.tuples(st.just("events"), st.integers(0, 3), st.just(0)),
+            st.tuples(st.just("export"), st.sampled_from(["ok", "fail", "timeout"]), st.just(0)),
+            st.tuples(st.just("tick"), st.sampled_from([1, 5]), st.just(0)),
+        ),
+        max_size=60,
+    )
+)
+def test_model_every_packet_counted_exactly_once(ops: list[tuple[str, Any, int]]) -> None:
+    """Random interleavings: the consumer rule gives each incarnation's kernel counters, exactly."""
+    clock = Clock()
+    store = ConnectionStore(Timeouts(poll_interval=1, active=5, idle=15))
+    kafka = Kafka(store, clock)
+    kern = Kernel(clock)
+    ended: list[Connection] = []
+
+    def read(n: int | None = None) -> None:
+        take = kern.events[: len(kern.events) if n is None else n]
+        del kern.events[: len(take)]
+        for kind, c in take:
+            if kind == "destroy":
+                ended.append(c)
+            store.apply_events([c] if kind == "new" else [], [c] if kind == "destroy" else [], clock.now, clock.wall())
+
+    for op, a, b in ops:
+        if op == "create":
+            kern.create(a, b)
+        elif op == "traffic":
+            kern.traffic(a, b)
+        elif op == "destroy":
+            kern.destroy(a)
+        elif op == "zero":  # polls around it: a reset hidden by newer counts, or counts between
+            poll(store, clock, *kern.live.values())  # the last poll and a reset, cannot be seen
+            kern.zero(a)
+            poll(store, clock, *kern.live.values())
+        elif op == "poll":
+            poll(store, clock, *kern.live.values())
+        elif op == "events":
+            read(a)
+        elif op == "export":
+            kafka.run(a)
+        else:
+            read()  # the listener keeps up within a tombstone's lifetime
+            clock.tick(a)
+    read()
+    poll(store, clock, *kern.live.values())
+    kafka.drain(tuple(kern.live.values()))
+    for _ in range(20):  # shutdown, delivering everything
+        out = store.export_all(clock.now)
+        for e in out:
+            kafka.log.append(record(e))
+            store.acknowledge(e, True, clock.now)
+        clock.tick(RETRY_DELAY * 2)
+        if store.unfinished() == 0:
+            break
+    assert store.unfinished() == 0
+    groups = kafka.groups()  # the contract: one content per pair, no gaps, deltas add up
+    counted: dict[tuple[int, int], int] = {}
+    for rs in groups.values():
+        inc = rs[0]["_incarnation"]
+        assert all(r["_incarnation"] == inc for r in rs)  # a connectionId never spans two incarnations
+        counted[inc] = counted.get(inc, 0) + contract.consumer_sum(rs)[0]
+    truth = {(c.orig_sport, c.mark): c.orig_packets + kern.zeroed.get(c.mark, 0) for c in [*ended, *kern.live.values()]}
+    assert {k: v for k, v in counted.items() if v} == {k: v for k, v in truth.items() if v}

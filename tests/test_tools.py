@@ -25,7 +25,7 @@ from pipeline.record import build_record, load_schema
 from pipeline.sink import KafkaSink
 from pipeline.sink.encoder import RecordEncoder
 from pipeline.sink.registry import header
-from pipeline.store import Export
+from pipeline.flow import Export
 from pipeline.timeouts import Timeouts
 from pipeline.tools import ValueDecoder, matches, table_header, table_row
 

@@ -7,16 +7,29 @@ timestamp, so the store can still give it an end-of-flow record. UPDATE is not
 subscribed: it fires on every state change and floods the socket.
 
 The poll loop stays the source of truth: events only add connections and final
-counters. Lost events (ENOBUFS) are counted and answered by asking the poll loop
-for an immediate full dump.
+counters. Lost events (ENOBUFS) are counted (the socket's own drop counter, so the
+count is of events, not of overruns) and answered by asking the poll loop for an
+immediate full dump.
+
+Throughput: the kernel queues one event per datagram, so each ``recv`` returns one
+event. The reader drains the socket without blocking into one buffer, then decodes
+and applies the whole batch with one call (one lock acquisition in the exporter):
+at 10,000 new connections/s that is 20,000 events/s in batches, not 20,000 lock
+round trips. ``caught_up`` lets the poll loop wait until every event queued before
+a moment has been applied, so its sweep never runs ahead of a DESTROY.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import os
+import select
 import socket
+import struct
 import threading
+import time
 from collections.abc import Callable, Collection
 
 from pyroute2.netlink import NETLINK_NETFILTER
@@ -33,6 +46,10 @@ NFNLGRP_CONNTRACK_DESTROY = 3
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 SOL_NETLINK = 270
 NETLINK_ADD_MEMBERSHIP = 1
+SO_MEMINFO = 55  # getsockopt: the socket's memory counters, SK_MEMINFO_DROPS among them
+SK_MEMINFO_DROPS = 8
+# At most this many events per batch: bounds the time the store lock is held by one apply.
+MAX_BATCH = 4096
 
 
 class ConntrackEvents:
@@ -58,12 +75,18 @@ class ConntrackEvents:
         self.on_overrun = on_overrun
         self.events = 0
         self.overruns = 0
+        self.lost = 0  # events the kernel dropped for want of room in the receive buffer
+        self.batches = 0
         self.skipped = 0
         self.rcvbuf_granted = 0
         self._decoder = Decoder()
         self._buf = bytearray(bufsize)
         self._stop = threading.Event()
         self._sock = self._open(rcvbuf)
+        self._drops_seen = self._drops()
+        self._drained_at = float("-inf")  # the socket was empty at this time (monotonic), all before it applied
+        self._drained = threading.Condition()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = threading.Thread(target=self._run, name="ct-events", daemon=True)
 
     def _open(self, rcvbuf: int) -> socket.socket:
@@ -83,7 +106,7 @@ class ConntrackEvents:
             sock.bind((0, 0))
             for group in (NFNLGRP_CONNTRACK_NEW, NFNLGRP_CONNTRACK_DESTROY):
                 sock.setsockopt(SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, group)
-            sock.settimeout(0.2)  # so stop() is noticed quickly
+            sock.setblocking(False)  # drained in batches; select.poll waits
         except OSError as e:
             raise error_from_errno(e.errno or errno.EIO, where) from e
         return sock
@@ -94,37 +117,98 @@ class ConntrackEvents:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake()
         if self._thread.is_alive():
             self._thread.join(2.0)
         self._sock.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def caught_up(self, since: float, timeout: float) -> bool:
+        """Wait until every event queued before ``since`` (monotonic) has been applied; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._drained:
+            while self._drained_at < since:
+                if not self._thread.is_alive():
+                    return False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._wake()
+                self._drained.wait(min(left, 0.05))
+        return True
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # already awake (pipe full), or closing
+            os.write(self._wake_w, b"x")
+
+    def _drops(self) -> int:
+        try:
+            info = self._sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 4 * (SK_MEMINFO_DROPS + 1))
+            return struct.unpack_from(f"{SK_MEMINFO_DROPS + 1}I", info)[SK_MEMINFO_DROPS]
+        except (OSError, struct.error):
+            return 0
+
+    def _count_losses(self) -> None:
+        drops = self._drops()
+        if drops > self._drops_seen:
+            self.lost += drops - self._drops_seen
+        self._drops_seen = drops
 
     def _run(self) -> None:
         sock = self._sock
         buf = self._buf
         view = memoryview(buf)
-        decode = self._decoder.decode_batch
+        room = len(buf) - 65536  # one more event always fits
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        recv_into = sock.recv_into
         while not self._stop.is_set():
-            try:
-                n = sock.recv_into(buf)
-            except TimeoutError:
-                continue
-            except OSError as e:
-                if e.errno == errno.ENOBUFS:
-                    self.overruns += 1
-                    log.warning("conntrack events lost (receive buffer overrun); resyncing with a full dump")
-                    self.on_overrun()
-                    continue
-                if self._stop.is_set():
-                    return
-                log.error("conntrack events: %s; listener stopped, polling continues", e)
-                return
-            new: list[Connection] = []
-            destroyed: list[Connection] = []
-            res = decode(view[:n], new, self.zones, destroyed)
-            self.skipped += res.skipped
-            if new or destroyed:
-                self.events += len(new) + len(destroyed)
+            off = 0
+            count = 0
+            drained_at = None
+            while off < room and count < MAX_BATCH:
+                tried = time.monotonic()
                 try:
-                    self.on_events(new, destroyed)
-                except Exception:  # never let a bad event kill the listener
-                    log.exception("conntrack events: applying a batch failed")
+                    n = recv_into(view[off:])
+                except BlockingIOError:
+                    drained_at = tried
+                    break
+                except OSError as e:
+                    if e.errno == errno.ENOBUFS:
+                        self.overruns += 1
+                        self._count_losses()
+                        log.warning("conntrack events lost (receive buffer overrun); resyncing with a full dump")
+                        self.on_overrun()
+                        continue
+                    if self._stop.is_set():
+                        return
+                    log.error("conntrack events: %s; listener stopped, polling continues", e)
+                    return
+                off = (off + n + 3) & ~3  # netlink messages start on 4-byte boundaries
+                count += 1
+            if off:
+                self._apply(view[:off])
+            if drained_at is not None:
+                self._count_losses()
+                with self._drained:
+                    self._drained_at = drained_at
+                    self._drained.notify_all()
+                with contextlib.suppress(InterruptedError):
+                    poller.poll(200)
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
+
+    def _apply(self, data: memoryview) -> None:
+        new: list[Connection] = []
+        destroyed: list[Connection] = []
+        res = self._decoder.decode_batch(data, new, self.zones, destroyed)
+        self.skipped += res.skipped
+        if new or destroyed:
+            self.events += len(new) + len(destroyed)
+            self.batches += 1
+            try:
+                self.on_events(new, destroyed)
+            except Exception:  # never let a bad event kill the listener
+                log.exception("conntrack events: applying a batch failed")

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pipeline.flow import Tracked
 from pipeline.k8s.index import NodeIndex, PodIndex, PodInfo, ServiceIndex
-from pipeline.store import Tracked
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class Enricher:
         self._synced = True
         while self._pending:
             old = self._pending.popleft()
-            if not old.final_acked:
+            if not old.settled:
                 old.meta = self.meta_for(old)
                 self.stats.reenriched += 1
 

@@ -23,8 +23,8 @@ from functools import lru_cache
 from typing import Any
 
 from pipeline.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, TCP_STATE_NAMES
+from pipeline.flow import Export, Tracked
 from pipeline.record import K8S_FIELDS
-from pipeline.store import Export, Tracked
 
 
 def zigzag_varint(n: int) -> bytes:
@@ -115,9 +115,9 @@ class RecordEncoder:
         self._ms_bytes = b""
 
     def static(self, tr: Tracked) -> bytes:
-        """The connection-lifetime prefix (connectionId .. flowType), cached on ``tr``."""
+        """The connection-lifetime prefix (connectionId .. flags), cached on ``tr``."""
         c = tr.conn
-        stamp = (c.mark, c.labels, id(tr.meta))
+        stamp = (c.mark, c.labels, id(tr.meta), tr.flags)
         if tr.avro_prefix is not None and tr.avro_stamp == stamp:
             return tr.avro_prefix
         fam = c.family
@@ -142,6 +142,7 @@ class RecordEncoder:
             zigzag_varint(c.mark),
             _NULL if labels is None else _SOME + zigzag_varint(len(labels)) + labels,
             _k8s(tr.meta),
+            zigzag_varint(tr.flags),
         ]
         prefix = b"".join(parts)
         tr.avro_prefix = prefix

@@ -18,8 +18,8 @@ import tenacity
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
+from pipeline.flow import Export
 from pipeline.record import partition_key
-from pipeline.store import Export
 
 log = logging.getLogger(__name__)
 _rdkafka_log = logging.getLogger(__name__ + ".rdkafka")
@@ -81,11 +81,18 @@ class Route:
         return not (self.end_reason is not None and end_reason != self.end_reason)
 
 
+# Delivery errors no resend can fix: the record is given up (counted) instead of resent forever.
+PERMANENT_ERRORS = frozenset(
+    {KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE, KafkaError.INVALID_RECORD}
+)
+
+
 @dataclass(slots=True)
 class DeliveryReport:
     export: Export
     delivered: bool
     error: str | None = None
+    permanent: bool = False  # failed for good: resending the same bytes cannot succeed
 
 
 def redact(config: dict[str, Any]) -> dict[str, Any]:
@@ -169,11 +176,24 @@ class KafkaSink:
                     return r.topic
         return self.topic
 
+    def prepare(self, export: Export, export_ms: int) -> None:
+        """Encode a record once: its bytes, topic and key are kept on it, so a resend is the same message."""
+        if export.value is None:
+            export.value = self.encode(export, export_ms)
+            export.topic = self.route(export)
+            export.key = partition_key(export)
+
     def send(self, export: Export, export_ms: int) -> None:
-        """Encode one export and hand it to librdkafka, waiting (with backoff) while its queue is full."""
-        value = self.encode(export, export_ms)
-        topic = self.route(export)
-        key = partition_key(export)
+        """Encode (first time only) and produce one record."""
+        self.prepare(export, export_ms)
+        self.produce(export)
+
+    def produce(self, export: Export) -> None:
+        """Hand a prepared record to librdkafka, waiting (with backoff) while its queue is full."""
+        value = export.value
+        topic = export.topic
+        key = export.key
+        assert value is not None and topic is not None, "produce() before prepare()"
         reports = self.reports
 
         def on_delivery(err: KafkaError | None, _msg: Any, export: Export = export) -> None:
@@ -184,7 +204,7 @@ class KafkaSink:
                 reports.append(DeliveryReport(export, True))
             else:
                 self.failed += 1
-                reports.append(DeliveryReport(export, False, err.str()))
+                reports.append(DeliveryReport(export, False, err.str(), err.code() in PERMANENT_ERRORS))
 
         produce = self._producer.produce
         try:
@@ -198,7 +218,9 @@ class KafkaSink:
             self.failed += 1
             return
         except KafkaException as exc:
-            self.reports.append(DeliveryReport(export, False, str(exc)))
+            err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+            permanent = err is not None and err.code() in PERMANENT_ERRORS
+            self.reports.append(DeliveryReport(export, False, str(exc), permanent))
             self.failed += 1
             return
         self.produced += 1

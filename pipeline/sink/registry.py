@@ -25,8 +25,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import tenacity
 
+from pipeline.flow import Export
 from pipeline.record import schema_path
-from pipeline.store import Export
 
 if TYPE_CHECKING:
     from confluent_kafka.schema_registry import SchemaRegistryClient
