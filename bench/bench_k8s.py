@@ -248,9 +248,9 @@ def child(pages_dir: Path, lookups: int, trace: bool) -> None:
     import tracemalloc
 
     from pipeline.connection import PROTO_TCP, Connection
+    from pipeline.flow import Tracked
     from pipeline.k8s.enrich import Enricher
     from pipeline.k8s.index import pack_ip
-    from pipeline.flow import Tracked
 
     caches = _replay_caches(pages_dir)
     gc.collect()

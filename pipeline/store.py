@@ -711,8 +711,10 @@ class ConnectionStore:
                 if tr.final_due:
                     out.append(self._build(tr, tr.end_reason, now))
                 continue
-            self.queue.remove(tr.key)
             tr.closed = True
+            if tr.conn.dying and tr.next_seq and tr.totals == tr.base:
+                continue  # its end-of-flow record told it all (TIME_WAIT)
+            self.queue.remove(tr.key)
             out.append(self._build(tr, reason, now))
         self._orphan_due = []
         return out

@@ -23,11 +23,11 @@ from kubernetes.client.rest import ApiException
 
 from pipeline.config import ConfigError, load
 from pipeline.connection import PROTO_TCP, PROTO_UDP, Connection
+from pipeline.flow import Tracked, connection_id
 from pipeline.k8s.cache import K8sCaches
 from pipeline.k8s.enrich import FROM_EXTERNAL, INTER_NODE, INTRA_NODE, TO_EXTERNAL, Enricher
 from pipeline.k8s.index import Indexes, PodIndex, ServiceIndex, pack_ip, parse_time_ns
 from pipeline.record import K8S_FIELDS
-from pipeline.flow import Tracked, connection_id
 
 S = 1_000_000_000  # ns per second
 T0 = parse_time_ns("2026-01-01T00:00:00Z")

@@ -34,12 +34,12 @@ from hypothesis import given, settings
 from bench.bench_export import synthetic_exports
 from pipeline.config import ConfigError, load
 from pipeline.devtools.kafka import KafkaBroker
+from pipeline.flow import Export
 from pipeline.record import build_record, schema_path
 from pipeline.runner import build_sink
 from pipeline.sink import registry
 from pipeline.sink.encoder import RecordEncoder
 from pipeline.sink.registry import DEFAULT_SUBJECT, RegistryError, framed, register, split_header
-from pipeline.flow import Export
 from pipeline.tools import ValueDecoder
 from tests.test_encoder import exports as any_export
 from tests.test_tools import EXPORT_MS, NODE, ROOT, clean_env, from_json, run_tail

@@ -14,10 +14,10 @@ from confluent_kafka import Consumer
 
 from pipeline.app import Exporter
 from pipeline.connection import PROTO_TCP, Connection
+from pipeline.flow import END_OF_FLOW
 from pipeline.record import partition_key
 from pipeline.sink import AvroSerializer, KafkaSink, Route
 from pipeline.sink.encoder import RecordEncoder
-from pipeline.flow import END_OF_FLOW
 from pipeline.store import ConnectionStore
 from pipeline.timeouts import Timeouts
 

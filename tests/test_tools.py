@@ -21,11 +21,11 @@ from confluent_kafka import Producer
 from bench.bench_export import synthetic_exports
 from pipeline.app import Exporter
 from pipeline.devtools.kafka import KafkaBroker
+from pipeline.flow import Export
 from pipeline.record import build_record, load_schema
 from pipeline.sink import KafkaSink
 from pipeline.sink.encoder import RecordEncoder
 from pipeline.sink.registry import header
-from pipeline.flow import Export
 from pipeline.timeouts import Timeouts
 from pipeline.tools import ValueDecoder, matches, table_header, table_row
 

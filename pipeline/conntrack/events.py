@@ -81,6 +81,8 @@ class ConntrackEvents:
         self.rcvbuf_granted = 0
         self._decoder = Decoder()
         self._buf = bytearray(bufsize)
+        self._view = memoryview(self._buf)
+        self._room = bufsize - 65536  # one more event always fits
         self._stop = threading.Event()
         self._sock = self._open(rcvbuf)
         self._drops_seen = self._drops()
@@ -155,50 +157,69 @@ class ConntrackEvents:
             self.lost += drops - self._drops_seen
         self._drops_seen = drops
 
-    def _run(self) -> None:
-        sock = self._sock
-        buf = self._buf
-        view = memoryview(buf)
-        room = len(buf) - 65536  # one more event always fits
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        recv_into = sock.recv_into
-        while not self._stop.is_set():
-            off = 0
-            count = 0
-            drained_at = None
-            while off < room and count < MAX_BATCH:
-                tried = time.monotonic()
-                try:
-                    n = recv_into(view[off:])
-                except BlockingIOError:
-                    drained_at = tried
-                    break
-                except OSError as e:
-                    if e.errno == errno.ENOBUFS:
-                        self.overruns += 1
-                        self._count_losses()
-                        log.warning("conntrack events lost (receive buffer overrun); resyncing with a full dump")
-                        self.on_overrun()
-                        continue
-                    if self._stop.is_set():
-                        return
-                    log.error("conntrack events: %s; listener stopped, polling continues", e)
-                    return
-                off = (off + n + 3) & ~3  # netlink messages start on 4-byte boundaries
-                count += 1
-            if off:
-                self._apply(view[:off])
+    def drain(self) -> int:
+        """Read and apply every event queued now; returns how many messages were read.
+
+        The listener thread calls it in a loop; a test that never starts the thread calls it
+        to apply events at a moment of its choosing (races driven in a fixed order).
+        """
+        total = 0
+        while True:
+            n, drained_at = self._read_batch()
+            total += n
             if drained_at is not None:
                 self._count_losses()
                 with self._drained:
                     self._drained_at = drained_at
                     self._drained.notify_all()
-                with contextlib.suppress(InterruptedError):
-                    poller.poll(200)
-                with contextlib.suppress(BlockingIOError):
-                    os.read(self._wake_r, 4096)
+                return total
+
+    def _read_batch(self) -> tuple[int, float | None]:
+        """One batch: recv without blocking until the socket is empty or the batch full, then apply it.
+
+        Returns (messages read, the time the socket was found empty or None if it was not).
+        """
+        view = self._view
+        off = 0
+        count = 0
+        drained_at = None
+        recv_into = self._sock.recv_into
+        while off < self._room and count < MAX_BATCH:
+            tried = time.monotonic()
+            try:
+                n = recv_into(view[off:])
+            except BlockingIOError:
+                drained_at = tried
+                break
+            except OSError as e:
+                if e.errno != errno.ENOBUFS:
+                    raise
+                self.overruns += 1
+                self._count_losses()
+                log.warning("conntrack events lost (receive buffer overrun); resyncing with a full dump")
+                self.on_overrun()
+                continue
+            off = (off + n + 3) & ~3  # netlink messages start on 4-byte boundaries
+            count += 1
+        if off:
+            self._apply(view[:off])
+        return count, drained_at
+
+    def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while not self._stop.is_set():
+            try:
+                self.drain()
+            except OSError as e:
+                if not self._stop.is_set():
+                    log.error("conntrack events: %s; listener stopped, polling continues", e)
+                return
+            with contextlib.suppress(InterruptedError):
+                poller.poll(200)
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
 
     def _apply(self, data: memoryview) -> None:
         new: list[Connection] = []

@@ -1069,16 +1069,21 @@ table inet lab {{
         server_args: dict[str, Any],
         timeout: float,
         keep: bool = False,
+        sport: int | None = None,
     ) -> tuple[dict[str, Any], Future[dict[str, Any]], str, int, Pod, int, int]:
-        """Announce the connection to the server agent, run the client op, retry on port clash."""
+        """Announce the connection to the server agent, run the client op, retry on port clash.
+
+        ``sport``: use this client port (no retry with another one on a clash).
+        """
         if isinstance(server, str):
             family = 6 if ":" in server else 4
         dst, dport, backend, bport = self._resolve(server, port, family, proto)
         self._ensure_listener(backend, proto, bport)
         cagent, sagent = self._agent(client), self._agent(backend)
         last: LabError | None = None
-        for _ in range(8):
-            sport = self._take_port()
+        fixed = sport
+        for _ in range(1 if fixed else 8):
+            sport = fixed or self._take_port()
             sfut = sagent.request(
                 "expect", proto=proto, port=bport, sport=sport, timeout=timeout, **server_args
             )
@@ -1099,12 +1104,13 @@ table inet lab {{
             except LabError as exc:
                 with contextlib.suppress(LabError):
                     sagent.request("unexpect", proto=proto, port=bport, sport=sport)
-                self._release_port(sport)
+                if not fixed:
+                    self._release_port(sport)
                 if exc.code == "addrinuse":
                     last = exc
                     continue
                 raise
-            if not keep:
+            if not keep and not fixed:
                 self._release_port(sport)
             return cres, sfut, dst, dport, backend, bport, sport
         raise LabError(f"could not bind a client port: {last}")
@@ -1156,8 +1162,12 @@ table inet lab {{
         family: int = 4,
         count: int = 1,
         timeout: float = 10.0,
+        sport: int | None = None,
     ) -> Exchange:
-        """``count`` request/response datagram pairs from one client port (one conntrack entry)."""
+        """``count`` request/response datagram pairs from one client port (one conntrack entry).
+
+        ``sport`` fixes the client port (a re-created tuple, like DNS or VXLAN traffic).
+        """
         for n in (request_bytes, response_bytes):
             if not 0 <= n <= _MAX_UDP_PAYLOAD:
                 raise ValueError(f"UDP payload must be 0..{_MAX_UDP_PAYLOAD}")
@@ -1174,6 +1184,7 @@ table inet lab {{
             {"request": request_bytes, "response": response_bytes, "count": count},
             {"mode": "exchange", "request": request_bytes, "response": response_bytes, "count": count},
             timeout,
+            sport=sport,
         )
         _Agent.wait(sfut, timeout, f"udp server side in {backend.name}")
         return _exchange_result(
