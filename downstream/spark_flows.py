@@ -11,32 +11,26 @@ Groups. Kubernetes fields are null until enrichment exists, so each side falls b
   ``destinationPodNamespace/destinationPodName``, else ``destinationAddress:destinationPort``
   (``[address]:port`` for IPv6). The address and port are the ones after DNAT (the backend).
 
-Counting (``--mode totals``, the default) survives exporter restarts. Summing the
-``*DeltaCount`` fields after dropping duplicates by (connectionId, sequence), as the record
-contract suggests, goes wrong when an exporter restarts: the new process has no acknowledged
-base, so it re-exports every connection still in the conntrack table from sequence 0 with
-deltas equal to the full totals. If those records share connectionId and sequence with the old
-process's ones, dedup drops them and the bytes they add since are lost; if not, the connection
-is counted twice. (The id is meant to be stable, but today a connection the old process first
-learned from a conntrack NEW event, which carries no start timestamp, gets another
-connectionId after the restart, which reads it from a dump: always the double count.)
+Counting (``--mode deltas``, the default) is the README's consumer rule ("Counting: the
+contract"): drop duplicate (connectionId, sequence) pairs within the watermark, keeping any copy
+(the exporter resends a record only as the same bytes), then sum the ``*DeltaCount`` fields. It
+is exact across exporter restarts, resends and races as long as the exporter keeps its
+``state.dir``; a record that arrives later than the watermark (an outage longer than it) is
+dropped, so set ``--watermark`` above the longest outage to be counted.
 
-The cumulative ``*TotalCount`` fields are the kernel's own and survive any restart, so the job
-keeps, per connection, the highest totals seen so far (a Python stateful step,
-``applyInPandasWithState``) and emits each record's rise above them: a re-export, a redelivered
-or a re-sent record adds exactly what is new. A connection is identified here by
-(zone, protocol, sourceAddress, sourcePort, destinationAddress, destinationPort, ctId), hashed:
-all kernel values that no exporter restart changes, unlike connectionId above. Increments go to
-the window of the record that revealed them; summed over all windows they equal each
-connection's final kernel totals. Connections are hashed into ``--state-buckets`` state keys
-(one Python call per key and batch, not per connection). A connection's state is dropped once
-the watermark passes its newest record by ``--state-ttl``; a connection silent for longer and
-then re-exported by a restarted exporter is counted again.
-
-``--mode deltas`` is the plain, cheaper pipeline of the record contract: drop duplicates by
-(connectionId, sequence) within the watermark, keeping the first, then sum the deltas. It is
-exact only while no exporter restarts (and keeps the first of two records with one sequence
-number, though a re-sent one after a failed delivery carries more).
+``--mode totals`` is the rule for exporters without state (or a state that was lost): their
+records of connections found live are flagged adopted and restart under new connectionIds, so
+summing deltas would count those twice. The cumulative ``*TotalCount`` fields are the kernel's
+own and survive anything, so the job keeps, per connection, the highest totals seen so far (a
+Python stateful step, ``applyInPandasWithState``) and emits each record's rise above them. A
+connection is identified by kernel values no exporter restart changes: (exporterNode, zone,
+protocol, sourceAddress, sourcePort, destinationAddress, destinationPort, ctId, flowStart), plus
+the connectionId of records flagged "counters reset" (the totals of such a segment restart from
+zero). Increments go to the window of the record that revealed them; summed over all windows they
+equal each connection's final kernel totals. Connections are hashed into ``--state-buckets``
+state keys (one Python call per key and batch, not per connection). A connection's state is
+dropped once the watermark passes its newest record by ``--state-ttl``; a connection silent for
+longer and then re-exported by a restarted stateless exporter is counted again.
 
 Output rows (append mode) appear once the watermark (latest event time minus ``--watermark``)
 passes a window's end, so an ``--available-now`` run leaves the newest windows in its checkpoint
@@ -74,6 +68,9 @@ USED_FIELDS = frozenset(
     {
         "connectionId",
         "sequence",
+        "exporterNode",
+        "flowStart",
+        "flags",
         "exportTime",
         "flowEnd",
         "ipVersion",
@@ -119,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--window", default="1 minute", help="tumbling window length (default: 1 minute)")
     ap.add_argument("--watermark", default="1 minute", help="allowed lateness of event time (default: 1 minute)")
     ap.add_argument("--event-time", choices=("exportTime", "flowEnd"), default="exportTime", help="event-time column")
-    ap.add_argument("--mode", choices=("totals", "deltas"), default="totals", help="see the module docstring")
+    ap.add_argument("--mode", choices=("deltas", "totals"), default="deltas", help="see the module docstring")
     ap.add_argument(
         "--state-ttl", default="1 hour", help="totals mode: keep a connection's state this long after its last record"
     )
@@ -336,12 +333,25 @@ class HighWater:
         self.ids, self.high, self.last = self.ids[alive], self.high[alive], self.last[alive]
 
 
+COUNTERS_RESET = 2  # record flag: this connectionId continues an entry whose counters went down
+
+
 def flow_key() -> Column:
     """A connection's identity from kernel values an exporter restart cannot change (see above)."""
     from pyspark.sql import functions as F
 
+    segment = F.when((F.col("flags").bitwiseAND(COUNTERS_RESET)) != 0, F.col("connectionId")).otherwise(F.lit(0))
     return F.xxhash64(
-        "zone", "protocol", "sourceAddress", "sourcePort", "destinationAddress", "destinationPort", "ctId"
+        "exporterNode",
+        "zone",
+        "protocol",
+        "sourceAddress",
+        "sourcePort",
+        "destinationAddress",
+        "destinationPort",
+        "ctId",
+        "flowStart",
+        segment,
     )
 
 

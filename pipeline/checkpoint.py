@@ -432,7 +432,8 @@ class Checkpoint:
             with contextlib.suppress(OSError):
                 os.unlink(self.dir / name)
         if self._journal is not None:
-            os.close(self._journal)
+            with contextlib.suppress(OSError):
+                os.close(self._journal)
             self._journal = None
 
     def close(self) -> None:

@@ -203,12 +203,16 @@ def test_kustomize_build_renders_the_same(docs: list[dict[str, Any]]) -> None:
 # ------------------------------------------------------------------------------ the DaemonSet
 
 
-def test_daemonset_container_security(pod: dict[str, Any], container: dict[str, Any]) -> None:
+def test_daemonset_container_security(pod: dict[str, Any], container: dict[str, Any], config: Config) -> None:
     assert pod["hostNetwork"] is True
     assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     for host_ns in ("hostPID", "hostIPC"):
         assert not pod.get(host_ns)
-    assert not [v for v in pod["volumes"] if "hostPath" in v]
+    # One hostPath: the state directory, a directory of its own on the node, mounted where the config says.
+    (state,) = [v for v in pod["volumes"] if "hostPath" in v]
+    assert state["hostPath"] == {"path": "/var/lib/flow-exporter", "type": "DirectoryOrCreate"}
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts[state["name"]]["mountPath"] == config["state.dir"]
     ctx = container["securityContext"]
     assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN"]}
     assert ctx["readOnlyRootFilesystem"] is True

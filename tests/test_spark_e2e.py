@@ -1,12 +1,12 @@
 """The downstream Spark job end to end: lab traffic -> exporter -> real broker -> Spark -> Parquet.
 
-One scenario, one topic, one Spark run (its JVM start dominates), checked by three tests:
+One scenario, one topic, one Spark run per counting mode (the JVM start dominates), checked by
+three tests:
 
 * plain: connections that one exporter process saw from start to end;
-* restart: connections alive across an exporter restart (SIGTERM, start again), which the new
-  process re-exports from sequence 0 with deltas equal to the full totals (and, today, under a
-  new connectionId when the old process first saw them in a NEW event). A connection also
-  starts and ends while no exporter runs;
+* restart: connections alive across exporter restarts with a state directory (SIGKILL mid-way,
+  start, SIGTERM, start), which the restarted processes continue at their next sequence; a
+  connection also starts and ends while no exporter runs;
 * Kubernetes names and windows.
 
 The conntrack table is flushed between the two phases, so the restarted exporter does not see
@@ -79,8 +79,8 @@ def record_group(r: dict[str, Any]) -> Group:
     return r["sourceAddress"], endpoint(r["destinationAddress"], r["destinationPort"])
 
 
-def naive_totals(records: list[dict[str, Any]]) -> dict[Group, Counts]:
-    """The record contract's recipe: drop duplicates by (connectionId, sequence), sum the deltas."""
+def readme_rule(records: list[dict[str, Any]]) -> dict[Group, Counts]:
+    """The README's consumer rule: drop duplicates by (connectionId, sequence), sum the deltas."""
     seen: set[tuple[int, int]] = set()
     out: dict[Group, Counts] = defaultdict(lambda: (0, 0))
     for r in records:
@@ -138,6 +138,7 @@ def synthetic_record(
         "exportTime": export_ms,
         "flowEnd": export_ms,
         "flowEndReason": 3,
+        "flags": 0,
         "packetTotalCount": totals[0],
         "octetTotalCount": totals[1],
         "reversePacketTotalCount": totals[2],
@@ -174,13 +175,14 @@ class Scenario:
     plain_ct: dict[Group, Counts]
     restart_ct: dict[Group, Counts]
     records: list[dict[str, Any]]
-    rows: list[dict[str, Any]]
-    long_b: Any  # the LongConnection that spans the restart
+    rows: list[dict[str, Any]]  # the default mode (deltas: the README's consumer rule)
+    totals_rows: list[dict[str, Any]]  # --mode totals
+    long_b: Any  # the LongConnection that spans the restarts
     spark_seconds: float
 
-    def spark_totals(self) -> dict[Group, Counts]:
+    def spark_totals(self, mode: str = "deltas") -> dict[Group, Counts]:
         out: dict[Group, Counts] = defaultdict(lambda: (0, 0))
-        for row in self.rows:
+        for row in self.rows if mode == "deltas" else self.totals_rows:
             key = (row["source"], row["destination"])
             p, b = out[key]
             out[key] = (p + row["packets"], b + row["bytes"])
@@ -193,9 +195,10 @@ def quiet_then_snapshot(lab: Lab) -> CtTable:
     return lab.conntrack_entries()
 
 
-def run_spark(bootstrap: str, topic: str, workdir: Path) -> tuple[list[dict[str, Any]], float]:
+def run_spark(bootstrap: str, topic: str, workdir: Path, *mode: str) -> tuple[list[dict[str, Any]], float]:
     import pyarrow.parquet as pq
 
+    workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "flows.parquet"
     cmd = [
         sys.executable,
@@ -218,6 +221,7 @@ def run_spark(bootstrap: str, topic: str, workdir: Path) -> tuple[list[dict[str,
         "--watermark",
         "5 minutes",
         f"--driver-java-options={SPARK_JVM}",
+        *mode,
     ]
     t0 = time.monotonic()
     proc = subprocess.run(
@@ -268,8 +272,9 @@ def scenario(kafka_broker: KafkaBroker, tmp_path_factory: pytest.TempPathFactory
             time.sleep(0.1)
         assert lab.conntrack_count() == 0
 
-        # Restart: connections alive across an exporter restart.
-        exporter = start_exporter(lab, bootstrap, topic, work / "exporter-2.log")
+        # Restarts: connections alive across exporter restarts that keep a state directory.
+        state = ("--set", f"state.dir={work / 'state'}")
+        exporter = start_exporter(lab, bootstrap, topic, work / "exporter-2.log", *state)
         try:
             long_b = lab.open_tcp(p3, p1, 7100)
             lab.tcp_exchange(p1, p2, 9100, 2000, 3000)  # ended; still in the table (TIME_WAIT) at restart
@@ -278,17 +283,22 @@ def scenario(kafka_broker: KafkaBroker, tmp_path_factory: pytest.TempPathFactory
                 long_b.send(1000)
                 time.sleep(1)
             time.sleep(1.5)
-            stop_exporter(exporter, work / "exporter-2.log")
+            exporter.kill()  # SIGKILL, records in flight
+            exporter.wait(10)
             # No exporter: a connection that starts and ends unseen, and more bytes on long_b.
             lab.tcp_exchange(p1, p2, 9100, 500, 500)
             long_b.send(2000)
-            exporter = start_exporter(lab, bootstrap, topic, work / "exporter-3.log")
+            exporter = start_exporter(lab, bootstrap, topic, work / "exporter-3.log", *state)
             lab.udp_exchange(p3, p2, 5400, 80, 160, count=2)
             for _ in range(3):
                 long_b.send(1000)
                 time.sleep(1)
+            stop_exporter(exporter, work / "exporter-3.log")  # SIGTERM
+            long_b.send(500)
+            exporter = start_exporter(lab, bootstrap, topic, work / "exporter-4.log", *state)
+            long_b.send(700)
             restart = quiet_then_snapshot(lab)
-            stop_exporter(exporter, work / "exporter-3.log")
+            stop_exporter(exporter, work / "exporter-4.log")
         finally:
             if exporter.poll() is None:
                 exporter.kill()
@@ -296,8 +306,9 @@ def scenario(kafka_broker: KafkaBroker, tmp_path_factory: pytest.TempPathFactory
 
     produce_synthetic(bootstrap, topic)
     records = read_records(bootstrap, topic, expect_at_least=10)
-    rows, seconds = run_spark(bootstrap, topic, work)
-    return Scenario(ct_totals(plain), ct_totals(restart), records, rows, long_b, seconds)
+    rows, seconds = run_spark(bootstrap, topic, work / "deltas")
+    totals_rows, _ = run_spark(bootstrap, topic, work / "totals", "--mode", "totals")
+    return Scenario(ct_totals(plain), ct_totals(restart), records, rows, totals_rows, long_b, seconds)
 
 
 # --------------------------------------------------------------------------- checks
@@ -305,38 +316,37 @@ def scenario(kafka_broker: KafkaBroker, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.mark.lab
 @pytest.mark.kafka
-def test_plain_totals_equal_conntrack(scenario: Scenario) -> None:
-    got = scenario.spark_totals()
+@pytest.mark.parametrize("mode", ["deltas", "totals"])
+def test_plain_totals_equal_conntrack(scenario: Scenario, mode: str) -> None:
+    got = scenario.spark_totals(mode)
     expected = scenario.plain_ct
     assert len(expected) >= 5, expected
     assert {g: got.get(g) for g in expected} == expected
-    # Without a restart the contract's recipe agrees too (the exporter's deltas are exact).
-    naive = naive_totals(scenario.records)
-    assert {g: naive.get(g) for g in expected} == expected
+    # The README's rule, computed here without Spark, agrees.
+    rule = readme_rule(scenario.records)
+    assert {g: rule.get(g) for g in expected} == expected
 
 
 @pytest.mark.lab
 @pytest.mark.kafka
-def test_restart_totals_equal_conntrack(scenario: Scenario) -> None:
-    got = scenario.spark_totals()
+@pytest.mark.parametrize("mode", ["deltas", "totals"])
+def test_restart_totals_equal_conntrack(scenario: Scenario, mode: str) -> None:
+    got = scenario.spark_totals(mode)
     expected = scenario.restart_ct
     assert len(expected) >= 3, expected
     assert not set(expected) & set(scenario.plain_ct), "the two phases must not share groups"
     assert {g: got.get(g) for g in expected} == expected
+    rule = readme_rule(scenario.records)
+    assert {g: rule.get(g) for g in expected} == expected
 
-    # The premise: the restarted exporter re-exported long_b from sequence 0 with deltas equal
-    # to its full totals; the kernel's identity of the connection (tuple, zone, ctId) is the
-    # same in both processes' records. (Its connectionId need not be: see the job's docstring.)
+    # The premise: long_b lived through a SIGKILL and a SIGTERM, and its records are one connectionId
+    # whose sequences continued across the three processes (no second sequence 0).
     lb = scenario.long_b
     recs = [r for r in scenario.records if r["sourceAddress"] == lb.client_ip and r["sourcePort"] == lb.client_port]
-    identity = {(r["zone"], r["protocol"], r["destinationAddress"], r["destinationPort"], r["ctId"]) for r in recs}
-    assert len(identity) == 1, identity
-    restarts = [i for i in range(1, len(recs)) if recs[i]["sequence"] == 0]
-    assert restarts, [r["sequence"] for r in recs]
-    first_again = recs[restarts[0]]
-    assert first_again["packetDeltaCount"] == first_again["packetTotalCount"] > 0
-    naive = naive_totals(scenario.records)
-    assert any(naive.get(g) != v for g, v in expected.items()), "the restart did not disturb the naive sum"
+    assert len({r["connectionId"] for r in recs}) == 1
+    assert len({r["exporterNode"] for r in recs}) == 1
+    assert sorted({r["sequence"] for r in recs}) == list(range(len({r["sequence"] for r in recs})))
+    assert len({r["sequence"] for r in recs}) >= 5
 
 
 @pytest.mark.lab
