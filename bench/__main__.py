@@ -1,6 +1,7 @@
 """``make bench``: every benchmark in turn; each updates its own section of BENCHMARKS.md.
 
-``python -m bench [NAME ...]`` runs only the named ones (poll, export, capture, latency, k8s, spark).
+``python -m bench [NAME ...]`` runs only the named ones (poll, export, capture, events, checkpoint, latency,
+k8s, spark).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ SUITE = {
     "poll": ("bench.bench_poll", []),
     "export": ("bench.bench_export", []),
     "capture": ("bench.bench_capture", []),
+    "events": ("bench.bench_events", []),
+    "checkpoint": ("bench.bench_checkpoint", []),
     "latency": ("bench.bench_latency", []),
     "k8s": ("bench.bench_k8s", []),
     "spark": ("bench.bench_spark", []),

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import gc
 import logging
 import os
 import struct
@@ -45,6 +46,7 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pipeline.flow import LACK_OF_RESOURCES, Export
 from pipeline.store import Restored
@@ -63,9 +65,15 @@ MIN_JOURNAL_BYTES = 8 << 20
 
 _HEAD = struct.Struct("!4sHQ")  # magic, version, snapshot id (both files)
 _META = struct.Struct("!16s8sQII")  # boot id, lineage, written at (ns), rows, records
-_ROW_KEY = struct.Struct("!BHBHH")  # address length, zone, proto, sport, dport (then src, dst)
-_ROW = struct.Struct("!IQQqQQQQQB")  # ct_id, start, first seen, flow id, next seq, base x4, flags
-_REC = struct.Struct("!qQHHI")  # flow id, sequence, topic length, key length, value length
+# A row: address length, zone, proto, sport, dport, src, dst, ct_id, start, first seen, flow id,
+# next sequence, base totals x4, flags. One struct per address family: one call packs a row.
+_ROW_FIELDS = "BHBHH{0}s{0}sIQQqQQQQQB"
+_ROW = {4: struct.Struct("!" + _ROW_FIELDS.format(4)), 16: struct.Struct("!" + _ROW_FIELDS.format(16))}
+# A journaled record: its connection's row (next sequence = its sequence + 1, base = its totals),
+# then ended, topic length, key length, value length; then topic, key and value bytes.
+_SENT_ROW = {n: struct.Struct(r.format + "BHHI") for n, r in _ROW.items()}
+# A record in a snapshot: flow id, sequence, totals x4, topic, key and value lengths; then the bytes.
+_REC = struct.Struct("!qQQQQQHHI")
 _ENTRY = struct.Struct("!BII")  # type, payload length, crc32(payload)
 _ACK = struct.Struct("!qQ")
 _SENT, _ACKED = 1, 2
@@ -104,65 +112,59 @@ def boot_id() -> bytes:
         return b"\0" * 16
 
 
-def _pack_row(
-    key: tuple[int, int, bytes, int, bytes, int],
-    ct_id: int,
-    start_ns: int,
-    first_seen_ns: int,
-    flow_id: int,
-    next_seq: int,
-    base: tuple[int, int, int, int],
-    flags: int,
-) -> bytes:
-    zone, proto, src, sport, dst, dport = key
-    return b"".join(
-        (
-            _ROW_KEY.pack(len(src), zone & 0xFFFF, proto, sport, dport),
-            src,
-            dst,
-            _ROW.pack(ct_id & 0xFFFFFFFF, start_ns, first_seen_ns, flow_id, next_seq, *base, flags & 0xFF),
-        )
+def _pack_row(row: Restored) -> bytes:
+    (zone, proto, src, sport, dst, dport), ct_id, start, first, flow_id, next_seq, b, flags = row
+    return _ROW[len(src)].pack(
+        len(src), zone & 0xFFFF, proto, sport, dport, src, dst, ct_id & 0xFFFFFFFF, start, first, flow_id, next_seq,
+        b[0], b[1], b[2], b[3], flags & 0xFF,
+    )  # fmt: skip
+
+
+def _row_struct(buf: memoryview, off: int, table: dict[int, struct.Struct]) -> struct.Struct:
+    s = table.get(buf[off])
+    if s is None:
+        raise ValueError(f"address length {buf[off]}")
+    return s
+
+
+def _restored(f: tuple[Any, ...]) -> Restored:
+    return _new_restored(
+        (Restored, ((f[1], f[2], f[5], f[3], f[6], f[4]), f[7], f[8], f[9], f[10], f[11], f[12:16], f[16]))
     )
 
 
-def _unpack_row(buf: memoryview, off: int) -> tuple[Restored, int]:
-    alen, zone, proto, sport, dport = _ROW_KEY.unpack_from(buf, off)
-    if alen not in (4, 16):
-        raise ValueError(f"address length {alen}")
-    off += _ROW_KEY.size
-    src = bytes(buf[off : off + alen])
-    dst = bytes(buf[off + alen : off + 2 * alen])
-    off += 2 * alen
-    ct_id, start, first, flow_id, next_seq, b0, b1, b2, b3, flags = _ROW.unpack_from(buf, off)
-    key = (zone, proto, src, sport, dst, dport)
-    return Restored(key, ct_id, start, first, flow_id, next_seq, (b0, b1, b2, b3), flags), off + _ROW.size
+def _new_restored(args: tuple[type[Restored], tuple[Any, ...]]) -> Restored:
+    return tuple.__new__(*args)  # type: ignore[return-value]  # a NamedTuple without its __new__ overhead
 
 
 def _pack_record(e: Export) -> bytes:
     topic = (e.topic or "").encode()
     key = e.key or b""
     value = e.value or b""
-    totals = struct.pack("!QQQQ", *e.totals)
-    return b"".join((_REC.pack(e.flow_id, e.sequence, len(topic), len(key), len(value)), totals, topic, key, value))
+    t = e.totals
+    head = _REC.pack(e.flow_id, e.sequence, t[0], t[1], t[2], t[3], len(topic), len(key), len(value))
+    return b"".join((head, topic, key, value))
 
 
-def _unpack_record(buf: memoryview, off: int) -> tuple[Export, int]:
-    flow_id, seq, tlen, klen, vlen = _REC.unpack_from(buf, off)
-    off += _REC.size
-    totals = struct.unpack_from("!QQQQ", buf, off)
-    off += 32
+def _record(
+    buf: memoryview, off: int, flow_id: int, seq: int, totals: tuple[int, ...], tlen: int, klen: int, vlen: int
+) -> Export:
     end = off + tlen + klen + vlen
     if end > len(buf):
         raise ValueError("record past the end")
-    topic = bytes(buf[off : off + tlen]).decode()
-    key = bytes(buf[off + tlen : off + tlen + klen])
-    value = bytes(buf[off + tlen + klen : end])
-    e = Export(None, 0, seq, totals, (0, 0, 0, 0), False, 0, flow_id, value=value, topic=topic, key=key)
-    return e, end
-
-
-def _row_bytes(r: Restored) -> bytes:
-    return _pack_row(r.key, r.ct_id, r.start_ns, r.first_seen_ns, r.flow_id, r.next_seq, r.base, r.flags)
+    return Export(
+        None,
+        0,
+        seq,
+        tuple(totals),  # type: ignore[arg-type]
+        (0, 0, 0, 0),
+        False,
+        0,
+        flow_id,
+        value=bytes(buf[off + tlen + klen : end]),
+        topic=bytes(buf[off : off + tlen]).decode(),
+        key=bytes(buf[off + tlen : off + tlen + klen]),
+    )
 
 
 class Checkpoint:
@@ -178,6 +180,7 @@ class Checkpoint:
         self._snapshot_id = 0
         self._journal: int | None = None
         self._lock_fd: int | None = None
+        self._topics: dict[str | None, bytes] = {}
 
     # ------------------------------------------------------------------ open
     def lock(self, stop: threading.Event | None = None, log_every: float = 10.0) -> bool:
@@ -208,7 +211,15 @@ class Checkpoint:
 
     def load(self) -> Loaded:
         """Read the snapshot and replay the journal; start a new lineage when there is nothing to continue."""
-        loaded = self._read()
+        # Hundreds of thousands of small tuples and no cycles among them: the cyclic collector would
+        # scan the growing heap again and again (it doubled the load time at 250k rows).
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            loaded = self._read()
+        finally:
+            if enabled:
+                gc.enable()
         if not loaded.valid:
             loaded.lineage = os.urandom(8)
             loaded.rows = []
@@ -233,19 +244,22 @@ class Checkpoint:
             return Loaded(b"", why="checkpoint from an earlier boot (the conntrack table is new too)")
         if table != self.table:
             return Loaded(b"", why=f"checkpoint of another conntrack table ({table or 'the host'}); ignored")
-        by_id = {r.flow_id: r for r in rows}
-        pending = {(e.flow_id, e.sequence): e for e in records}
+        by_id: dict[int, Any] = {f[10]: f for f in rows}
+        pending: dict[tuple[int, int], Any] = {(r[2], r[3]): r for r in records}
         replayed, torn = self._replay(snap_id, by_id, pending)
-        why = f"checkpoint: {len(rows):,} connections, {len(records):,} records awaiting delivery"
+        # Rows and records stay raw (unpacked fields, offsets) until here: many are superseded.
+        restored = [_restored(f) for f in by_id.values()]
+        resends = [_record(*r) for r in pending.values()]
+        why = f"checkpoint: {len(restored):,} connections, {len(resends):,} records awaiting delivery"
         if replayed:
             why += f"; journal: {replayed:,} entries replayed"
         if torn:
             why += f" ({torn})"
-        return Loaded(lineage, list(by_id.values()), list(pending.values()), True, why)
+        return Loaded(lineage, restored, resends, True, why)
 
     def _parse_snapshot(
         self, data: memoryview
-    ) -> tuple[int, tuple[bytes, bytes, int, int, int, str], list[Restored], list[Export]]:
+    ) -> tuple[int, tuple[bytes, bytes, int, int, int, str], list[tuple[Any, ...]], list[tuple[Any, ...]]]:
         if len(data) < _HEAD.size + _META.size + 6:
             raise ValueError("too short")
         body, crc = data[:-4], struct.unpack_from("!I", data, len(data) - 4)[0]
@@ -260,21 +274,24 @@ class Checkpoint:
         (tlen,) = struct.unpack_from("!H", data, off)
         table = bytes(data[off + 2 : off + 2 + tlen]).decode()
         off += 2 + tlen
-        rows = []
+        rows = []  # unpacked fields, made Restored once the journal has had its say
         for _ in range(nrows):
-            row, off = _unpack_row(body, off)
-            rows.append(row)
-        records = []
+            st = _row_struct(body, off, _ROW)
+            rows.append(st.unpack_from(body, off))
+            off += st.size
+        records = []  # (buffer, offset, fields): copied out only if still undelivered after the journal
         for _ in range(nrecs):
-            rec, off = _unpack_record(body, off)
-            records.append(rec)
+            flow_id, seq, t0, t1, t2, t3, tlen, klen, vlen = _REC.unpack_from(body, off)
+            off += _REC.size
+            if off + tlen + klen + vlen > len(body):
+                raise ValueError("record past the end")
+            records.append((body, off, flow_id, seq, (t0, t1, t2, t3), tlen, klen, vlen))
+            off += tlen + klen + vlen
         if off != len(body):
             raise ValueError("trailing bytes")
         return snap_id, (boot, lineage, written, nrows, nrecs, table), rows, records
 
-    def _replay(
-        self, snap_id: int, rows: dict[int, Restored], pending: dict[tuple[int, int], Export]
-    ) -> tuple[int, str]:
+    def _replay(self, snap_id: int, rows: dict[int, Any], pending: dict[tuple[int, int], Any]) -> tuple[int, str]:
         """Apply the journal written after snapshot ``snap_id``; returns (entries applied, note on a bad tail)."""
         try:
             data = memoryview((self.dir / JOURNAL).read_bytes())
@@ -307,41 +324,56 @@ class Checkpoint:
         return applied, ""
 
     @staticmethod
-    def _apply_sent(payload: memoryview, rows: dict[int, Restored], pending: dict[tuple[int, int], Export]) -> None:
-        off = 0
-        (count,) = struct.unpack_from("!I", payload, off)
-        off += 4
+    def _apply_sent(payload: memoryview, rows: dict[int, Any], pending: dict[tuple[int, int], Any]) -> None:
+        (count,) = struct.unpack_from("!I", payload, 0)
+        off = 4
         for _ in range(count):
-            row, off = _unpack_row(payload, off)
-            ended = payload[off]
-            off += 1
-            rec, off = _unpack_record(payload, off)
-            if ended:
-                rows.pop(row.flow_id, None)  # it left the table: only its record matters now
+            st = _row_struct(payload, off, _SENT_ROW)
+            f = st.unpack_from(payload, off)
+            off += st.size
+            flow_id = f[10]
+            tlen, klen, vlen = f[18], f[19], f[20]
+            if f[17]:
+                rows.pop(flow_id, None)  # it left the table: only its record matters now
             else:
-                old = rows.get(row.flow_id)
-                if old is None or old.next_seq <= row.next_seq:
-                    rows[row.flow_id] = row
-            pending[(rec.flow_id, rec.sequence)] = rec
+                rows[flow_id] = f[:17]
+            pending[(flow_id, f[11] - 1)] = (payload, off, flow_id, f[11] - 1, f[12:16], tlen, klen, vlen)
+            off += tlen + klen + vlen
+            if off > len(payload):
+                raise ValueError("record past the end")
 
     # ----------------------------------------------------------------- write
     def sent(self, exports: Iterable[Export]) -> None:
         """Journal records about to be produced (first sends only: a resend is already journaled)."""
         if self._journal is None or self.broken:
             return
-        parts = []
+        parts: list[bytes] = []
+        append = parts.append
+        topics = self._topics
         n = 0
         for e in exports:
-            if e.attempts or e.tracked is None:
-                continue
             tr = e.tracked
+            if e.attempts or tr is None:
+                continue
             c = tr.conn
-            ended = tr.end_reason != 0 and tr.end_reason != LACK_OF_RESOURCES and e.final
-            parts.append(
-                _pack_row(tr.key, c.ct_id, c.start_ns, tr.first_seen_ns, e.flow_id, e.sequence + 1, e.totals, tr.flags)
+            (zone, proto, src, sport, dst, dport) = tr.key
+            t = e.totals
+            topic = topics.get(e.topic)
+            if topic is None:
+                topic = topics[e.topic] = (e.topic or "").encode()
+            key = e.key or b""
+            value = e.value or b""
+            ended = 1 if tr.end_reason and tr.end_reason != LACK_OF_RESOURCES and e.final else 0
+            append(
+                _SENT_ROW[len(src)].pack(
+                    len(src), zone & 0xFFFF, proto, sport, dport, src, dst, c.ct_id & 0xFFFFFFFF, c.start_ns,
+                    tr.first_seen_ns, e.flow_id, e.sequence + 1, t[0], t[1], t[2], t[3], tr.flags & 0xFF,
+                    ended, len(topic), len(key), len(value),
+                )
             )
-            parts.append(b"\x01" if ended else b"\x00")
-            parts.append(_pack_record(e))
+            append(topic)
+            append(key)
+            append(value)
             n += 1
         if n:
             self._append(_SENT, struct.pack("!I", n) + b"".join(parts))
@@ -382,8 +414,14 @@ class Checkpoint:
         if self.broken:
             return
         t0 = time.perf_counter()
-        rows = [_row_bytes(r) for r in reported]
-        records = [_pack_record(e) for e in in_flight]
+        enabled = gc.isenabled()
+        gc.disable()  # see load(): no cycles here, and the collector would rescan the heap repeatedly
+        try:
+            rows = [_pack_row(r) for r in reported]
+            records = [_pack_record(e) for e in in_flight]
+        finally:
+            if enabled:
+                gc.enable()
         snap_id = time.time_ns()
         table = self.table.encode()
         body = b"".join(

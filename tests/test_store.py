@@ -29,7 +29,7 @@ from pipeline.flow import (
     Export,
     connection_id,
 )
-from pipeline.store import RETRY_DELAY, ConnectionStore
+from pipeline.store import RETRY_DELAY, ConnectionStore, Restored
 from pipeline.timeouts import Timeouts
 from tests import contract
 
@@ -670,7 +670,7 @@ def test_restart_continues_from_the_checkpoint_rows_and_resends() -> None:
     old.acknowledge(out[0], True, clock.now)  # the other one's delivery is unknown when the process dies
     kafka.log.append(record(out[0]))
     kafka.log.append(record(out[1]))  # ... and it did reach Kafka
-    rows = list(old.reported())
+    rows = [Restored(*r) for r in old.reported()]
     resends = [replace(e, tracked=None) for e in old.in_flight()]  # as the checkpoint gives them back
     assert [e.flow_id for e in resends] == [out[1].flow_id]
 
@@ -706,7 +706,7 @@ def test_restored_rows_gone_from_the_table_are_dropped_after_the_first_poll() ->
     clock.tick(5)
     expire(old, clock)
     new = ConnectionStore(Timeouts(), lineage=b"L" * 8)
-    new.restore(list(old.reported()), [])
+    new.restore([Restored(*r) for r in old.reported()], [])
     assert len(list(new.reported())) == 1  # kept until a dump decides
     poll(new, clock)
     assert list(new.reported()) == [] and new.stats.restored_gone == 1
