@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -23,38 +22,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine_line, plot, update_section, write_json
+from bench.common import machine_line, plot, tcp_conn, update_section, write_json
 
 
 def connections(n: int, packets: int) -> list[Any]:
-    from pipeline.connection import PROTO_TCP, Connection
-
-    out = []
-    for i in range(n):
-        src = bytes((10, 1 + (i >> 16) % 250, (i >> 8) & 0xFF, i & 0xFF))
-        dst = bytes((10, 200, (i >> 10) & 0xFF, 1 + i % 200))
-        out.append(
-            Connection(
-                family=socket.AF_INET,
-                proto=PROTO_TCP,
-                orig_src=src,
-                orig_dst=dst,
-                orig_sport=20000 + i % 40000,
-                orig_dport=443,
-                reply_src=dst,
-                reply_dst=src,
-                reply_sport=443,
-                reply_dport=20000 + i % 40000,
-                ct_id=i + 1,
-                tcp_state=3,
-                orig_packets=packets,
-                orig_bytes=packets * 700,
-                reply_packets=packets,
-                reply_bytes=packets * 1400,
-                start_ns=1_700_000_000_000_000_000 + i,
-            )
+    """``n`` distinct established TCP entries, ``packets`` each way (the same tuples on every call)."""
+    return [
+        tcp_conn(
+            i,
+            bytes((10, 1 + (i >> 16) % 250, (i >> 8) & 0xFF, i & 0xFF)),
+            bytes((10, 200, (i >> 10) & 0xFF, 1 + i % 200)),
+            20000 + i % 40000,
+            packets,
+            dport=443,
+            start_ns=1_700_000_000_000_000_000 + i,
         )
-    return out
+        for i in range(n)
+    ]
 
 
 def measure(n: int) -> dict[str, Any]:

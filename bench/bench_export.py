@@ -10,45 +10,30 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
 
-from bench.common import machine_line, plot, update_section, write_json
+from bench.common import machine_line, plot, tcp_conn, update_section, write_json
 
 
 def synthetic_exports(n: int) -> list:
     """``n`` due exports from a real store, as the expire loop would produce them."""
-    from pipeline.connection import PROTO_TCP, Connection
     from pipeline.store import ConnectionStore
 
-    conns = []
-    for i in range(n):
-        a = bytes([10, 1, (i >> 8) & 0xFF, i & 0xFF])
-        b = bytes([10, 2, (i >> 16) & 0xFF, (i >> 4) & 0xFF])
-        conns.append(
-            Connection(
-                family=socket.AF_INET,
-                proto=PROTO_TCP,
-                orig_src=a,
-                orig_dst=bytes([10, 96, 0, 10]),
-                orig_sport=1024 + i % 60000,
-                orig_dport=80,
-                reply_src=b,
-                reply_dst=a,
-                reply_sport=8080,
-                reply_dport=1024 + i % 60000,
-                ct_id=i + 1,
-                tcp_state=3,
-                orig_packets=10 + i,
-                orig_bytes=1500 * (10 + i),
-                reply_packets=9 + i,
-                reply_bytes=900 * (9 + i),
-                start_ns=time.time_ns() - 10**9,
-                status=0x18E,
-            )
+    start = time.time_ns() - 10**9
+    conns = [
+        tcp_conn(
+            i,
+            bytes([10, 1, (i >> 8) & 0xFF, i & 0xFF]),
+            bytes([10, 2, (i >> 16) & 0xFF, (i >> 4) & 0xFF]),
+            1024 + i % 60000,
+            10 + i,
+            orig_dst=bytes([10, 96, 0, 10]),
+            start_ns=start,
         )
+        for i in range(n)
+    ]
     store = ConnectionStore()
     now = time.monotonic()
     store.update(conns, now, time.time_ns())

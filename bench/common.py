@@ -111,3 +111,35 @@ def plot(name: str, draw: Callable[[Any], None]) -> Path | None:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def tcp_conn(i: int, src: bytes, dst: bytes, sport: int, packets: int, *, orig_dst: bytes | None = None,
+             dport: int = 8080, start_ns: int = 0) -> Any:  # fmt: skip
+    """An ESTABLISHED TCP conntrack entry (``pipeline.connection.Connection``) with conntrack id ``i + 1``.
+
+    ``packets`` each way; 1,500-byte packets out, 900-byte packets back.
+    """
+    import socket
+
+    from pipeline.connection import PROTO_TCP, Connection
+
+    return Connection(
+        family=socket.AF_INET,
+        proto=PROTO_TCP,
+        orig_src=src,
+        orig_dst=orig_dst or dst,
+        orig_sport=sport,
+        orig_dport=80 if orig_dst else dport,
+        reply_src=dst,
+        reply_dst=src,
+        reply_sport=dport,
+        reply_dport=sport,
+        ct_id=i + 1,
+        tcp_state=3,
+        orig_packets=packets,
+        orig_bytes=1500 * packets,
+        reply_packets=packets,
+        reply_bytes=900 * packets,
+        start_ns=start_ns,
+        status=0x18E,
+    )

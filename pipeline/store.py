@@ -362,21 +362,26 @@ class ConnectionStore:
 
     def _standalone(self, conn: Connection, now: float, wall_ns: int) -> None:
         """Report a destroyed entry whose tuple another incarnation holds, outside the keyed table."""
-        first_seen = conn.start_ns or self._stamp(wall_ns)
-        tr = Tracked(
-            key=conn.key,
-            conn=conn,
-            flow_id=connection_id(self.lineage, conn.key, conn.ct_id, conn.start_ns, first_seen),
-            first_seen_ns=first_seen,
-            last_active_ns=conn.stop_ns or wall_ns,
-            last_export=now,
-            flags=ADOPTED if self.adopt else 0,
-        )
-        if self.on_new is not None:
-            self.on_new(tr)
+        tr = self._unkeyed(conn.key, conn, now, wall_ns, self.adopt)
         self.stats.added_from_events += 1
         tr.destroyed = True
         self._orphan(tr, END_OF_FLOW, now, keyed=False)
+
+    def _unkeyed(self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int, adopted: bool) -> Tracked:
+        """A new connection that will not enter the keyed table (it only owes its one record)."""
+        first_seen = conn.start_ns or self._stamp(wall_ns)
+        tr = Tracked(
+            key=key,
+            conn=conn,
+            flow_id=connection_id(self.lineage, key, conn.ct_id, conn.start_ns, first_seen),
+            first_seen_ns=first_seen,
+            last_active_ns=conn.stop_ns or wall_ns,
+            last_export=now,
+            flags=ADOPTED if adopted else 0,
+        )
+        if self.on_new is not None:
+            self.on_new(tr)
+        return tr
 
     def _late_end_of_replaced(self, tomb: Tombstone, conn: Connection, now: float, wall_ns: int) -> None:
         """A late DESTROY of an incarnation whose tuple a newer one holds: report it as an orphan."""
@@ -390,7 +395,7 @@ class ConnectionStore:
             next_seq=tomb.next_seq,
             base=tomb.base,
             flags=tomb.flags,
-        )
+        )  # not _continue(): the keyed table holds a newer incarnation
         self.stats.resurrected += 1
         self._orphan(tr, END_OF_FLOW, now, keyed=False)
         tr.destroyed = True
@@ -429,11 +434,17 @@ class ConnectionStore:
         self._admit(key, conn, now, wall_ns, adopted=self.adopt)
 
     def _from_tomb(self, key: ConnectionKey, conn: Connection, tomb: Tombstone, now: float, wall_ns: int) -> Tracked:
-        tr = self._track(key, conn, tomb.flow_id, tomb.first_seen_ns, now, wall_ns)
-        tr.next_seq = tomb.next_seq
-        tr.base = tomb.base
-        tr.flags = tomb.flags
         self.stats.resurrected += 1
+        return self._continue(key, conn, tomb, now, wall_ns)
+
+    def _continue(
+        self, key: ConnectionKey, conn: Connection, known: Tombstone | Restored, now: float, wall_ns: int
+    ) -> Tracked:
+        """Track ``conn`` again under the identity and reported state it had (a tombstone or a checkpoint row)."""
+        tr = self._track(key, conn, known.flow_id, known.first_seen_ns, now, wall_ns)
+        tr.next_seq = known.next_seq
+        tr.base = known.base
+        tr.flags = known.flags
         return tr
 
     def _admit(
@@ -448,12 +459,8 @@ class ConnectionStore:
                         del rows[i]
                         if not rows:
                             del self._restored[key]
-                        tr = self._track(key, conn, row.flow_id, row.first_seen_ns, now, wall_ns)
-                        tr.next_seq = row.next_seq
-                        tr.base = row.base
-                        tr.flags = row.flags
                         self.stats.restored += 1
-                        return tr
+                        return self._continue(key, conn, row, now, wall_ns)
         if len(self.connections) + len(self._orphans) >= self.max_connections and not self._evict_idle(now):
             self._refuse(key, conn, now, wall_ns, adopted)
             return None
@@ -512,19 +519,7 @@ class ConnectionStore:
         return False
 
     def _refuse(self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int, adopted: bool) -> None:
-        first_seen = conn.start_ns or self._stamp(wall_ns)
-        tr = Tracked(
-            key=key,
-            conn=conn,
-            flow_id=connection_id(self.lineage, key, conn.ct_id, conn.start_ns, first_seen),
-            first_seen_ns=first_seen,
-            last_active_ns=conn.stop_ns or wall_ns,
-            last_export=now,
-            flags=ADOPTED if adopted else 0,
-        )
-        if self.on_new is not None:
-            self.on_new(tr)
-        self._give_up(tr, GIVE_UP_REFUSED, now, keyed=False)
+        self._give_up(self._unkeyed(key, conn, now, wall_ns, adopted), GIVE_UP_REFUSED, now, keyed=False)
 
     def _give_up(self, tr: Tracked, why: str, now: float, *, keyed: bool = True) -> None:
         """Stop tracking ``tr``: one lack-of-resources record with its counts, then never again while it lasts."""
