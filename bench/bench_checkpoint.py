@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.tick_params(axis="x", labelrotation=20)
 
     plot("checkpoint", draw)
-    cmd = "python -m bench.bench_checkpoint " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = " ".join(["python -m bench.bench_checkpoint", *(argv if argv is not None else sys.argv[1:])])
     mib = 1 << 20
     lines = [
         "## Checkpoint",
