@@ -90,14 +90,13 @@ def measure(n: int) -> dict[str, Any]:
 
     snaps = []
     for _ in range(5):
-        rows = list(store.reported())
-        recs = list(store.in_flight())[:100_000]
+        # Gathering the rows is part of what the exporter pays for a snapshot, so it is timed too.
         t0 = time.perf_counter()
-        cp.snapshot(rows, recs)
+        cp.snapshot(list(store.reported()), list(store.in_flight())[:100_000])
         snaps.append(time.perf_counter() - t0)
     snap_bytes = cp.stats.last_snapshot_bytes
     snap_rows_only = []
-    for _ in range(3):
+    for _ in range(5):
         t0 = time.perf_counter()
         cp.snapshot(list(store.reported()), [])
         snap_rows_only.append(time.perf_counter() - t0)
@@ -113,7 +112,7 @@ def measure(n: int) -> dict[str, Any]:
     cp.close()
 
     loads = []
-    for _ in range(3):
+    for _ in range(5):
         t0 = time.perf_counter()
         got = Checkpoint(work / "state", boot=b"b" * 16).load()
         loads.append(time.perf_counter() - t0)
@@ -228,9 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         f"| journal them (one write per batch, before produce) | {r['journal_s']:.2f} s "
         f"({r['journal_us_per_record']:.2f} µs/record) | {r['journal_bytes_per_record']:.0f} B/record |",
         f"| journal of delivery reports | {r['ack_journal_us_per_record']:.2f} µs/record | 16 B/record |",
-        f"| snapshot: every row + {r['snapshot_records_in_flight']:,} records in flight (median of 5) "
+        f"| snapshot: every row + {r['snapshot_records_in_flight']:,} records in flight "
+        "(median of 5, gathering included) "
         f"| {r['snapshot_s']:.2f} s | {r['snapshot_bytes'] / mib:.1f} MiB |",
-        f"| snapshot: rows only | {r['snapshot_rows_only_s']:.2f} s | {r['snapshot_rows_only_bytes'] / mib:.1f} MiB |",
+        f"| snapshot: rows only (median of 5) | {r['snapshot_rows_only_s']:.2f} s "
+        f"| {r['snapshot_rows_only_bytes'] / mib:.1f} MiB |",
         f"| restart: load snapshot + replay journal | {r['load_s']:.2f} s | |",
         f"| restart: restore + first store update | {r['restore_and_first_poll_s']:.2f} s "
         f"(first update without state: {r['fresh_first_poll_s']:.2f} s) | |",
