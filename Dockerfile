@@ -19,11 +19,10 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY pipeline/ pipeline/
-# The Avro schema lives at the repo root (schemas/); the wheel carries it as package data
-# (pyproject: [tool.setuptools.package-data] pipeline = ["schemas/*.avsc"]), where
-# pipeline.record.schema_path() looks for it once installed.
-COPY schemas/ pipeline/schemas/
+COPY flow_exporter/ flow_exporter/
+# The Avro schema lives at the repo root (schemas/); flow_exporter/schemas links to it and the
+# wheel carries it as package data, where flow_exporter.record.schema_path() finds it.
+COPY schemas/ schemas/
 
 # The project's wheel first (no dependencies resolved), then the wheels of its dependencies next
 # to it. The pip cache is a BuildKit cache mount: it speeds up rebuilds and stays out of layers.

@@ -17,7 +17,7 @@ test: setup setup-k8s lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: setup
-	$(PY) -m pipeline demo
+	$(PY) -m devtools.demo
 
 bench: setup
 	@$(PY) -m pip install -q -e '.[dev,bench]'

@@ -20,7 +20,7 @@ from bench.common import machine_line, plot, update_section, write_json
 
 
 def run_once(n: int, events: bool, broker: object) -> dict:
-    from pipeline.devtools.lab import Lab, run_in
+    from devtools.lab import Lab, run_in
     from tests.test_exporter_lab import by_connection, read_records, start_exporter, stop_exporter
 
     topic = f"capture-{events}-{time.time_ns()}"
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--connections", type=int, default=10_000)
     args = p.parse_args(argv)
-    from pipeline.devtools.kafka import KafkaBroker
+    from devtools.kafka import KafkaBroker
 
     rows = []
     with KafkaBroker() as broker:

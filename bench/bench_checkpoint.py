@@ -42,10 +42,10 @@ def connections(n: int, packets: int) -> list[Any]:
 
 
 def measure(n: int) -> dict[str, Any]:
-    from pipeline.checkpoint import Checkpoint, Loaded
-    from pipeline.sink.encoder import RecordEncoder
-    from pipeline.store import ConnectionStore
-    from pipeline.timeouts import Timeouts
+    from flow_exporter.checkpoint import Checkpoint, Loaded
+    from flow_exporter.sink.encoder import RecordEncoder
+    from flow_exporter.store import ConnectionStore
+    from flow_exporter.timeouts import Timeouts
 
     enc = RecordEncoder("bench-node")
     store = ConnectionStore(Timeouts(5, 5, 15, 300), lineage=b"benchlin", adopt=False)
@@ -157,8 +157,8 @@ def measure(n: int) -> dict[str, Any]:
 
 def cap_polls(n: int, over: float, polls: int) -> dict[str, Any]:
     """Steady store updates of a table ``over`` times the cap, against the same table under a roomy cap."""
-    from pipeline.store import ConnectionStore
-    from pipeline.timeouts import Timeouts
+    from flow_exporter.store import ConnectionStore
+    from flow_exporter.timeouts import Timeouts
 
     table = int(n * over)
     out: dict[str, Any] = {"cap": n, "table": table}

@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.connection import Connection
-from pipeline.conntrack import ConntrackDumper, Decoder, enable_accounting, run_in_netns
+from flow_exporter.connection import Connection
+from flow_exporter.conntrack import ConntrackDumper, Decoder, enable_accounting, run_in_netns
 
 NETLINK_NETFILTER = 12
 DUMP_REQUEST = struct.pack("=IHHIIBBH", 20, (1 << 8) | 1, 0x301, 1, 0, socket.AF_UNSPEC, 0, 0)

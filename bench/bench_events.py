@@ -57,7 +57,7 @@ def read_all(bootstrap: str, topic: str, idle: float = 5.0) -> list[dict[str, An
     import fastavro
     from confluent_kafka import Consumer
 
-    from pipeline.record import load_schema
+    from flow_exporter.record import load_schema
 
     schema = fastavro.parse_schema(load_schema())
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"b-{time.time_ns()}", "auto.offset.reset": "earliest"})
@@ -76,7 +76,7 @@ def read_all(bootstrap: str, topic: str, idle: float = 5.0) -> list[dict[str, An
 
 
 def run_rate(rate: int, seconds: float, broker: Any, churn: Path) -> dict[str, Any]:
-    from pipeline.devtools.lab import Lab, run_in
+    from devtools.lab import Lab, run_in
     from tests.test_exporter_lab import free_port
 
     topic = f"events-{rate}-{time.time_ns()}"
@@ -92,7 +92,7 @@ def run_rate(rate: int, seconds: float, broker: Any, churn: Path) -> dict[str, A
         port = free_port()
         log = (work / "exporter.log").open("wb")
         exporter = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", "run", "--netns", lab.node_ns, "--bootstrap-servers",
+            [sys.executable, "-m", "flow_exporter", "run", "--netns", lab.node_ns, "--bootstrap-servers",
              broker.bootstrap, "--topic", topic, "--node-name", "bench", "--set", f"metrics.port={port}",
              "--set", "metrics.address=127.0.0.1", "--set", "shutdown.grace=120s"],
             stdout=log, stderr=subprocess.STDOUT,
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rates", default="2000,5000,10000,15000,20000", help="new connections/s, comma-separated")
     p.add_argument("--seconds", type=float, default=60)
     args = p.parse_args(argv)
-    from pipeline.devtools.kafka import KafkaBroker
+    from devtools.kafka import KafkaBroker
 
     churn = build_churn()
     rows = []

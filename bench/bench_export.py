@@ -19,7 +19,7 @@ from bench.common import machine_line, plot, tcp_conn, update_section, write_jso
 
 def synthetic_exports(n: int) -> list:
     """``n`` due exports from a real store, as the expire loop would produce them."""
-    from pipeline.store import ConnectionStore
+    from flow_exporter.store import ConnectionStore
 
     start = time.time_ns() - 10**9
     conns = [
@@ -46,7 +46,7 @@ def encode_only(exports: list) -> tuple[float, float]:
     Active connections get a record every active timeout, so in steady state most
     records are repeats, whose per-connection prefix is already encoded.
     """
-    from pipeline.sink.encoder import RecordEncoder
+    from flow_exporter.sink.encoder import RecordEncoder
 
     for e in exports:
         e.tracked.avro_prefix = None
@@ -63,8 +63,8 @@ def encode_only(exports: list) -> tuple[float, float]:
 
 def fastavro_only(exports: list) -> float:
     """Records/s of build_record + fastavro.schemaless_writer: the library path, for comparison."""
-    from pipeline.record import build_record
-    from pipeline.sink import AvroSerializer
+    from flow_exporter.record import build_record
+    from flow_exporter.sink import AvroSerializer
 
     ser = AvroSerializer()
     ms = time.time_ns() // 1_000_000
@@ -76,8 +76,8 @@ def fastavro_only(exports: list) -> float:
 
 def produce(exports: list, bootstrap: str, topic: str) -> tuple[float, int, int]:
     """Records/s from first produce to last delivery report; returns (rate, acked, record size)."""
-    from pipeline.sink import KafkaSink
-    from pipeline.sink.encoder import RecordEncoder
+    from flow_exporter.sink import KafkaSink
+    from flow_exporter.sink.encoder import RecordEncoder
 
     enc = RecordEncoder("bench-node").encode
     sink = KafkaSink({"bootstrap.servers": bootstrap}, topic, enc)
@@ -97,8 +97,8 @@ def produce(exports: list, bootstrap: str, topic: str) -> tuple[float, int, int]
 
 
 def producer_performance(bootstrap: str, topic: str, n: int, size: int) -> float:
-    from pipeline.devtools.kafka import ensure_jars
-    from pipeline.sink.kafka import PRODUCER_DEFAULTS
+    from devtools.kafka import ensure_jars
+    from flow_exporter.sink.kafka import PRODUCER_DEFAULTS
 
     lib = ensure_jars()
     props = [
@@ -133,7 +133,7 @@ def producer_performance(bootstrap: str, topic: str, n: int, size: int) -> float
 
 
 def run(n: int, repeat: int) -> dict:
-    from pipeline.devtools.kafka import KafkaBroker
+    from devtools.kafka import KafkaBroker
 
     exports = synthetic_exports(n)
     both = [encode_only(exports) for _ in range(repeat)]

@@ -1,6 +1,6 @@
 """Kubernetes enrichment at scale: memory per cached pod and cost per enrichment at 50k pods.
 
-Pods are not made up from scratch: a real kube-apiserver (pipeline.devtools.apiserver) gets
+Pods are not made up from scratch: a real kube-apiserver (devtools.apiserver) gets
 ``--real-pods`` pods (with status IPs, labels, managedFields: what a list really returns),
 Services and Nodes, and its paginated list responses are recorded. From those recorded shapes,
 ``--pods`` pods are synthesized by varying names, uids, IPs and nodes, and fed as list pages
@@ -46,7 +46,7 @@ def record(real_pods: int, real_services: int, nodes: int, workdir: Path) -> dic
     """Create real objects on a real API server and keep its list responses (raw JSON pages)."""
     from kubernetes import client
 
-    from pipeline.devtools.apiserver import ApiServer
+    from devtools.apiserver import ApiServer
 
     t0 = time.perf_counter()
     with ApiServer(workdir / "apiserver") as srv, srv.api_client() as api:
@@ -218,7 +218,7 @@ def _replay_caches(pages_dir: Path) -> Any:
     """
     from kubernetes.client import Configuration
 
-    from pipeline.k8s.cache import K8sCaches
+    from flow_exporter.k8s.cache import K8sCaches
 
     class Replay(K8sCaches):
         def open_list(self, method: str) -> tuple[Any, Any]:
@@ -247,10 +247,10 @@ def child(pages_dir: Path, lookups: int, trace: bool) -> None:
     import socket
     import tracemalloc
 
-    from pipeline.connection import PROTO_TCP, Connection
-    from pipeline.flow import Tracked
-    from pipeline.k8s.enrich import Enricher
-    from pipeline.k8s.index import pack_ip
+    from flow_exporter.connection import PROTO_TCP, Connection
+    from flow_exporter.flow import Tracked
+    from flow_exporter.k8s.enrich import Enricher
+    from flow_exporter.k8s.index import pack_ip
 
     caches = _replay_caches(pages_dir)
     gc.collect()

@@ -25,8 +25,8 @@ def run_once(poll: str, n: int, broker: object) -> dict:
     import fastavro
     from confluent_kafka import Consumer
 
-    from pipeline.devtools.lab import Lab
-    from pipeline.record import load_schema
+    from devtools.lab import Lab
+    from flow_exporter.record import load_schema
     from tests.test_exporter_lab import start_exporter, stop_exporter
 
     bootstrap = broker.bootstrap  # type: ignore[attr-defined]
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connections", type=int, default=200)
     p.add_argument("--polls", default="1s,5s")
     args = p.parse_args(argv)
-    from pipeline.devtools.kafka import KafkaBroker
+    from devtools.kafka import KafkaBroker
 
     rows = []
     with KafkaBroker() as broker:

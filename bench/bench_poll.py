@@ -43,8 +43,8 @@ def _memory_child(netns: str) -> None:
 
     import psutil
 
-    from pipeline.conntrack.dumper import ConntrackDumper
-    from pipeline.store import ConnectionStore
+    from flow_exporter.conntrack.dumper import ConntrackDumper
+    from flow_exporter.store import ConnectionStore
 
     proc = psutil.Process()
     dumper = ConntrackDumper(netns=netns)
@@ -61,9 +61,9 @@ def _memory_child(netns: str) -> None:
 
 
 def run(sizes: list[int], repeat: int, stock_max: int) -> dict:
-    from pipeline.conntrack.dumper import ConntrackDumper
-    from pipeline.devtools.lab import Lab
-    from pipeline.store import ConnectionStore
+    from devtools.lab import Lab
+    from flow_exporter.conntrack.dumper import ConntrackDumper
+    from flow_exporter.store import ConnectionStore
 
     rows = []
     memory = None

@@ -58,13 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lifetime", type=int, default=125, help="kernel timeout of each entry, seconds")
     args = p.parse_args(argv)
 
-    from pipeline.app import Exporter
-    from pipeline.conntrack.dumper import ConntrackDumper
-    from pipeline.devtools.kafka import KafkaBroker
-    from pipeline.devtools.lab import Lab
-    from pipeline.sink import KafkaSink
-    from pipeline.sink.encoder import RecordEncoder
-    from pipeline.timeouts import Timeouts
+    from devtools.kafka import KafkaBroker
+    from devtools.lab import Lab
+    from flow_exporter.app import Exporter
+    from flow_exporter.conntrack.dumper import ConntrackDumper
+    from flow_exporter.sink import KafkaSink
+    from flow_exporter.sink.encoder import RecordEncoder
+    from flow_exporter.timeouts import Timeouts
 
     samples: list[tuple[float, int, int, int]] = []
     with KafkaBroker() as broker, Lab(pods=1) as lab:

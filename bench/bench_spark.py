@@ -49,10 +49,10 @@ def synthetic_records(
     per (source, destination) group, (packets, bytes) summed over both directions of the final
     kernel counters. Clients are 10.<net>.x.y, servers 10.<net+1>.x.y:8080.
     """
-    from pipeline.connection import PROTO_TCP, Connection
-    from pipeline.sink.encoder import RecordEncoder
-    from pipeline.store import ConnectionStore, Export
-    from pipeline.timeouts import Timeouts
+    from flow_exporter.connection import PROTO_TCP, Connection
+    from flow_exporter.sink.encoder import RecordEncoder
+    from flow_exporter.store import ConnectionStore, Export
+    from flow_exporter.timeouts import Timeouts
 
     wall0_ms = start_ms if start_ms is not None else time.time_ns() // 1_000_000
     start_ns = (wall0_ms - 1000) * 1_000_000
@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--driver-java-options", default="", help="passed to the job")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from pipeline.devtools.kafka import KafkaBroker
-    from pipeline.devtools.spark import ensure_spark_jars, spark_version
+    from devtools.kafka import KafkaBroker
+    from devtools.spark import ensure_spark_jars, spark_version
 
     ensure_spark_jars()
     rounds = max(1, args.records // args.connections - 2)  # two forced rounds come on top

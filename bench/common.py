@@ -115,13 +115,13 @@ def plot(name: str, draw: Callable[[Any], None]) -> Path | None:
 
 def tcp_conn(i: int, src: bytes, dst: bytes, sport: int, packets: int, *, orig_dst: bytes | None = None,
              dport: int = 8080, start_ns: int = 0) -> Any:  # fmt: skip
-    """An ESTABLISHED TCP conntrack entry (``pipeline.connection.Connection``) with conntrack id ``i + 1``.
+    """An ESTABLISHED TCP conntrack entry (``flow_exporter.connection.Connection``) with conntrack id ``i + 1``.
 
     ``packets`` each way; 1,500-byte packets out, 900-byte packets back.
     """
     import socket
 
-    from pipeline.connection import PROTO_TCP, Connection
+    from flow_exporter.connection import PROTO_TCP, Connection
 
     return Connection(
         family=socket.AF_INET,

@@ -35,7 +35,7 @@ longer and then re-exported by a restarted stateless exporter is counted again.
 Output rows (append mode) appear once the watermark (latest event time minus ``--watermark``)
 passes a window's end, so an ``--available-now`` run leaves the newest windows in its checkpoint
 for the next run to emit. Spark runs in local mode with the connector jars from
-``pipeline.devtools.spark`` in ``spark.jars``: nothing is resolved over the network at run time.
+``devtools.spark`` in ``spark.jars``: nothing is resolved over the network at run time.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ _STATE_SCHEMA = "highWater binary"
 
 
 def _ensure_repo_on_path() -> None:
-    """Run as ``python downstream/spark_flows.py``: make ``pipeline`` importable for the jar lookup."""
+    """Run as ``python downstream/spark_flows.py``: make ``flow_exporter`` importable for the jar lookup."""
     root = str(_REPO_ROOT)
     if root not in sys.path:
         sys.path.insert(0, root)
@@ -468,7 +468,7 @@ def start(result: DataFrame, args: argparse.Namespace) -> StreamingQuery:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _ensure_repo_on_path()
-    from pipeline.devtools.spark import ensure_spark_jars
+    from devtools.spark import ensure_spark_jars
 
     schema_json = json.dumps(json.loads(args.schema.read_text()))
     spark = spark_session(

@@ -1,4 +1,4 @@
-"""Pytest fixture for a real kube-apiserver + etcd (see pipeline.devtools.apiserver).
+"""Pytest fixture for a real kube-apiserver + etcd (see devtools.apiserver).
 
 One server serves the whole session because it takes seconds to start (and minutes to build the
 first time); tests stay independent by each using its own namespace. Load with
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pipeline.devtools.apiserver import ApiServer, ApiServerError
+from devtools.apiserver import ApiServer, ApiServerError
 
 __all__ = ["apiserver"]
 

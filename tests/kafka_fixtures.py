@@ -1,4 +1,4 @@
-"""Pytest fixtures for a real Kafka broker (see pipeline.devtools.kafka).
+"""Pytest fixtures for a real Kafka broker (see devtools.kafka).
 
 One broker serves the whole session because a JVM broker takes seconds to start; tests stay
 independent by each using a fresh, uniquely named topic. Load with
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pipeline.devtools.kafka import KafkaBroker
+from devtools.kafka import KafkaBroker
 
 __all__ = ["kafka_broker", "kafka_topic"]
 

@@ -20,15 +20,15 @@ from typing import Any
 
 import pytest
 
-from pipeline.app import Exporter
-from pipeline.conntrack.dumper import ConntrackDumper
-from pipeline.conntrack.events import ConntrackEvents
-from pipeline.devtools.kafka import KafkaBroker
-from pipeline.devtools.lab import CtEntry, Lab, LongConnection, run_in
-from pipeline.flow import ADOPTED, COUNTERS_RESET, END_OF_FLOW, FORCED_END, LACK_OF_RESOURCES
-from pipeline.sink import KafkaSink
-from pipeline.sink.encoder import RecordEncoder
-from pipeline.timeouts import Timeouts
+from devtools.kafka import KafkaBroker
+from devtools.lab import CtEntry, Lab, LongConnection, run_in
+from flow_exporter.app import Exporter
+from flow_exporter.conntrack.dumper import ConntrackDumper
+from flow_exporter.conntrack.events import ConntrackEvents
+from flow_exporter.flow import ADOPTED, COUNTERS_RESET, END_OF_FLOW, FORCED_END, LACK_OF_RESOURCES
+from flow_exporter.sink import KafkaSink
+from flow_exporter.sink.encoder import RecordEncoder
+from flow_exporter.timeouts import Timeouts
 from tests import contract
 from tests.test_exporter_lab import free_port, read_records, scrape, start_exporter, stop_exporter
 
@@ -344,7 +344,7 @@ def test_conntrack_zero_continues_under_a_new_connection_id(
 
 
 def lab_parse(text: str) -> list[CtEntry]:
-    from pipeline.devtools.lab import parse_conntrack_output
+    from devtools.lab import parse_conntrack_output
 
     return list(parse_conntrack_output(text))
 

@@ -17,7 +17,7 @@ import urllib3
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
-from pipeline.devtools.apiserver import ApiServer
+from devtools.apiserver import ApiServer
 
 POD_IPS = ["10.244.1.5", "fd00:10:244:1::5"]
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.checkpoint import CHECKPOINT, JOURNAL, Checkpoint, CheckpointError
-from pipeline.flow import Export
-from pipeline.store import ConnectionStore, Restored
-from pipeline.timeouts import Timeouts
+from flow_exporter.checkpoint import CHECKPOINT, JOURNAL, Checkpoint, CheckpointError
+from flow_exporter.flow import Export
+from flow_exporter.store import ConnectionStore, Restored
+from flow_exporter.timeouts import Timeouts
 from tests.test_store import Clock, poll, tcp
 
 BOOT = b"B" * 16

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.cli import main
-from pipeline.config import ConfigError, load, parse_duration
+from flow_exporter.cli import main
+from flow_exporter.config import ConfigError, load, parse_duration
 
 
 def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
@@ -59,13 +59,13 @@ def test_bad_values_name_the_key(tmp_path: Path, yaml_text: str, key: str, capsy
 
 def test_unreadable_file_and_bad_env_exit_2(tmp_path: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "pipeline", "run", "--config", str(tmp_path / "missing.yaml")],
+        [sys.executable, "-m", "flow_exporter", "run", "--config", str(tmp_path / "missing.yaml")],
         capture_output=True,
         text=True,
     )
     assert r.returncode == 2 and "--config" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run(
-        [sys.executable, "-m", "pipeline", "config", "--print"],
+        [sys.executable, "-m", "flow_exporter", "config", "--print"],
         capture_output=True,
         text=True,
         env={"FLOW_EXPORTER_EXPIRY_IDLE_TIMEOUT": "soon", "PATH": "/usr/bin:/bin"},
@@ -74,7 +74,7 @@ def test_unreadable_file_and_bad_env_exit_2(tmp_path: Path) -> None:
 
 
 def test_print_defaults_lists_every_setting(capsys: pytest.CaptureFixture) -> None:
-    from pipeline.config import SETTINGS
+    from flow_exporter.config import SETTINGS
 
     assert main(["config", "--print-defaults"]) == 0
     out = capsys.readouterr().out
@@ -89,7 +89,7 @@ def test_secrets_not_printed(capsys: pytest.CaptureFixture) -> None:
 
 def test_help_works() -> None:
     for cmd in (
-        [sys.executable, "-m", "pipeline", "--help"],
+        [sys.executable, "-m", "flow_exporter", "--help"],
         [str(Path(sys.executable).parent / "flow-exporter"), "--help"],
     ):
         r = subprocess.run(cmd, capture_output=True, text=True)

@@ -9,8 +9,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.cli import main
-from pipeline.config import SETTINGS, ConfigError, load
+from flow_exporter.cli import main
+from flow_exporter.config import SETTINGS, ConfigError, load
 
 scalars = st.one_of(
     st.none(),

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from pyroute2.netlink import NLA_F_NESTED, NLA_F_NET_BYTEORDER
 from pyroute2.netlink.nfnetlink.nfctsocket import nfct_msg
 
-from pipeline.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP, Connection
-from pipeline.conntrack.decode import CT_DELETE, CT_NEW, Decoder, decode_batch
+from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP, Connection
+from flow_exporter.conntrack.decode import CT_DELETE, CT_NEW, Decoder, decode_batch
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 NLM_F_MULTI = 2

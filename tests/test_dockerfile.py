@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import SETTINGS
+from flow_exporter.config import SETTINGS
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "Dockerfile"
@@ -400,8 +400,8 @@ def test_image_has_the_packaged_schema(image: Replay, tmp_path: Path) -> None:
     python = shutil.which("python", path=image.final_env["PATH"])
     assert python is not None and Path(python).is_relative_to(image.final)
     code = (
-        "import json, pipeline; from pipeline.record import load_schema, schema_path; "
-        "print(json.dumps([pipeline.__file__, str(schema_path()), load_schema()['name']]))"
+        "import json, flow_exporter; from flow_exporter.record import load_schema, schema_path; "
+        "print(json.dumps([flow_exporter.__file__, str(schema_path()), load_schema()['name']]))"
     )
     proc = run_in_image(image, python, "-c", code, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -426,4 +426,4 @@ def test_image_holds_no_dev_extras_pip_or_wheels(image: Replay, tmp_path: Path) 
     left = [p for p in image.final.rglob("*") if p.suffix == ".whl" or p.name in ("wheels", ".cache")]
     assert not left, left
     # Byte code is compiled at build time: the root filesystem is read-only at run time.
-    assert list(image.final.rglob("pipeline/__pycache__/*.pyc"))
+    assert list(image.final.rglob("flow_exporter/__pycache__/*.pyc"))

@@ -27,8 +27,8 @@ import pytest
 from pyroute2 import NFCTSocket
 from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
-from pipeline.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, Connection
-from pipeline.conntrack import (
+from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, Connection
+from flow_exporter.conntrack import (
     ConntrackDumper,
     ConntrackDumpInterrupted,
     ConntrackError,
@@ -40,8 +40,8 @@ from pipeline.conntrack import (
     read_sysctl,
     run_in_netns,
 )
-from pipeline.conntrack.errors import error_from_errno
-from pipeline.conntrack.netns import current_netns_inode
+from flow_exporter.conntrack.errors import error_from_errno
+from flow_exporter.conntrack.netns import current_netns_inode
 from tests.test_decode import assert_valid, connection_from_pyroute2, ct_message, done_message, ip4_tuple
 
 # Kernel tests; the fake-socket tests at the end need neither root nor namespaces.
@@ -357,7 +357,7 @@ def test_own_namespace_dump_works() -> None:
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
 def test_without_cap_net_admin_is_a_permission_error() -> None:
     code = (
-        "from pipeline.conntrack import ConntrackDumper, ConntrackPermissionError\n"
+        "from flow_exporter.conntrack import ConntrackDumper, ConntrackPermissionError\n"
         "d = ConntrackDumper()\n"
         "for op in (d.dump, d.count):\n"
         "    try:\n"

@@ -7,11 +7,11 @@ import socket
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP, Connection
-from pipeline.record import K8S_FIELDS, build_record
-from pipeline.sink import AvroSerializer
-from pipeline.sink.encoder import RecordEncoder, zigzag_varint
-from pipeline.store import Export, Tracked
+from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP, Connection
+from flow_exporter.record import K8S_FIELDS, build_record
+from flow_exporter.sink import AvroSerializer
+from flow_exporter.sink.encoder import RecordEncoder, zigzag_varint
+from flow_exporter.store import Export, Tracked
 
 SER = AvroSerializer()
 u16 = st.integers(0, 0xFFFF)

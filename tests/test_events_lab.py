@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.devtools.lab import Lab, run_in
+from devtools.lab import Lab, run_in
 from tests.test_exporter_lab import by_connection, read_records, start_exporter, stop_exporter
 
 pytestmark = [pytest.mark.lab, pytest.mark.kafka]

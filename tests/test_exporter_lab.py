@@ -27,8 +27,8 @@ import avro.schema
 import pytest
 from confluent_kafka import Consumer
 
-from pipeline.devtools.lab import CtEntry, Lab
-from pipeline.record import schema_path
+from devtools.lab import CtEntry, Lab
+from flow_exporter.record import schema_path
 
 pytestmark = [pytest.mark.lab, pytest.mark.kafka]
 
@@ -100,7 +100,7 @@ def start_exporter(
     cmd = [
         sys.executable,
         "-m",
-        "pipeline",
+        "flow_exporter",
         "run",
         "--netns",
         lab.node_ns,

@@ -20,15 +20,15 @@ from typing import Any
 
 import pytest
 
-from pipeline.app import Exporter
-from pipeline.connection import Connection
-from pipeline.conntrack.dumper import ConntrackDumper
-from pipeline.conntrack.errors import ConntrackDumpInterrupted, ConntrackError, ConntrackOverrun
-from pipeline.devtools.kafka import KafkaBroker
-from pipeline.devtools.lab import Lab
-from pipeline.sink import KafkaSink
-from pipeline.sink.encoder import RecordEncoder
-from pipeline.timeouts import Timeouts
+from devtools.kafka import KafkaBroker
+from devtools.lab import Lab
+from flow_exporter.app import Exporter
+from flow_exporter.connection import Connection
+from flow_exporter.conntrack.dumper import ConntrackDumper
+from flow_exporter.conntrack.errors import ConntrackDumpInterrupted, ConntrackError, ConntrackOverrun
+from flow_exporter.sink import KafkaSink
+from flow_exporter.sink.encoder import RecordEncoder
+from flow_exporter.timeouts import Timeouts
 from tests.test_exporter_lab import read_records, start_exporter, stop_exporter
 
 pytestmark = [pytest.mark.lab, pytest.mark.kafka]
@@ -148,7 +148,7 @@ def test_missing_topic_is_reported_and_retried_without_crash(lab: Lab, tmp_path:
     with KafkaBroker(tmp_path / "kafka", auto_create_topics=False) as b:
         log = tmp_path / "exporter.log"
         cmd = [
-            sys.executable, "-m", "pipeline", "run", "--netns", lab.node_ns, "--bootstrap-servers", b.bootstrap,
+            sys.executable, "-m", "flow_exporter", "run", "--netns", lab.node_ns, "--bootstrap-servers", b.bootstrap,
             "--topic", "not-yet", "--set", "retry.initialBackoff=0.2s", "--set", "retry.maxBackoff=1s",
             "--set", "metrics.port=0", "--set", "conntrack.pollInterval=1s",
         ]  # fmt: skip
@@ -224,7 +224,7 @@ def test_failing_dumps_are_retried_with_backoff_and_counted(lab: Lab, kafka_brok
 def test_no_cap_net_admin_exits_with_a_message(lab: Lab, kafka_broker: Any, kafka_topic: str) -> None:
     cmd = [
         "setpriv", "--bounding-set=-net_admin", "--inh-caps=-net_admin",
-        sys.executable, "-m", "pipeline", "run", "--netns", lab.node_ns, "--bootstrap-servers",
+        sys.executable, "-m", "flow_exporter", "run", "--netns", lab.node_ns, "--bootstrap-servers",
         kafka_broker.bootstrap, "--topic", kafka_topic, "--set", "metrics.port=0",
     ]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)

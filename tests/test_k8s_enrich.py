@@ -23,14 +23,14 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from pipeline.connection import PROTO_TCP, Connection
-from pipeline.devtools.apiserver import ApiServer
-from pipeline.devtools.lab import Lab
-from pipeline.flow import Tracked
-from pipeline.k8s.cache import RESOURCES, K8sCaches, load_configuration
-from pipeline.k8s.enrich import INTER_NODE, INTRA_NODE, Enricher
-from pipeline.k8s.index import pack_ip
-from pipeline.record import K8S_FIELDS
+from devtools.apiserver import ApiServer
+from devtools.lab import Lab
+from flow_exporter.connection import PROTO_TCP, Connection
+from flow_exporter.flow import Tracked
+from flow_exporter.k8s.cache import RESOURCES, K8sCaches, load_configuration
+from flow_exporter.k8s.enrich import INTER_NODE, INTRA_NODE, Enricher
+from flow_exporter.k8s.index import pack_ip
+from flow_exporter.record import K8S_FIELDS
 from tests.test_exporter_lab import by_connection, read_records, start_exporter, stop_exporter
 
 K8S_DIR = Path(__file__).resolve().parent.parent / "k8s"

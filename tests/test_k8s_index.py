@@ -21,13 +21,13 @@ from hypothesis import strategies as st
 from kubernetes.client import Configuration
 from kubernetes.client.rest import ApiException
 
-from pipeline.config import ConfigError, load
-from pipeline.connection import PROTO_TCP, PROTO_UDP, Connection
-from pipeline.flow import Tracked, connection_id
-from pipeline.k8s.cache import K8sCaches
-from pipeline.k8s.enrich import FROM_EXTERNAL, INTER_NODE, INTRA_NODE, TO_EXTERNAL, Enricher
-from pipeline.k8s.index import Indexes, PodIndex, ServiceIndex, pack_ip, parse_time_ns
-from pipeline.record import K8S_FIELDS
+from flow_exporter.config import ConfigError, load
+from flow_exporter.connection import PROTO_TCP, PROTO_UDP, Connection
+from flow_exporter.flow import Tracked, connection_id
+from flow_exporter.k8s.cache import K8sCaches
+from flow_exporter.k8s.enrich import FROM_EXTERNAL, INTER_NODE, INTRA_NODE, TO_EXTERNAL, Enricher
+from flow_exporter.k8s.index import Indexes, PodIndex, ServiceIndex, pack_ip, parse_time_ns
+from flow_exporter.record import K8S_FIELDS
 
 S = 1_000_000_000  # ns per second
 T0 = parse_time_ns("2026-01-01T00:00:00Z")
@@ -547,7 +547,7 @@ def run_fake(pods: list[Any], caplog: pytest.LogCaptureFixture, **kw: Any) -> tu
     api = FakeApi(pods)
     apis = {"pods": api, "services": FakeApi([list_body([], "1")]), "nodes": FakeApi([list_body([], "1")])}
     caches = FakeCaches(apis, **kw)
-    with caplog.at_level(logging.INFO, logger="pipeline.k8s.cache"):
+    with caplog.at_level(logging.INFO, logger="flow_exporter.k8s.cache"):
         caches.start()
         for each in apis.values():  # every script played to its end (a quiet watch)
             assert each.done.wait(10), each.calls

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from pipeline.config import BY_KEY, ENV_PREFIX, SETTINGS, Config, load
-from pipeline.devtools.apiserver import ApiServer
+from devtools.apiserver import ApiServer
+from flow_exporter.config import BY_KEY, ENV_PREFIX, SETTINGS, Config, load
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"

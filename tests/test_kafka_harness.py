@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 
-from pipeline.devtools.kafka import KafkaBroker, KafkaBrokerError
+from devtools.kafka import KafkaBroker, KafkaBrokerError
 
 pytestmark = pytest.mark.kafka
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pipeline.devtools.lab import (
+from devtools.lab import (
     CtEntry,
     CtTable,
     Exchange,

@@ -32,15 +32,15 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from hypothesis import given, settings
 
 from bench.bench_export import synthetic_exports
-from pipeline.config import ConfigError, load
-from pipeline.devtools.kafka import KafkaBroker
-from pipeline.flow import Export
-from pipeline.record import build_record, schema_path
-from pipeline.runner import build_sink
-from pipeline.sink import registry
-from pipeline.sink.encoder import RecordEncoder
-from pipeline.sink.registry import DEFAULT_SUBJECT, RegistryError, framed, register, split_header
-from pipeline.tools import ValueDecoder
+from devtools.kafka import KafkaBroker
+from flow_exporter.config import ConfigError, load
+from flow_exporter.flow import Export
+from flow_exporter.record import build_record, schema_path
+from flow_exporter.runner import build_sink
+from flow_exporter.sink import registry
+from flow_exporter.sink.encoder import RecordEncoder
+from flow_exporter.sink.registry import DEFAULT_SUBJECT, RegistryError, framed, register, split_header
+from flow_exporter.tools import ValueDecoder
 from tests.test_encoder import exports as any_export
 from tests.test_tools import EXPORT_MS, NODE, ROOT, clean_env, from_json, run_tail
 
@@ -200,7 +200,7 @@ def closed_port() -> int:
 def test_registry_down_is_a_clear_error_after_retries(caplog: pytest.LogCaptureFixture) -> None:
     url = f"http://127.0.0.1:{closed_port()}"
     client = registry.make_client(url)
-    with caplog.at_level(logging.ERROR, logger="pipeline.sink.registry"), pytest.raises(RegistryError) as info:
+    with caplog.at_level(logging.ERROR, logger="flow_exporter.sink.registry"), pytest.raises(RegistryError) as info:
         register(client, DEFAULT_SUBJECT, SCHEMA_TEXT, initial=0.01, maximum=0.02, max_attempts=3, url=url)
     message = str(info.value)
     assert DEFAULT_SUBJECT in message and url in message and "not reachable" in message
@@ -317,7 +317,7 @@ def test_with_registry_sets_compatibility_then_registers_with_basic_auth(stub: S
 def test_incompatible_schema_is_retried_and_named(stub: StubRegistry, caplog: pytest.LogCaptureFixture) -> None:
     stub.answers = [INCOMPATIBLE, INCOMPATIBLE]
     client = registry.make_client(stub.url)
-    with caplog.at_level(logging.ERROR, logger="pipeline.sink.registry"):
+    with caplog.at_level(logging.ERROR, logger="flow_exporter.sink.registry"):
         schema_id = register(client, "flows-subject", SCHEMA_TEXT, initial=0.01, maximum=0.02, url=stub.url)
     assert schema_id == 7
     errors = [r.getMessage() for r in caplog.records]
@@ -333,7 +333,7 @@ def test_incompatible_schema_for_good_is_an_error(stub: StubRegistry) -> None:
 
 def test_compatibility_refused_keeps_registering(stub: StubRegistry, caplog: pytest.LogCaptureFixture) -> None:
     stub.config_status = 403
-    with caplog.at_level(logging.WARNING, logger="pipeline.sink.registry"):
+    with caplog.at_level(logging.WARNING, logger="flow_exporter.sink.registry"):
         assert register(registry.make_client(stub.url), "s", SCHEMA_TEXT, max_attempts=1) == 7
     assert any("cannot set compatibility" in r.getMessage() for r in caplog.records)
     stub.requests.clear()
@@ -371,7 +371,7 @@ def test_registry_settings() -> None:
 
 
 def test_config_print_masks_the_user_info(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    from pipeline.cli import main
+    from flow_exporter.cli import main
 
     monkeypatch.setenv("FLOW_EXPORTER_SCHEMA_REGISTRY_BASIC_AUTH_USER_INFO", "flows:hunter2")
     assert main(["config", "--print"]) == 0
@@ -399,7 +399,7 @@ def test_run_waits_alive_for_the_registry_then_registers(
         [
             sys.executable,
             "-m",
-            "pipeline",
+            "flow_exporter",
             "run",
             "--log-format",
             "json",

@@ -23,14 +23,14 @@ from typing import Any
 import pytest
 from confluent_kafka import Consumer, KafkaError
 
-from pipeline.cli import main
-from pipeline.config import Config, ConfigError, load
-from pipeline.connection import PROTO_TCP, Connection
-from pipeline.devtools.kafka import KafkaBroker, make_ca
-from pipeline.devtools.lab import Lab
-from pipeline.runner import build_sink
-from pipeline.sink import KafkaSink
-from pipeline.store import ConnectionStore
+from devtools.kafka import KafkaBroker, make_ca
+from devtools.lab import Lab
+from flow_exporter.cli import main
+from flow_exporter.config import Config, ConfigError, load
+from flow_exporter.connection import PROTO_TCP, Connection
+from flow_exporter.runner import build_sink
+from flow_exporter.sink import KafkaSink
+from flow_exporter.store import ConnectionStore
 
 pytestmark = pytest.mark.kafka
 
@@ -197,7 +197,7 @@ def test_wrong_password_fails_clearly_once_per_interval_with_backoff(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     mechanisms = ("SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN")
-    with caplog.at_level(logging.WARNING, logger="pipeline.sink.kafka"):
+    with caplog.at_level(logging.WARNING, logger="flow_exporter.sink.kafka"):
         sinks = watch_failing(*(config(topic, **sasl(broker, m, **{"kafka.sasl.password": WRONG})) for m in mechanisms))
     for sink, mechanism in zip(sinks, mechanisms, strict=True):
         auth = [e for s, e in client_errors if s is sink and e.code() == KafkaError._AUTHENTICATION]
@@ -264,7 +264,7 @@ def test_wrong_ca_or_missing_client_certificate_fails_clearly(
         topic,
         **{k: v for k, v in mtls(broker).items() if k not in ("kafka.tls.certFile", "kafka.tls.keyFile")},
     )
-    with caplog.at_level(logging.WARNING, logger="pipeline.sink.kafka"):
+    with caplog.at_level(logging.WARNING, logger="flow_exporter.sink.kafka"):
         bad_ca_sink, no_cert_sink = watch_failing(wrong_ca, no_cert)
 
     # librdkafka reports these as _SSL or, depending on timing, _TRANSPORT errors: check the text.
@@ -403,7 +403,8 @@ def test_config_print_masks_the_password(
 
 def spawn_exporter(lab: Lab, topic: str, log: Path, env: dict[str, str], settings: dict[str, Any]) -> subprocess.Popen:
     """``flow-exporter run`` with debug logging, stdout and stderr into ``log``."""
-    cmd = [sys.executable, "-m", "pipeline", "run", "--netns", lab.node_ns, "--topic", topic, "--log-level", "debug"]
+    cmd = [sys.executable, "-m", "flow_exporter", "run", "--netns", lab.node_ns, "--topic", topic]
+    cmd += ["--log-level", "debug"]
     for k, v in {
         "conntrack.pollInterval": "1s",
         "expiry.activeTimeout": "1s",

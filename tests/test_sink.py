@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 from confluent_kafka import Consumer
 
-from pipeline.app import Exporter
-from pipeline.connection import PROTO_TCP, Connection
-from pipeline.flow import END_OF_FLOW
-from pipeline.record import partition_key
-from pipeline.sink import AvroSerializer, KafkaSink, Route
-from pipeline.sink.encoder import RecordEncoder
-from pipeline.store import ConnectionStore
-from pipeline.timeouts import Timeouts
+from flow_exporter.app import Exporter
+from flow_exporter.connection import PROTO_TCP, Connection
+from flow_exporter.flow import END_OF_FLOW
+from flow_exporter.record import partition_key
+from flow_exporter.sink import AvroSerializer, KafkaSink, Route
+from flow_exporter.sink.encoder import RecordEncoder
+from flow_exporter.store import ConnectionStore
+from flow_exporter.timeouts import Timeouts
 
 pytestmark = pytest.mark.kafka
 

@@ -37,10 +37,10 @@ import fastavro
 import pytest
 from confluent_kafka import Producer
 
+from devtools.kafka import KafkaBroker
+from devtools.lab import CtEntry, CtTable, Lab
 from downstream.spark_flows import HighWater
-from pipeline.devtools.kafka import KafkaBroker
-from pipeline.devtools.lab import CtEntry, CtTable, Lab
-from pipeline.record import schema_path
+from flow_exporter.record import schema_path
 from tests.test_exporter_lab import read_records, start_exporter, stop_exporter
 
 pytestmark = pytest.mark.spark

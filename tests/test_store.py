@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from pipeline.connection import IPS_DYING, PROTO_TCP, PROTO_UDP, Connection
-from pipeline.expiry import ExpiryQueue
-from pipeline.flow import (
+from flow_exporter.connection import IPS_DYING, PROTO_TCP, PROTO_UDP, Connection
+from flow_exporter.expiry import ExpiryQueue
+from flow_exporter.flow import (
     ACTIVE_TIMEOUT,
     ADOPTED,
     COUNTERS_RESET,
@@ -29,8 +29,8 @@ from pipeline.flow import (
     Export,
     connection_id,
 )
-from pipeline.store import RETRY_DELAY, ConnectionStore, Restored
-from pipeline.timeouts import Timeouts
+from flow_exporter.store import RETRY_DELAY, ConnectionStore, Restored
+from flow_exporter.timeouts import Timeouts
 from tests import contract
 
 ESTABLISHED, FIN_WAIT, CLOSE_WAIT, LAST_ACK, TIME_WAIT, CLOSE = 3, 4, 5, 6, 7, 8

@@ -19,15 +19,15 @@ import pytest
 from confluent_kafka import Producer
 
 from bench.bench_export import synthetic_exports
-from pipeline.app import Exporter
-from pipeline.devtools.kafka import KafkaBroker
-from pipeline.flow import Export
-from pipeline.record import build_record, load_schema
-from pipeline.sink import KafkaSink
-from pipeline.sink.encoder import RecordEncoder
-from pipeline.sink.registry import header
-from pipeline.timeouts import Timeouts
-from pipeline.tools import ValueDecoder, matches, table_header, table_row
+from devtools.kafka import KafkaBroker
+from flow_exporter.app import Exporter
+from flow_exporter.flow import Export
+from flow_exporter.record import build_record, load_schema
+from flow_exporter.sink import KafkaSink
+from flow_exporter.sink.encoder import RecordEncoder
+from flow_exporter.sink.registry import header
+from flow_exporter.timeouts import Timeouts
+from flow_exporter.tools import ValueDecoder, matches, table_header, table_row
 
 ROOT = Path(__file__).resolve().parents[1]
 NODE = "node-tools"
@@ -45,7 +45,7 @@ def clean_env() -> dict[str, str]:
 
 def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pipeline", *args],
+        [sys.executable, "-m", "flow_exporter", *args],
         cwd=ROOT,
         env=clean_env(),
         capture_output=True,
@@ -211,7 +211,7 @@ def test_tail_stops_on_ctrl_c(kafka_broker: KafkaBroker, kafka_topic: str) -> No
         [
             sys.executable,
             "-m",
-            "pipeline",
+            "flow_exporter",
             "tail",
             "--bootstrap-servers",
             kafka_broker.bootstrap,
@@ -285,7 +285,7 @@ def test_first_poll_line_has_thousands_separators(caplog: pytest.LogCaptureFixtu
     # Never connects (nothing is produced); log_level 0 keeps librdkafka's connect errors out of the output.
     sink = KafkaSink({"bootstrap.servers": "127.0.0.1:9", "log_level": 0}, "t", RecordEncoder(NODE).encode)
     exp = Exporter(Source(), sink, timeouts=Timeouts(1.0, 5.0, 15.0, 300.0), node_name=NODE)  # type: ignore[arg-type]
-    with caplog.at_level(logging.INFO, logger="pipeline.app"):
+    with caplog.at_level(logging.INFO, logger="flow_exporter.app"):
         exp.poll_once()
     assert any("first poll: 12,345 connections in" in r.getMessage() for r in caplog.records)
 
@@ -298,7 +298,7 @@ def test_run_with_json_logs(kafka_broker: KafkaBroker, kafka_topic: str) -> None
         [
             sys.executable,
             "-m",
-            "pipeline",
+            "flow_exporter",
             "run",
             "--log-format",
             "json",

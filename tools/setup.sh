@@ -34,5 +34,5 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     touch "$stamp"
 fi
 
-.venv/bin/python -m pipeline.devtools.kafka fetch >/dev/null \
+.venv/bin/python -m devtools.kafka fetch >/dev/null \
     || die "cannot fetch the Kafka broker jars with Maven (is Maven Central reachable?)"

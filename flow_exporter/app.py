@@ -1,0 +1,386 @@
+"""The exporter's two loops and its lifecycle.
+
+The poll loop dumps conntrack and updates the store; the expire loop turns due
+connections into records and hands them to the sink. They share the store under
+one lock, held only for in-memory work: dumping, encoding and producing happen
+outside it, so a slow broker never delays a poll and a big dump never delays
+delivery reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Protocol
+
+import tenacity
+
+from flow_exporter.checkpoint import Checkpoint
+from flow_exporter.connection import Connection
+from flow_exporter.flow import FORCED_END, Export, Tracked
+from flow_exporter.metrics import Metrics
+from flow_exporter.sink import KafkaSink
+from flow_exporter.store import ConnectionStore, Restored
+from flow_exporter.timeouts import Timeouts
+
+log = logging.getLogger(__name__)
+
+
+class Source(Protocol):
+    """What the poll loop needs from conntrack (the real one is ConntrackDumper)."""
+
+    def dump(self, zones: Collection[int] | None = None) -> list[Connection]: ...
+
+    def count(self) -> int: ...
+
+    def max_entries(self) -> int: ...
+
+
+class EventSource(Protocol):
+    """What the loops need from the conntrack event listener (the real one is ConntrackEvents)."""
+
+    lost: int
+    overruns: int
+
+    def caught_up(self, since: float, timeout: float) -> bool: ...
+
+
+@dataclass
+class LoopStats:
+    polls: int = 0
+    poll_errors: int = 0
+    last_poll_seconds: float = 0.0
+    last_poll_entries: int = 0
+    table_count: int = 0
+    table_max: int = 0
+    records_lost_at_shutdown: int = 0
+    records_kept_at_shutdown: int = 0  # undelivered at shutdown, in the checkpoint for the next start
+    records_given_up: int = 0  # deliveries Kafka refused for good (e.g. too large): counts lost
+    resyncs: int = 0
+    decode_skipped: int = 0
+    barrier_timeouts: int = 0  # polls whose sweep ran before the event listener caught up
+
+
+class Exporter:
+    """Runs the poll and expire loops against a source and a sink."""
+
+    def __init__(
+        self,
+        source: Source,
+        sink: KafkaSink,
+        *,
+        timeouts: Timeouts,
+        node_name: str,
+        zones: Collection[int] = (),
+        retry_initial: float = 0.2,
+        retry_max: float = 30.0,
+        grace: float = 30.0,
+        max_connections: int = 500_000,
+        max_in_flight: int = 100_000,
+        on_new: Callable[[Tracked], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_ns: Callable[[], int] = time.time_ns,
+        is_fatal: Callable[[BaseException], bool] = lambda e: False,  # the runner knows the real source's errors
+        checkpoint: Checkpoint | None = None,
+        lineage: bytes = b"",
+        adopt: bool = True,
+        stop_event: threading.Event | None = None,
+    ) -> None:
+        self.source = source
+        self.sink = sink
+        self.timeouts = timeouts
+        self.node_name = node_name
+        self.zones = frozenset(zones)
+        self.grace = grace
+        self.clock = clock
+        self.wall_ns = wall_ns
+        self.store = ConnectionStore(
+            timeouts, on_new=on_new, max_connections=max_connections, lineage=lineage, adopt=adopt
+        )
+        self.checkpoint = checkpoint
+        self._events_barrier: Callable[[float, float], bool] | None = None
+        self.events: EventSource | None = None
+        self._given_up_logged_at = float("-inf")
+        self.max_in_flight = max_in_flight
+        self.lock = threading.Lock()
+        self.stop_event = stop_event or threading.Event()
+        self.stats = LoopStats()
+        self.first_poll_done = threading.Event()
+        self.fatal: BaseException | None = None
+        self._is_fatal = is_fatal
+        self._retry_initial = retry_initial
+        self._retry_max = retry_max
+        self.sink.stopping = self.stop_event.is_set
+        self.metrics: Metrics | None = None
+        self.heartbeats: dict[str, float] = {}
+        self._resync = threading.Event()
+        self.sink.on_wait = lambda: self.heartbeats.__setitem__("expire", time.monotonic())
+
+    def restore(self, rows: list[Restored], resends: list[Export]) -> None:
+        """Continue from a previous process's checkpoint (call before ``run``)."""
+        with self.lock:
+            self.store.restore(rows, resends)
+
+    def attach_events(self, events: EventSource) -> None:
+        """The event listener: its ``caught_up`` lets the sweep wait for DESTROY events queued until then."""
+        self.events = events
+        self._events_barrier = events.caught_up
+
+    # ------------------------------------------------------------------ poll
+    def poll_once(self) -> int:
+        """One dump and store update; returns the number of entries dumped."""
+        t0 = time.perf_counter()
+        zones = self.zones or None
+        store = self.store
+        lock = self.lock
+        with lock:
+            store.begin_poll()
+        dump_into = getattr(self.source, "dump_into", None)
+        if dump_into is not None:
+            # Batch by batch, so the table never exists twice in memory.
+            def consume(batch: list[Connection]) -> None:
+                with lock:
+                    store.update_batch(batch, self.clock(), self.wall_ns())
+
+            n = dump_into(consume, zones)
+        else:
+            conns = self.source.dump(zones)
+            n = len(conns)
+            with lock:
+                store.update_batch(conns, self.clock(), self.wall_ns())
+        # An entry missing from the dump was deleted before the dump passed it, and the kernel sends
+        # its DESTROY before deleting it: once the listener has drained its socket after now, every
+        # such DESTROY is applied and the sweep ends those connections with their real final counters.
+        barrier = self._events_barrier
+        if barrier is not None and not barrier(time.monotonic(), min(2.0, self.timeouts.poll_interval)):
+            self.stats.barrier_timeouts += 1
+        with lock:
+            store.end_poll(self.clock())
+        elapsed = time.perf_counter() - t0
+        if self.metrics is not None:
+            self.metrics.poll_seconds.observe(elapsed)
+        s = self.stats
+        s.polls += 1
+        s.last_poll_seconds = elapsed
+        s.last_poll_entries = n
+        s.decode_skipped += getattr(self.source, "last_skipped", 0)
+        try:
+            s.table_count = self.source.count()
+            s.table_max = self.source.max_entries()
+        except OSError as exc:
+            log.debug("conntrack count unavailable: %s", exc)
+        if s.polls == 1:
+            log.info("first poll: %s connections in %.2fs", f"{n:,}", elapsed)
+            self.first_poll_done.set()
+        return n
+
+    def _poll_with_retry(self) -> None:
+        def before_sleep(state: tenacity.RetryCallState) -> None:
+            self.stats.poll_errors += 1
+            exc = state.outcome.exception() if state.outcome else None
+            log.warning(
+                "conntrack dump failed (%s), retry %d in %.2fs",
+                exc,
+                state.attempt_number,
+                state.next_action.sleep if state.next_action else 0,
+            )
+
+        retrying = tenacity.Retrying(
+            retry=tenacity.retry_if_exception(lambda e: isinstance(e, OSError) and not self._is_fatal(e)),
+            wait=tenacity.wait_exponential_jitter(multiplier=self._retry_initial, max=self._retry_max),
+            stop=tenacity.stop_when_event_set(self.stop_event),
+            sleep=self.stop_event.wait,
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+        retrying(self.poll_once)
+
+    def poll_loop(self) -> None:
+        interval = self.timeouts.poll_interval
+        next_tick = time.monotonic()
+        while not self.stop_event.is_set():
+            self.heartbeats["poll"] = time.monotonic()
+            try:
+                self._poll_with_retry()
+            except BaseException as exc:
+                if self.stop_event.is_set() and not self._is_fatal(exc):
+                    break
+                self.fatal = exc
+                self.stop_event.set()
+                break
+            next_tick += interval
+            if time.monotonic() > next_tick:  # a poll longer than the interval: go on now, don't pile up
+                next_tick = time.monotonic()
+            while not self.stop_event.is_set():
+                delay = next_tick - time.monotonic()
+                if delay <= 0:
+                    break
+                if self._resync.wait(min(delay, 0.5)):
+                    self._resync.clear()
+                    self.stats.resyncs += 1
+                    next_tick = time.monotonic()
+                    break
+
+    def apply_events(self, new: list[Connection], destroyed: list[Connection]) -> None:
+        """Conntrack NEW/DESTROY events, from the event listener's thread."""
+        with self.lock:
+            self.store.apply_events(new, destroyed, self.clock(), self.wall_ns())
+
+    def request_resync(self) -> None:
+        """Events were lost: dump the whole table now rather than at the next tick."""
+        self._resync.set()
+
+    # ---------------------------------------------------------------- expire
+    def _apply_reports(self) -> None:
+        reports = self.sink.reports
+        if not reports:
+            return
+        now = self.clock()
+        settled: list[Export] = []
+        with self.lock:
+            while reports:
+                r = reports.popleft()
+                if r.delivered:
+                    settled.append(r.export)
+                elif r.permanent:
+                    settled.append(r.export)
+                    self._given_up(r.export, r.error)
+                else:
+                    log.debug("record not delivered (%s); the same record goes again", r.error)
+                self.store.acknowledge(r.export, r.delivered, now, permanent=r.permanent)
+        if self.checkpoint is not None and settled:
+            self.checkpoint.delivered(settled)
+
+    def _given_up(self, export: Export, error: str | None) -> None:
+        self.stats.records_given_up += 1
+        now = time.monotonic()
+        if now - self._given_up_logged_at >= 60.0:
+            self._given_up_logged_at = now
+            log.error(
+                "kafka refused a record for good (%s): connectionId %d sequence %d is lost "
+                "(counted in flow_exporter_records_given_up_total; logged at most once a minute)",
+                error,
+                export.flow_id,
+                export.sequence,
+            )
+
+    def _send(self, exports: list[Export]) -> None:
+        """Encode, journal, then produce: a record reaches Kafka only after the checkpoint knows it."""
+        export_ms = self.wall_ns() // 1_000_000
+        sink = self.sink
+        prepare = sink.prepare
+        for e in exports:
+            prepare(e, export_ms)
+        if self.checkpoint is not None:
+            self.checkpoint.sent(exports)
+        produce = sink.produce
+        for e in exports:
+            produce(e)
+
+    def snapshot(self) -> None:
+        """Write the checkpoint (from the expire thread, which is also the journal's only writer)."""
+        if self.checkpoint is None:
+            return
+        with self.lock:
+            rows = list(self.store.reported())
+            records = list(self.store.in_flight())
+        self.checkpoint.snapshot(rows, records)
+
+    def expire_once(self) -> int:
+        """Export everything that is due; returns the number of records produced."""
+        self._apply_reports()
+        room = self.max_in_flight - self.sink.in_flight
+        if room <= 0:
+            return 0  # Kafka is behind: due connections wait, coalescing, instead of piling up
+        with self.lock:
+            exports = self.store.expire(self.clock(), self.wall_ns(), limit=room)
+        if exports:
+            t0 = time.perf_counter()
+            self._send(exports)
+            if self.metrics is not None:
+                self.metrics.export_seconds.observe(time.perf_counter() - t0)
+        return len(exports)
+
+    def expire_loop(self) -> None:
+        cp = self.checkpoint
+        while not self.stop_event.is_set():
+            self.heartbeats["expire"] = time.monotonic()
+            self.expire_once()
+            if cp is not None and cp.due():
+                self.snapshot()
+            with self.lock:
+                deadline = self.store.next_deadline()
+            wait = 0.2 if deadline is None else min(max(deadline - self.clock(), 0.0), 0.2)
+            self.sink.poll(wait)  # serves delivery callbacks while waiting
+
+    # ------------------------------------------------------------- lifecycle
+    def run(self) -> int:
+        """Run until ``stop_event`` is set, then shut down; returns the exit code."""
+        threads = [
+            threading.Thread(target=self.poll_loop, name="poll", daemon=True),
+            threading.Thread(target=self.expire_loop, name="expire", daemon=True),
+        ]
+        for t in threads:
+            t.start()
+        self.stop_event.wait()
+        # The grace period runs from the signal, not from when the loops have wound down;
+        # a second of it is kept for the process to exit.
+        deadline = time.monotonic() + max(self.grace - 1.0, self.grace / 2)
+        for t in threads:
+            t.join()
+        if self.fatal is not None:
+            log.error("%s", self.fatal)
+            self.sink.flush(min(5.0, max(deadline - time.monotonic(), 0)))
+            self._apply_reports()
+            self.snapshot()  # what was built is kept for the next start
+            return 1
+        return self.shutdown(deadline)
+
+    def shutdown(self, deadline: float | None = None) -> int:
+        """Final records (flowEndReason 4) for every connection, delivered within the grace period."""
+        if deadline is None:
+            deadline = time.monotonic() + self.grace
+        self.sink.stopping = lambda: time.monotonic() >= deadline
+        # Connections with a record in flight get their final one once it settles,
+        # so no counts are sent twice.
+        sent = 0
+        while True:
+            with self.lock:
+                exports = self.store.export_all(self.clock(), FORCED_END)
+            if exports:
+                sent += len(exports)
+                self._send(exports)
+            remaining = max(deadline - time.monotonic(), 0)
+            self.sink.flush(min(remaining, 1.0))
+            self._apply_reports()
+            with self.lock:
+                left = self.store.unfinished()
+            if left == 0 or time.monotonic() >= deadline:
+                break
+        self.sink.flush(0)
+        self._apply_reports()
+        with self.lock:
+            left = self.store.unfinished()
+        if left:
+            self.sink.purge()  # so closing the producer does not wait on a broker that is gone
+            self._apply_reports()  # purged records come back as failed: they stay in the store
+        if self.checkpoint is not None and not self.checkpoint.broken:
+            self.snapshot()
+            self.stats.records_kept_at_shutdown = left
+            if left:
+                log.warning(
+                    "shutdown: grace period over, %d records not delivered; kept in the state directory, "
+                    "the next start sends them",
+                    left,
+                )
+            else:
+                log.info("shutdown: %d final records delivered", sent)
+        elif left:
+            self.stats.records_lost_at_shutdown = left
+            log.error("shutdown: grace period over, %d connections' final records were not delivered", left)
+        else:
+            log.info("shutdown: %d final records delivered", sent)
+        return 0

@@ -1,0 +1,483 @@
+"""The exporter's state directory: what has been reported, so a restarted exporter continues exactly.
+
+Why: a DaemonSet rollout, a crash or an OOM kill restarts the exporter while the
+kernel's conntrack table lives on. Without state, the new process would report
+live connections again from sequence 0, and either give an (id, sequence) pair a
+second content or count a connection twice. With it, each connection continues at
+its next sequence with deltas from the totals of its last record, and records
+whose delivery was never confirmed are sent again as the same bytes.
+
+Two files (plus a lock):
+
+* ``checkpoint``: a snapshot, written to a temporary file and renamed into place:
+  the lineage (a random value in every connectionId), the kernel boot id and table
+  it belongs to, one row per reported connection (tuple, incarnation, connectionId,
+  next sequence, totals of its last record, flags) and every record not yet known
+  to be delivered (its bytes, topic and key);
+* ``journal``: appended before each batch is produced (the records, as above) and
+  after each batch of delivery reports (which ones arrived), so even SIGKILL loses
+  nothing: a record reaches Kafka only after its journal entry is written. A new
+  snapshot starts a new journal. Entries carry a CRC; a torn tail (killed during a
+  write, before the produce that would have followed) is ignored.
+
+A checkpoint from another boot is dropped (the kernel's table is new too); so is
+one for another table (``conntrack.netns``) or one that cannot be read: the
+exporter then starts a new lineage and flags connections it finds live ADOPTED.
+No fsync: a process crash keeps the page cache, and a node crash reboots, which
+empties the table the checkpoint describes.
+
+Hand-written binary format (struct, zlib.crc32): the rows are fixed fields and the
+values opaque bytes; no serialization library is needed for that, and a
+snapshot of 250k connections must be cheap (bench/bench_checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import gc
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flow_exporter.flow import LACK_OF_RESOURCES, Export
+from flow_exporter.store import Restored
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"FXCK"
+JOURNAL_MAGIC = b"FXJL"
+VERSION = 1
+CHECKPOINT = "checkpoint"
+JOURNAL = "journal"
+LOCK = "lock"
+# A new snapshot once the journal outgrows this, or twice the last snapshot: journal writes stay
+# within ~3x what was sent, and a restart replays at most that much.
+MIN_JOURNAL_BYTES = 8 << 20
+
+_HEAD = struct.Struct("!4sHQ")  # magic, version, snapshot id (both files)
+_META = struct.Struct("!16s8sQII")  # boot id, lineage, written at (ns), rows, records
+# A row: address length, zone, proto, sport, dport, src, dst, ct_id, start, first seen, flow id,
+# next sequence, base totals x4, flags. One struct per address family: one call packs a row.
+_ROW_FIELDS = "BHBHH{0}s{0}sIQQqQQQQQB"
+_ROW = {4: struct.Struct("!" + _ROW_FIELDS.format(4)), 16: struct.Struct("!" + _ROW_FIELDS.format(16))}
+# A journaled record: its connection's row (next sequence = its sequence + 1, base = its totals),
+# then ended, topic length, key length, value length; then topic, key and value bytes.
+_SENT_ROW = {n: struct.Struct(r.format + "BHHI") for n, r in _ROW.items()}
+# A record in a snapshot: flow id, sequence, totals x4, topic, key and value lengths; then the bytes.
+_REC = struct.Struct("!qQQQQQHHI")
+_ENTRY = struct.Struct("!BII")  # type, payload length, crc32(payload)
+_ACK = struct.Struct("!qQ")
+_SENT, _ACKED = 1, 2
+
+
+class CheckpointError(Exception):
+    """The state directory cannot be used (named in the message)."""
+
+
+@dataclass
+class Loaded:
+    """What a previous process left: rows to continue, records to resend, and the lineage."""
+
+    lineage: bytes
+    rows: list[Restored] = field(default_factory=list)
+    resends: list[Export] = field(default_factory=list)
+    valid: bool = False  # False: nothing usable, start a new lineage and flag live connections ADOPTED
+    why: str = ""
+
+
+@dataclass
+class CheckpointStats:
+    snapshots: int = 0
+    last_snapshot_seconds: float = 0.0
+    last_snapshot_bytes: int = 0
+    journal_bytes: int = 0  # of the current journal
+    errors: int = 0
+
+
+def boot_id() -> bytes:
+    """The kernel's boot id (16 bytes): a checkpoint from another boot describes a table that is gone."""
+    try:
+        text = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return bytes.fromhex(text.replace("-", ""))[:16].ljust(16, b"\0")
+    except (OSError, ValueError):
+        return b"\0" * 16
+
+
+def _pack_row(row: Restored) -> bytes:
+    (zone, proto, src, sport, dst, dport), ct_id, start, first, flow_id, next_seq, b, flags = row
+    return _ROW[len(src)].pack(
+        len(src), zone & 0xFFFF, proto, sport, dport, src, dst, ct_id & 0xFFFFFFFF, start, first, flow_id, next_seq,
+        b[0], b[1], b[2], b[3], flags & 0xFF,
+    )  # fmt: skip
+
+
+def _row_struct(buf: memoryview, off: int, table: dict[int, struct.Struct]) -> struct.Struct:
+    s = table.get(buf[off])
+    if s is None:
+        raise ValueError(f"address length {buf[off]}")
+    return s
+
+
+def _restored(f: tuple[Any, ...]) -> Restored:
+    return _new_restored(
+        (Restored, ((f[1], f[2], f[5], f[3], f[6], f[4]), f[7], f[8], f[9], f[10], f[11], f[12:16], f[16]))
+    )
+
+
+def _new_restored(args: tuple[type[Restored], tuple[Any, ...]]) -> Restored:
+    return tuple.__new__(*args)  # type: ignore[return-value]  # a NamedTuple without its __new__ overhead
+
+
+def _pack_record(e: Export) -> bytes:
+    topic = (e.topic or "").encode()
+    key = e.key or b""
+    value = e.value or b""
+    t = e.totals
+    head = _REC.pack(e.flow_id, e.sequence, t[0], t[1], t[2], t[3], len(topic), len(key), len(value))
+    return b"".join((head, topic, key, value))
+
+
+def _record(
+    buf: memoryview, off: int, flow_id: int, seq: int, totals: tuple[int, ...], tlen: int, klen: int, vlen: int
+) -> Export:
+    end = off + tlen + klen + vlen
+    if end > len(buf):
+        raise ValueError("record past the end")
+    return Export(
+        None,
+        0,
+        seq,
+        tuple(totals),  # type: ignore[arg-type]
+        (0, 0, 0, 0),
+        False,
+        0,
+        flow_id,
+        value=bytes(buf[off + tlen + klen : end]),
+        topic=bytes(buf[off : off + tlen]).decode(),
+        key=bytes(buf[off + tlen : off + tlen + klen]),
+    )
+
+
+class Checkpoint:
+    """One exporter's state directory (locked for the life of the process)."""
+
+    def __init__(self, directory: str | os.PathLike[str], table: str = "", boot: bytes | None = None) -> None:
+        self.dir = Path(directory)
+        self.table = table  # which conntrack table: the netns name, "" for the exporter's own
+        self.boot = boot if boot is not None else boot_id()
+        self.stats = CheckpointStats()
+        self.lineage = b""
+        self.broken = False  # a write failed: state is dropped and no longer kept
+        self._snapshot_id = 0
+        self._journal: int | None = None
+        self._lock_fd: int | None = None
+        self._topics: dict[str | None, bytes] = {}
+
+    # ------------------------------------------------------------------ open
+    def lock(self, stop: threading.Event | None = None, log_every: float = 10.0) -> bool:
+        """Take the directory's lock, waiting while another process holds it; False if stopped first."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise CheckpointError(f"state.dir {self.dir}: {exc.strerror}") from None
+        last_log = float("-inf")
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._lock_fd = fd
+                return True
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    os.close(fd)
+                    raise CheckpointError(f"state.dir {self.dir}: cannot lock: {exc.strerror}") from None
+            if time.monotonic() - last_log >= log_every:
+                last_log = time.monotonic()
+                log.warning("state.dir %s is locked by another exporter process; waiting for it to exit", self.dir)
+            if stop is not None and stop.wait(0.5):
+                os.close(fd)
+                return False
+            if stop is None:
+                time.sleep(0.5)
+
+    def load(self) -> Loaded:
+        """Read the snapshot and replay the journal; start a new lineage when there is nothing to continue."""
+        # Hundreds of thousands of small tuples and no cycles among them: the cyclic collector would
+        # scan the growing heap again and again (it doubled the load time at 250k rows).
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            loaded = self._read()
+        finally:
+            if enabled:
+                gc.enable()
+        if not loaded.valid:
+            loaded.lineage = os.urandom(8)
+            loaded.rows = []
+            loaded.resends = []
+        self.lineage = loaded.lineage
+        return loaded
+
+    def _read(self) -> Loaded:
+        path = self.dir / CHECKPOINT
+        try:
+            data = memoryview(path.read_bytes())
+        except FileNotFoundError:
+            return Loaded(b"", why="no checkpoint yet (first start with this state directory)")
+        except OSError as exc:
+            return Loaded(b"", why=f"checkpoint unreadable: {exc.strerror}")
+        try:
+            snap_id, meta, rows, records = self._parse_snapshot(data)
+        except (ValueError, struct.error, UnicodeDecodeError) as exc:
+            return Loaded(b"", why=f"checkpoint damaged ({exc}); ignored")
+        boot, lineage, _written, _nrows, _nrecs, table = meta
+        if boot != self.boot:
+            return Loaded(b"", why="checkpoint from an earlier boot (the conntrack table is new too)")
+        if table != self.table:
+            return Loaded(b"", why=f"checkpoint of another conntrack table ({table or 'the host'}); ignored")
+        by_id: dict[int, Any] = {f[10]: f for f in rows}
+        pending: dict[tuple[int, int], Any] = {(r[2], r[3]): r for r in records}
+        replayed, torn = self._replay(snap_id, by_id, pending)
+        # Rows and records stay raw (unpacked fields, offsets) until here: many are superseded.
+        restored = [_restored(f) for f in by_id.values()]
+        resends = [_record(*r) for r in pending.values()]
+        why = f"checkpoint: {len(restored):,} connections, {len(resends):,} records awaiting delivery"
+        if replayed:
+            why += f"; journal: {replayed:,} entries replayed"
+        if torn:
+            why += f" ({torn})"
+        return Loaded(lineage, restored, resends, True, why)
+
+    def _parse_snapshot(
+        self, data: memoryview
+    ) -> tuple[int, tuple[bytes, bytes, int, int, int, str], list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+        if len(data) < _HEAD.size + _META.size + 6:
+            raise ValueError("too short")
+        body, crc = data[:-4], struct.unpack_from("!I", data, len(data) - 4)[0]
+        if zlib.crc32(body) != crc:
+            raise ValueError("checksum mismatch")
+        magic, version, snap_id = _HEAD.unpack_from(data, 0)
+        if magic != MAGIC or version != VERSION:
+            raise ValueError(f"not a version {VERSION} checkpoint")
+        off = _HEAD.size
+        boot, lineage, written, nrows, nrecs = _META.unpack_from(data, off)
+        off += _META.size
+        (tlen,) = struct.unpack_from("!H", data, off)
+        table = bytes(data[off + 2 : off + 2 + tlen]).decode()
+        off += 2 + tlen
+        rows = []  # unpacked fields, made Restored once the journal has had its say
+        for _ in range(nrows):
+            st = _row_struct(body, off, _ROW)
+            rows.append(st.unpack_from(body, off))
+            off += st.size
+        records = []  # (buffer, offset, fields): copied out only if still undelivered after the journal
+        for _ in range(nrecs):
+            flow_id, seq, t0, t1, t2, t3, tlen, klen, vlen = _REC.unpack_from(body, off)
+            off += _REC.size
+            if off + tlen + klen + vlen > len(body):
+                raise ValueError("record past the end")
+            records.append((body, off, flow_id, seq, (t0, t1, t2, t3), tlen, klen, vlen))
+            off += tlen + klen + vlen
+        if off != len(body):
+            raise ValueError("trailing bytes")
+        return snap_id, (boot, lineage, written, nrows, nrecs, table), rows, records
+
+    def _replay(self, snap_id: int, rows: dict[int, Any], pending: dict[tuple[int, int], Any]) -> tuple[int, str]:
+        """Apply the journal written after snapshot ``snap_id``; returns (entries applied, note on a bad tail)."""
+        try:
+            data = memoryview((self.dir / JOURNAL).read_bytes())
+        except OSError:
+            return 0, ""
+        if len(data) < _HEAD.size:
+            return 0, ""
+        magic, version, jid = _HEAD.unpack_from(data, 0)
+        if magic != JOURNAL_MAGIC or version != VERSION or jid != snap_id:
+            return 0, "journal of another snapshot ignored"
+        off = _HEAD.size
+        applied = 0
+        while off < len(data):
+            if off + _ENTRY.size > len(data):
+                return applied, "torn journal tail ignored"
+            kind, length, crc = _ENTRY.unpack_from(data, off)
+            payload = data[off + _ENTRY.size : off + _ENTRY.size + length]
+            if len(payload) != length or zlib.crc32(payload) != crc:
+                return applied, "torn journal tail ignored"
+            try:
+                if kind == _SENT:
+                    self._apply_sent(payload, rows, pending)
+                elif kind == _ACKED:
+                    for i in range(0, length, _ACK.size):
+                        pending.pop(_ACK.unpack_from(payload, i), None)
+            except (ValueError, struct.error, UnicodeDecodeError) as exc:
+                return applied, f"journal entry damaged ({exc}); the rest ignored"
+            applied += 1
+            off += _ENTRY.size + length
+        return applied, ""
+
+    @staticmethod
+    def _apply_sent(payload: memoryview, rows: dict[int, Any], pending: dict[tuple[int, int], Any]) -> None:
+        (count,) = struct.unpack_from("!I", payload, 0)
+        off = 4
+        for _ in range(count):
+            st = _row_struct(payload, off, _SENT_ROW)
+            f = st.unpack_from(payload, off)
+            off += st.size
+            flow_id = f[10]
+            tlen, klen, vlen = f[18], f[19], f[20]
+            if f[17]:
+                rows.pop(flow_id, None)  # it left the table: only its record matters now
+            else:
+                rows[flow_id] = f[:17]
+            pending[(flow_id, f[11] - 1)] = (payload, off, flow_id, f[11] - 1, f[12:16], tlen, klen, vlen)
+            off += tlen + klen + vlen
+            if off > len(payload):
+                raise ValueError("record past the end")
+
+    # ----------------------------------------------------------------- write
+    def sent(self, exports: Iterable[Export]) -> None:
+        """Journal records about to be produced (first sends only: a resend is already journaled)."""
+        if self._journal is None or self.broken:
+            return
+        parts: list[bytes] = []
+        append = parts.append
+        topics = self._topics
+        n = 0
+        for e in exports:
+            tr = e.tracked
+            if e.attempts or tr is None:
+                continue
+            c = tr.conn
+            (zone, proto, src, sport, dst, dport) = tr.key
+            t = e.totals
+            topic = topics.get(e.topic)
+            if topic is None:
+                topic = topics[e.topic] = (e.topic or "").encode()
+            key = e.key or b""
+            value = e.value or b""
+            ended = 1 if tr.end_reason and tr.end_reason != LACK_OF_RESOURCES and e.final else 0
+            append(
+                _SENT_ROW[len(src)].pack(
+                    len(src), zone & 0xFFFF, proto, sport, dport, src, dst, c.ct_id & 0xFFFFFFFF, c.start_ns,
+                    tr.first_seen_ns, e.flow_id, e.sequence + 1, t[0], t[1], t[2], t[3], tr.flags & 0xFF,
+                    ended, len(topic), len(key), len(value),
+                )
+            )
+            append(topic)
+            append(key)
+            append(value)
+            n += 1
+        if n:
+            self._append(_SENT, struct.pack("!I", n) + b"".join(parts))
+
+    def delivered(self, exports: Iterable[Export]) -> None:
+        """Journal records whose delivery is settled (delivered, or given up for good)."""
+        if self._journal is None or self.broken:
+            return
+        payload = b"".join(_ACK.pack(e.flow_id, e.sequence) for e in exports)
+        if payload:
+            self._append(_ACKED, payload)
+
+    def _append(self, kind: int, payload: bytes) -> None:
+        assert self._journal is not None
+        entry = _ENTRY.pack(kind, len(payload), zlib.crc32(payload)) + payload
+        try:
+            os.write(self._journal, entry)
+        except OSError as exc:
+            self._fail(f"journal write failed: {exc.strerror}")
+            return
+        self.stats.journal_bytes += len(entry)
+
+    def due(self) -> bool:
+        """Time for a new snapshot (the journal outgrew the last one)."""
+        st = self.stats
+        return not self.broken and st.journal_bytes >= max(MIN_JOURNAL_BYTES, 2 * st.last_snapshot_bytes)
+
+    def begin(self, loaded: Loaded) -> None:
+        """Start this process's journal on a snapshot of what was loaded (so every entry follows a snapshot)."""
+        self.snapshot(loaded.rows, loaded.resends)
+
+    def snapshot(self, reported: Iterable[Restored], in_flight: Iterable[Export]) -> None:
+        """Write a new snapshot and start an empty journal after it.
+
+        Callers pass the store's reported connections and records in flight as of one
+        moment, from the thread that journals (so no entry falls between the two).
+        """
+        if self.broken:
+            return
+        t0 = time.perf_counter()
+        enabled = gc.isenabled()
+        gc.disable()  # see load(): no cycles here, and the collector would rescan the heap repeatedly
+        try:
+            rows = [_pack_row(r) for r in reported]
+            records = [_pack_record(e) for e in in_flight]
+        finally:
+            if enabled:
+                gc.enable()
+        snap_id = time.time_ns()
+        table = self.table.encode()
+        body = b"".join(
+            (
+                _HEAD.pack(MAGIC, VERSION, snap_id),
+                _META.pack(self.boot, self.lineage, snap_id, len(rows), len(records)),
+                struct.pack("!H", len(table)),
+                table,
+                *rows,
+                *records,
+            )
+        )
+        data = body + struct.pack("!I", zlib.crc32(body))
+        tmp = self.dir / (CHECKPOINT + ".tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.dir / CHECKPOINT)
+            self._open_journal(snap_id)
+        except OSError as exc:
+            self._fail(f"snapshot write failed: {exc.strerror}")
+            return
+        self._snapshot_id = snap_id
+        st = self.stats
+        st.snapshots += 1
+        st.last_snapshot_bytes = len(data)
+        st.last_snapshot_seconds = time.perf_counter() - t0
+
+    def _open_journal(self, snap_id: int) -> None:
+        if self._journal is not None:
+            os.close(self._journal)
+            self._journal = None
+        fd = os.open(self.dir / JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        os.write(fd, _HEAD.pack(JOURNAL_MAGIC, VERSION, snap_id))
+        self._journal = fd
+        self.stats.journal_bytes = _HEAD.size
+
+    def _fail(self, why: str) -> None:
+        """Writing failed: drop the state rather than leave one that a restart would misread."""
+        self.stats.errors += 1
+        self.broken = True
+        log.error(
+            "state.dir %s: %s; exporter state is no longer kept (a restart will start a new lineage)", self.dir, why
+        )
+        for name in (CHECKPOINT, JOURNAL):
+            with contextlib.suppress(OSError):
+                os.unlink(self.dir / name)
+        if self._journal is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._journal)
+            self._journal = None
+
+    def close(self) -> None:
+        if self._journal is not None:
+            os.close(self._journal)
+            self._journal = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None

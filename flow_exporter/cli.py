@@ -1,0 +1,130 @@
+"""``flow-exporter`` command line: ``run``, ``config``, ``tail``, ``schema``.
+
+Exit codes: 0 done, 1 runtime failure (message logged), 2 bad configuration or usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from flow_exporter import __version__, tools
+from flow_exporter.config import Config, ConfigError, defaults_text, load, parse_overrides
+
+log = logging.getLogger("flow_exporter")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="flow-exporter",
+        description="Export Linux conntrack connections as Avro flow records to Kafka.",
+    )
+    p.add_argument("--version", action="version", version=f"flow-exporter {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run the exporter (the DaemonSet entry point)")
+    _config_args(run)
+
+    cfg = sub.add_parser("config", help="show settings")
+    _config_args(cfg)
+    g = cfg.add_mutually_exclusive_group()
+    g.add_argument("--print-defaults", action="store_true", help="every setting, its default and meaning")
+    g.add_argument("--print", action="store_true", help="the effective settings as JSON")
+
+    tools.add_parsers(sub)  # tail, schema
+    return p
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML config file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one setting")
+    p.add_argument("--bootstrap-servers", help="same as --set kafka.bootstrapServers=...")
+    p.add_argument("--topic", help="same as --set kafka.topic=...")
+    p.add_argument("--netns", help="same as --set conntrack.netns=...")
+    p.add_argument("--node-name", help="same as --set nodeName=...")
+    p.add_argument("--log-level", help="same as --set log.level=...")
+    p.add_argument("--log-format", help="same as --set log.format=...")
+
+
+def _load_config(args: argparse.Namespace) -> Config:
+    overrides: dict[str, Any] = parse_overrides(args.set)
+    for flag, key in (
+        ("bootstrap_servers", "kafka.bootstrapServers"),
+        ("topic", "kafka.topic"),
+        ("netns", "conntrack.netns"),
+        ("node_name", "nodeName"),
+        ("log_level", "log.level"),
+        ("log_format", "log.format"),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides[key] = value
+    return load(args.config, overrides=overrides)
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("kubernetes").setLevel(max(logging.WARNING, root.level))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command is None:
+        _parser().print_help()
+        return 2
+    if args.command in tools.COMMANDS:
+        return tools.run(args)
+    try:
+        cfg = _load_config(args)
+    except ConfigError as exc:
+        print(f"flow-exporter: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "config":
+        if args.print:
+            shown = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.masked().items()}
+            print(json.dumps(shown, indent=2, default=str))
+        else:
+            print(defaults_text(), end="")
+        return 0
+    setup_logging(cfg["log.level"], cfg["log.format"])
+    from flow_exporter.runner import run_exporter
+
+    return run_exporter(cfg, install_signals=_install_signals)
+
+
+def _install_signals(stop: Any) -> None:
+    def handler(signum: int, _frame: object) -> None:
+        log.info("received %s: stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

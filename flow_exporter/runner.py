@@ -1,0 +1,242 @@
+"""Wiring for ``flow-exporter run``: config in, conntrack source and Kafka sink built, loops run.
+
+Kept apart from :mod:`flow_exporter.app` so the loops stay testable with any source and sink.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from confluent_kafka import KafkaException
+
+from flow_exporter.app import Exporter
+from flow_exporter.checkpoint import Checkpoint, CheckpointError, Loaded
+from flow_exporter.config import Config
+from flow_exporter.conntrack.events import ConntrackEvents
+from flow_exporter.metrics import HealthServer, Metrics, liveness, readiness
+from flow_exporter.sink import KafkaSink, Route
+from flow_exporter.sink.encoder import RecordEncoder
+from flow_exporter.sink.kafka import redact
+from flow_exporter.sink.registry import ensure_registered, with_registry
+from flow_exporter.timeouts import Timeouts
+
+log = logging.getLogger(__name__)
+
+
+def build_sink(cfg: Config) -> KafkaSink:
+    routes = [
+        Route(r["topic"], flow_type=r.get("flowType"), end_reason=r.get("endReason")) for r in cfg["kafka.routes"]
+    ]
+    return KafkaSink(
+        # librdkafka's own log lines through Python logging, so --log-format json holds for them too.
+        {"logger": logging.getLogger("flow_exporter.rdkafka"), **cfg.producer_config()},
+        cfg["kafka.topic"],
+        with_registry(cfg, RecordEncoder(cfg.node_name).encode),  # Confluent framing if a registry is set
+        routes,
+        retry_initial=cfg["retry.initialBackoff"],
+        retry_max=cfg["retry.maxBackoff"],
+    )
+
+
+def timeouts_from(cfg: Config) -> Timeouts:
+    return Timeouts.normalized(
+        cfg["conntrack.pollInterval"],
+        cfg["expiry.activeTimeout"],
+        cfg["expiry.idleTimeout"],
+        cfg["expiry.staleTimeout"],
+    )
+
+
+def check_topics(sink: KafkaSink, stop: threading.Event, initial: float, maximum: float) -> bool:
+    """Wait (with backoff) until the broker answers and every topic exists; False if stopped first.
+
+    A missing topic is an operator's mistake, not a crash: it is reported clearly
+    and retried, so the pod does not crash-loop while someone creates it.
+    """
+    delay = initial
+    while not stop.is_set():
+        try:
+            missing = sink.missing_topics(timeout=10.0)
+        except KafkaException as exc:
+            log.warning("kafka not reachable (%s); retrying in %.1fs", exc.args[0], delay)
+        else:
+            if not missing:
+                log.info("broker reachable, topics present: %s", ", ".join(sorted(sink.topics())))
+                return True
+            log.error(
+                "kafka topic(s) missing: %s (create them, or enable auto-creation); retrying in %.1fs",
+                ", ".join(sorted(missing)),
+                delay,
+            )
+        stop.wait(delay)
+        delay = min(delay * 2, maximum)
+    return False
+
+
+def start_health_server(cfg: Config, exporter: Exporter, enricher: Any = None) -> HealthServer | None:
+    """/metrics, /healthz and /readyz, unless metrics.port is 0."""
+    if cfg["metrics.port"] == 0:
+        return None
+    metrics = Metrics()
+    caches_ready: Callable[[], bool] | None = None
+    extra: Callable[[], dict[str, float]] | None = None
+    if enricher is not None:
+        caches_ready = enricher.caches.ready.is_set
+        st = enricher.stats
+
+        def extra() -> dict[str, float]:
+            return {
+                "enrichment_lookups": st.lookups,
+                "enrichment_misses": st.misses,
+                "enrichment_errors": st.errors,
+                "labels_truncated": st.truncated_labels,
+            }
+
+    metrics.bind(exporter, extra)
+    exporter.metrics = metrics
+    # A poll may wait out the longest retry backoff; only silence beyond that is a hang.
+    silence = max(3 * cfg["conntrack.pollInterval"], 60.0) + cfg["retry.maxBackoff"]
+    try:
+        server = HealthServer(
+            metrics,
+            cfg["metrics.address"],
+            cfg["metrics.port"],
+            liveness(exporter, silence),
+            readiness(exporter, caches_ready),
+        )
+    except OSError as exc:
+        log.error("metrics listener %s:%d: %s", cfg["metrics.address"], cfg["metrics.port"], exc.strerror)
+        raise SystemExit(1) from None
+    server.start()
+    return server
+
+
+def start_events(cfg: Config, exporter: Exporter) -> ConntrackEvents | None:
+    """The NEW/DESTROY listener, when on; polling alone goes on if it cannot start."""
+    if not cfg["conntrack.events"]:
+        return None
+    try:
+        events = ConntrackEvents(
+            exporter.apply_events,
+            exporter.request_resync,
+            netns=cfg["conntrack.netns"],
+            zones=cfg["conntrack.zones"] or None,
+        )
+    except OSError as exc:
+        log.warning("conntrack events unavailable (%s); short-lived flows may be missed", exc)
+        return None
+    events.start()
+    exporter.attach_events(events)
+    return events
+
+
+def open_state(cfg: Config, stop: threading.Event) -> tuple[Checkpoint | None, Loaded | None]:
+    """The state directory, locked and loaded; (None, None) without one, or when stopped while waiting."""
+    directory = cfg["state.dir"]
+    if not directory:
+        log.warning(
+            "no state.dir: after a restart, connections found live are reported again under new "
+            "connectionIds, flagged adopted (see README, Counting: the contract)"
+        )
+        return None, None
+    cp = Checkpoint(directory, table=cfg["conntrack.netns"] or "")
+    if not cp.lock(stop):
+        return None, None
+    loaded = cp.load()
+    if loaded.valid:
+        log.info("state.dir %s: continuing: %s", directory, loaded.why)
+    else:
+        log.warning("state.dir %s: nothing to continue (%s); new lineage, live connections flagged adopted",
+                    directory, loaded.why)
+    cp.begin(loaded)
+    return cp, loaded
+
+
+def is_fatal_source_error(exc: BaseException) -> bool:
+    """Errors that no retry can fix: missing capability, missing module, missing namespace."""
+    from flow_exporter.conntrack.errors import ConntrackPermissionError, ConntrackUnavailable, NetnsError
+
+    return isinstance(exc, ConntrackPermissionError | ConntrackUnavailable | NetnsError)
+
+
+def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None] | None = None) -> int:
+    from flow_exporter.conntrack.dumper import ConntrackDumper
+    from flow_exporter.conntrack.errors import ConntrackError
+    from flow_exporter.conntrack.sysctl import enable_accounting
+
+    netns = cfg["conntrack.netns"]
+    log.info(
+        "flow-exporter starting: node=%s netns=%s kafka=%s (%s) topic=%s",
+        cfg.node_name,
+        netns or "(own)",
+        redact(cfg.producer_config()).get("bootstrap.servers"),
+        cfg["kafka.securityProtocol"],
+        cfg["kafka.topic"],
+    )
+    if cfg["conntrack.setSysctls"]:
+        for warning in enable_accounting(netns):
+            log.warning("%s", warning)
+    try:
+        source = ConntrackDumper(netns=netns)
+    except ConntrackError as exc:
+        log.error("cannot open conntrack: %s", exc)
+        return 1
+    stop = threading.Event()
+    if install_signals is not None:
+        install_signals(stop)
+    try:
+        checkpoint, loaded = open_state(cfg, stop)
+    except CheckpointError as exc:
+        log.error("%s", exc)
+        source.close()
+        return 2
+    if stop.is_set():
+        source.close()
+        return 0
+    sink = build_sink(cfg)
+    enricher = None
+    if cfg["k8s.enabled"]:  # caches fill in the background; records go out meanwhile
+        from flow_exporter.k8s import start_enricher
+
+        enricher = start_enricher(cfg)
+    exporter = Exporter(
+        source,
+        sink,
+        timeouts=timeouts_from(cfg),
+        node_name=cfg.node_name,
+        zones=cfg["conntrack.zones"],
+        retry_initial=cfg["retry.initialBackoff"],
+        retry_max=cfg["retry.maxBackoff"],
+        grace=cfg["shutdown.grace"],
+        max_connections=cfg["limits.maxConnections"],
+        max_in_flight=cfg["limits.maxInFlight"],
+        is_fatal=is_fatal_source_error,
+        on_new=enricher,
+        checkpoint=checkpoint,
+        lineage=loaded.lineage if loaded else b"",
+        adopt=not (loaded and loaded.valid),
+        stop_event=stop,
+    )
+    if loaded is not None and loaded.valid:
+        exporter.restore(loaded.rows, loaded.resends)
+    http = start_health_server(cfg, exporter, enricher)
+    events = start_events(cfg, exporter)
+    try:
+        if cfg["kafka.checkTopics"] and not check_topics(
+            sink, exporter.stop_event, cfg["retry.initialBackoff"], cfg["retry.maxBackoff"]
+        ):
+            return 0
+        if not ensure_registered(sink.encode, exporter.stop_event):  # after /healthz is up: waiting is not dying
+            return 0
+        return exporter.run()
+    finally:
+        if events is not None:
+            events.stop()
+        if http is not None:
+            http.stop()
+        if checkpoint is not None:
+            checkpoint.close()
+        source.close()

@@ -1,0 +1,285 @@
+"""Kafka sink: produce serialized records and report each delivery back.
+
+Delivery reports are queued, not applied, inside librdkafka's callback: the app
+applies them to the store under its lock, so the producer never re-enters the
+store from whatever thread happened to call ``poll()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import tenacity
+from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka.admin import AdminClient
+
+from flow_exporter.flow import Export
+from flow_exporter.record import partition_key
+
+log = logging.getLogger(__name__)
+_rdkafka_log = logging.getLogger(__name__ + ".rdkafka")
+
+# Defaults chosen for an idempotent, batched, compressed stream; any of them can
+# be overridden in the config's kafka.producer map.
+PRODUCER_DEFAULTS: dict[str, Any] = {
+    "enable.idempotence": True,
+    "acks": "all",
+    "linger.ms": 50,
+    "compression.type": "lz4",
+    "batch.size": 1_000_000,
+    "queue.buffering.max.messages": 500_000,
+    "message.timeout.ms": 120_000,
+    "socket.keepalive.enable": True,
+    # Pace reconnects after a refused login or TLS handshake: librdkafka's 100 ms default lets a
+    # client with a bad certificate reconnect ~20 times a second. With librdkafka >= 2.10 a client
+    # whose only brokers are failing re-bootstraps and retries every reconnect.backoff.ms / 2
+    # (at most 1 s), so the cap mostly applies once some broker has been reached.
+    "reconnect.backoff.ms": 500,
+    "reconnect.backoff.max.ms": 10_000,
+}
+_RECONNECT_KEYS = ("reconnect.backoff.ms", "reconnect.backoff.max.ms")
+ERROR_LOG_INTERVAL = 10.0  # seconds between two log lines for the same kind of client error
+# Errors no retry fixes without the operator: logged as errors with what to check.
+_SECURITY_HINTS = {
+    "auth": "authentication failed; check kafka.sasl.mechanism, username and password",
+    "tls": "TLS failed; check kafka.tls.caFile, certFile, keyFile and verifyHostname",
+}
+
+
+def _security_failure(err: KafkaError) -> str | None:
+    """Which setting group a refused login ("auth") or handshake ("tls") points at, else None.
+
+    librdkafka reports some handshake failures as transport errors, so OpenSSL's wording counts too.
+    """
+    if err.code() == KafkaError._AUTHENTICATION:
+        return "auth"
+    if err.code() == KafkaError._SSL or "SSL routines" in err.str():
+        return "tls"
+    return None
+
+
+class SinkError(RuntimeError):
+    """A problem with the sink that the operator must see (missing topic, fatal producer error)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Send records matching ``flow_type`` and/or ``end_reason`` to ``topic``."""
+
+    topic: str
+    flow_type: int | None = None
+    end_reason: int | None = None
+
+    def matches(self, flow_type: int, end_reason: int) -> bool:
+        if self.flow_type is not None and flow_type != self.flow_type:
+            return False
+        return not (self.end_reason is not None and end_reason != self.end_reason)
+
+
+# Delivery errors no resend can fix: the record is given up (counted) instead of resent forever.
+PERMANENT_ERRORS = frozenset(
+    {KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE, KafkaError.INVALID_RECORD}
+)
+
+
+@dataclass(slots=True)
+class DeliveryReport:
+    export: Export
+    delivered: bool
+    error: str | None = None
+    permanent: bool = False  # failed for good: resending the same bytes cannot succeed
+
+
+def redact(config: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a client config that is safe to log."""
+    return {
+        k: ("***" if any(s in k for s in ("password", "secret", ".pem")) else v) for k, v in config.items()
+    }
+
+
+class _LibrdkafkaLog:
+    """librdkafka's own log lines, into Python logging (one format, JSON too) instead of raw stderr.
+
+    Connection failures (facility FAIL) repeat at every reconnect and also reach ``error_cb``,
+    which logs them rate-limited; here they go to DEBUG, or a refused login would log twice a second.
+    """
+
+    def __init__(self, target: Any) -> None:
+        self.target = target  # a logging.Logger, or anything with its log(level, fmt, *args)
+
+    def log(self, level: int, fmt: str, *args: Any) -> None:
+        self.target.log(logging.DEBUG if args and args[0] == "FAIL" else level, fmt, *args)
+
+
+class KafkaSink:
+    """Produces records to Kafka topics; one producer for all of them."""
+
+    def __init__(
+        self,
+        producer_config: dict[str, Any],
+        topic: str,
+        encode: Callable[[Export, int], bytes],
+        routes: Sequence[Route] = (),
+        retry_initial: float = 0.05,
+        retry_max: float = 5.0,
+    ) -> None:
+        self.topic = topic
+        self.routes = tuple(routes)
+        self.encode = encode
+        self.config = {**PRODUCER_DEFAULTS, **producer_config}
+        self.config.setdefault("error_cb", self._on_error)
+        self.config["logger"] = _LibrdkafkaLog(self.config.get("logger") or _rdkafka_log)
+        self._producer = Producer(self.config)
+        self.reports: deque[DeliveryReport] = deque()
+        self.produced = 0
+        self.acked = 0
+        self.failed = 0
+        self.bytes_produced = 0
+        self.connected = False  # the broker answered (metadata or a delivery)
+        self._last_error_log: dict[str | None, float] = {}  # by _security_failure(); None: other errors
+        self.stopping: Callable[[], bool] = lambda: False
+        self.on_wait: Callable[[], None] = lambda: None  # called while blocked on a full queue
+        self._retry = tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(BufferError),
+            wait=tenacity.wait_exponential_jitter(multiplier=retry_initial, max=retry_max),
+            stop=tenacity.stop_when_event_set(_StopFlag(self)),
+            sleep=self._serve_while_waiting,
+            reraise=True,
+        )
+
+    # ---------------------------------------------------------------- topics
+    def topics(self) -> set[str]:
+        return {self.topic, *(r.topic for r in self.routes)}
+
+    def missing_topics(self, timeout: float = 10.0) -> set[str]:
+        """Topics this sink writes to that the cluster does not have (raises if unreachable)."""
+        admin = AdminClient({k: v for k, v in self.config.items() if _is_admin_key(k)})
+        try:
+            md = admin.list_topics(timeout=timeout)
+        finally:
+            admin.poll(0)  # serve error_cb: a refused login says so, not just "transport failure"
+        self.connected = True
+        return {t for t in self.topics() if t not in md.topics or md.topics[t].error is not None}
+
+    # --------------------------------------------------------------- produce
+    def route(self, export: Export) -> str:
+        if self.routes:
+            meta = export.tracked.meta
+            flow_type = meta.get("flowType", 0) if meta else 0
+            for r in self.routes:
+                if r.matches(flow_type, export.reason):
+                    return r.topic
+        return self.topic
+
+    def prepare(self, export: Export, export_ms: int) -> None:
+        """Encode a record once: its bytes, topic and key are kept on it, so a resend is the same message."""
+        if export.value is None:
+            export.value = self.encode(export, export_ms)
+            export.topic = self.route(export)
+            export.key = partition_key(export)
+
+    def send(self, export: Export, export_ms: int) -> None:
+        """Encode (first time only) and produce one record."""
+        self.prepare(export, export_ms)
+        self.produce(export)
+
+    def produce(self, export: Export) -> None:
+        """Hand a prepared record to librdkafka, waiting (with backoff) while its queue is full."""
+        value = export.value
+        topic = export.topic
+        key = export.key
+        assert value is not None and topic is not None, "produce() before prepare()"
+        reports = self.reports
+
+        def on_delivery(err: KafkaError | None, _msg: Any, export: Export = export) -> None:
+            # Runs inside poll()/flush() on the caller's thread; counters are read by metrics.
+            if err is None:
+                self.acked += 1
+                self.connected = True
+                reports.append(DeliveryReport(export, True))
+            else:
+                self.failed += 1
+                reports.append(DeliveryReport(export, False, err.str(), err.code() in PERMANENT_ERRORS))
+
+        produce = self._producer.produce
+        try:
+            try:
+                produce(topic, value, key, on_delivery=on_delivery)
+            except BufferError:
+                self._retry(produce, topic, value, key, on_delivery=on_delivery)
+        except BufferError:
+            # Only when stopping: the record never entered the queue.
+            self.reports.append(DeliveryReport(export, False, "local queue full during shutdown"))
+            self.failed += 1
+            return
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+            permanent = err is not None and err.code() in PERMANENT_ERRORS
+            self.reports.append(DeliveryReport(export, False, str(exc), permanent))
+            self.failed += 1
+            return
+        self.produced += 1
+        self.bytes_produced += len(value)
+
+    @property
+    def in_flight(self) -> int:
+        """Records handed to librdkafka and not yet reported."""
+        return len(self._producer)
+
+    def poll(self, timeout: float = 0.0) -> int:
+        """Serve delivery callbacks (the only place they run)."""
+        return self._producer.poll(timeout)
+
+    def flush(self, timeout: float) -> int:
+        """Wait up to ``timeout`` for everything in flight; returns how many are still undelivered."""
+        return self._producer.flush(timeout)
+
+    def purge(self) -> None:
+        """Drop everything still queued (shutdown after the grace period)."""
+        self._producer.purge(in_queue=True, in_flight=True, blocking=False)
+        self._producer.poll(0)
+
+    def close(self) -> None:
+        self._producer.flush(0)
+
+    # -------------------------------------------------------------- internals
+    def _serve_while_waiting(self, seconds: float) -> None:
+        self.on_wait()
+        self._producer.poll(seconds)
+
+    def _on_error(self, err: KafkaError) -> None:
+        # librdkafka's error strings name the broker and the reason, never the configured secrets.
+        if err.fatal():
+            log.error("kafka producer fatal error: %s", err.str())
+            return
+        kind = _security_failure(err)  # its own rate limit: not drowned out by "brokers are down"
+        now = time.monotonic()
+        if now - self._last_error_log.get(kind, -ERROR_LOG_INTERVAL) < ERROR_LOG_INTERVAL:
+            return  # broker-down and login errors repeat at every reconnect
+        self._last_error_log[kind] = now
+        if kind:
+            log.error("kafka %s: %s", _SECURITY_HINTS[kind], err.str())
+        else:
+            log.warning("kafka: %s", err.str())
+
+
+class _StopFlag:
+    """Adapts the sink's ``stopping`` callable to tenacity's event protocol."""
+
+    def __init__(self, sink: KafkaSink) -> None:
+        self._sink = sink
+
+    def is_set(self) -> bool:
+        return self._sink.stopping()
+
+
+def _is_admin_key(key: str) -> bool:
+    # The admin client needs only connection and security settings.
+    if key in _RECONNECT_KEYS:
+        return True
+    return key not in PRODUCER_DEFAULTS and key not in ("delivery.timeout.ms", "batch.num.messages")

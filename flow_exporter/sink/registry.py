@@ -1,0 +1,264 @@
+"""Confluent Schema Registry framing around the hand-written encoder.
+
+Why a wrapper rather than confluent-kafka's ``AvroSerializer``: the serializer wants a
+record dict and runs fastavro per record, which is the cost ``flow_exporter.sink.encoder``
+exists to avoid. The Confluent wire format is only a fixed 5-byte header (magic byte 0,
+then the schema id as a 4-byte big-endian integer) in front of the same bare Avro body,
+so the schema is registered once at start and every value is ``header + body``.
+tests/test_registry.py proves the bytes equal the serializer's for the same record.
+
+Start-up registration is retried with backoff (tenacity) and every failure is logged
+naming the registry and the subject: an unreachable registry or an incompatible schema
+(HTTP 409) is something an operator fixes, so the exporter waits for it instead of
+exiting into a crash loop, and it never falls back to bare Avro on its own, because
+consumers of a registry-framed topic would then misread every value.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
+
+import tenacity
+
+from flow_exporter.flow import Export
+from flow_exporter.record import schema_path
+
+if TYPE_CHECKING:
+    from confluent_kafka.schema_registry import SchemaRegistryClient
+
+    from flow_exporter.config import Config
+
+log = logging.getLogger(__name__)
+
+MAGIC = 0
+HEADER_SIZE = 5
+# The schema's full name, as Confluent's RecordNameStrategy would name the subject: one
+# subject for every topic the exporter writes to (kafka.topic and any kafka.routes).
+DEFAULT_SUBJECT = "io.flowexporter.FlowRecord"
+# New consumers' schema must read every older record still on the topic, not only the last version's.
+DEFAULT_COMPATIBILITY = "BACKWARD_TRANSITIVE"
+
+Encode = Callable[[Export, int], bytes]
+
+
+class RegistryError(RuntimeError):
+    """The schema could not be registered; the message names the registry and the subject."""
+
+
+def header(schema_id: int) -> bytes:
+    """The Confluent wire-format prefix for ``schema_id``."""
+    if not 0 <= schema_id <= 0xFFFFFFFF:
+        raise ValueError(f"schema id {schema_id} does not fit 4 bytes")
+    return bytes((MAGIC,)) + schema_id.to_bytes(4, "big")
+
+
+def split_header(value: bytes) -> tuple[int, bytes]:
+    """``(schema_id, avro_body)`` of a Confluent-framed value; ValueError if it is not one."""
+    if len(value) < HEADER_SIZE or value[0] != MAGIC:
+        raise ValueError("not Confluent-framed (no magic byte 0 and 4-byte schema id)")
+    return int.from_bytes(value[1:HEADER_SIZE], "big"), value[HEADER_SIZE:]
+
+
+def framed(encode: Encode, schema_id: int) -> Encode:
+    """``encode`` with the 5-byte header in front of every value (one concatenation per record)."""
+    prefix = header(schema_id)
+
+    def encode_framed(export: Export, export_ms: int) -> bytes:
+        return prefix + encode(export, export_ms)
+
+    encode_framed.schema_id = schema_id  # type: ignore[attr-defined]
+    return encode_framed
+
+
+def safe_url(url: str) -> str:
+    """The registry URL(s) without any ``user:password@`` part, for logs and errors."""
+    out = []
+    for one in url.split(","):
+        parts = urlsplit(one.strip())
+        if parts.username is not None or parts.password is not None:
+            host = parts.hostname or ""
+            netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
+            parts = parts._replace(netloc=netloc)
+        out.append(urlunsplit(parts))
+    return ",".join(out)
+
+
+def make_client(url: str, basic_auth_user_info: str | None = None) -> SchemaRegistryClient:
+    """A registry client; ``mock://...`` gives confluent-kafka's in-memory registry (tests)."""
+    from confluent_kafka.schema_registry import SchemaRegistryClient
+
+    conf: dict[str, Any] = {"url": url}
+    if basic_auth_user_info:
+        conf["basic.auth.user.info"] = basic_auth_user_info
+    # One attempt per call: the backoff between attempts is ours, so every failure is logged.
+    conf["max.retries"] = 0
+    return SchemaRegistryClient.new_client(conf)
+
+
+def describe_failure(exc: BaseException) -> str:
+    """What went wrong, in the operator's terms."""
+    from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+    if isinstance(exc, SchemaRegistryError):
+        status = exc.http_status_code
+        if status == 409:
+            return f"schema incompatible with the subject's existing versions (HTTP 409: {exc.error_message})"
+        if status == 422:
+            return f"registry rejected the schema or the compatibility level (HTTP 422: {exc.error_message})"
+        if status in (401, 403):
+            return f"not authorised (HTTP {status}: {exc.error_message}); check schemaRegistry.basicAuthUserInfo"
+        return f"HTTP {status}: {exc.error_message}"
+    return f"registry not reachable ({type(exc).__name__}: {exc})"
+
+
+def register(
+    client: SchemaRegistryClient,
+    subject: str,
+    schema_str: str,
+    compatibility: str | None = DEFAULT_COMPATIBILITY,
+    *,
+    initial: float = 0.2,
+    maximum: float = 30.0,
+    max_attempts: int | None = None,
+    stopping: Callable[[], bool] = lambda: False,
+    sleep: Callable[[float], None] = time.sleep,
+    url: str = "",
+) -> int:
+    """Set the subject's compatibility level, register the schema under it, return its id.
+
+    The level is set first so the registration itself is checked against it. A registry that
+    refuses config changes (HTTP 401/403/404/405, e.g. a managed one) leaves the level as the
+    registry has it; that is logged and registration goes on. Everything else is retried with
+    exponential backoff until it works, ``max_attempts`` is reached or ``stopping()``; then
+    :class:`RegistryError` is raised.
+    """
+    from confluent_kafka.schema_registry import ConfigCompatibilityLevel, Schema, ServerConfig
+    from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+    where = f"schema registry {safe_url(url)}: subject {subject!r}" if url else f"schema registry subject {subject!r}"
+    # Stripped as confluent-kafka's own serializer does, so a lookup by its schema finds ours.
+    schema = Schema(schema_str.strip(), "AVRO")
+
+    def attempt() -> int:
+        if compatibility:
+            try:
+                client.set_config(subject, ServerConfig(compatibility=ConfigCompatibilityLevel(compatibility)))
+            except SchemaRegistryError as exc:
+                if exc.http_status_code not in (401, 403, 404, 405):
+                    raise
+                log.warning(
+                    "%s: cannot set compatibility %s (%s); keeping the registry's level",
+                    where,
+                    compatibility,
+                    describe_failure(exc),
+                )
+        return client.register_schema(subject, schema)
+
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        wait = state.next_action.sleep if state.next_action else 0.0
+        log.error(
+            "%s: cannot register the schema: %s; retry %d in %.1fs (records wait, none are sent unframed)",
+            where,
+            describe_failure(exc) if exc else "?",
+            state.attempt_number,
+            wait,
+        )
+
+    stop: tenacity.stop.stop_base = tenacity.stop_when_event_set(_Flag(stopping))
+    if max_attempts is not None:
+        stop = stop | tenacity.stop_after_attempt(max_attempts)
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(Exception),
+        wait=tenacity.wait_exponential_jitter(multiplier=initial, max=maximum, jitter=initial),
+        stop=stop,
+        sleep=sleep,
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+    try:
+        schema_id = retrying(attempt)
+    except Exception as exc:
+        raise RegistryError(f"{where}: cannot register the schema: {describe_failure(exc)}") from exc
+    log.info("%s: schema registered, id %d, compatibility %s", where, schema_id, compatibility or "(registry's)")
+    return schema_id
+
+
+def with_registry(cfg: Config, encode: Encode, client: SchemaRegistryClient | None = None) -> Encode:
+    """``encode`` as a :class:`RegistryFraming` when ``schemaRegistry.url`` is set, else unchanged.
+
+    Nothing is registered yet: the runner calls :func:`ensure_registered` once the health
+    listener is up, so a pod that waits for its registry stays alive (and not ready) instead
+    of being restarted by its liveness probe.
+    """
+    if not cfg["schemaRegistry.url"]:
+        return encode
+    return RegistryFraming(cfg, encode, client)
+
+
+class RegistryFraming:
+    """The sink's encode callable with a registry: registers the schema at start, then frames every value."""
+
+    def __init__(self, cfg: Config, encode: Encode, client: SchemaRegistryClient | None = None) -> None:
+        self.url: str = cfg["schemaRegistry.url"]
+        self.subject: str = cfg["schemaRegistry.subject"]
+        self.compatibility: str | None = cfg["schemaRegistry.compatibility"]
+        self._auth: str | None = cfg["schemaRegistry.basicAuthUserInfo"]
+        self._backoff = (cfg["retry.initialBackoff"], cfg["retry.maxBackoff"])
+        self._client = client
+        self._encode = encode
+        self._call: Encode = self._unregistered
+        self.schema_id: int | None = None
+
+    def register(self, stop: threading.Event | None = None) -> bool:
+        """Register (retrying with backoff) and start framing; False if ``stop`` was set first."""
+        stop = stop or threading.Event()
+        if self._client is None:
+            self._client = make_client(self.url, self._auth)
+        try:
+            schema_id = register(
+                self._client,
+                self.subject,
+                schema_path().read_text(),
+                self.compatibility,
+                initial=self._backoff[0],
+                maximum=self._backoff[1],
+                stopping=stop.is_set,
+                sleep=stop.wait,
+                url=self.url,
+            )
+        except RegistryError:
+            if stop.is_set():
+                return False
+            raise
+        self.schema_id = schema_id
+        self._call = framed(self._encode, schema_id)
+        return True
+
+    def __call__(self, export: Export, export_ms: int) -> bytes:
+        return self._call(export, export_ms)
+
+    def _unregistered(self, export: Export, export_ms: int) -> bytes:
+        raise RegistryError(f"schema registry subject {self.subject!r}: no schema id yet (register() first)")
+
+
+def ensure_registered(encode: Encode, stop: threading.Event) -> bool:
+    """Register the schema if ``encode`` frames for a registry; False if ``stop`` came first."""
+    if isinstance(encode, RegistryFraming) and encode.schema_id is None:
+        return encode.register(stop)
+    return True
+
+
+class _Flag:
+    """Adapts a ``stopping()`` callable to tenacity's event protocol."""
+
+    def __init__(self, stopping: Callable[[], bool]) -> None:
+        self._stopping = stopping
+
+    def is_set(self) -> bool:
+        return self._stopping()
