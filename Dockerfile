@@ -7,9 +7,9 @@
 # wheel files (they are bind-mounted from the build stage, never copied into a layer), no pip
 # cache, no compilers (the slim base has none, and every dependency ships a manylinux wheel).
 #
-# tests/test_dockerfile.py replays this file's COPY and RUN steps, in order, in a temporary
-# directory, and checks the result; keep RUN steps free of steps that only make sense in a
-# container (creating users, apt-get), or teach that test about them.
+# tests/integration/test_dockerfile.py replays this file's COPY and RUN steps, in order, in a
+# temporary directory, and checks the result; keep RUN steps free of steps that only make sense in
+# a container (creating users, apt-get), or teach that test about them.
 
 # ----------------------------------------------------------------------------- build
 FROM python:3.11.14-slim-bookworm AS build
@@ -18,23 +18,30 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_INPUT=1
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# The dependencies first, from the lockfile alone (exact versions, every file checked against its
+# sha256 hash), so that this layer is rebuilt only when requirements/runtime.lock changes. Every
+# dependency ships a manylinux wheel: pip downloads it, and its hash is the one the lock records.
+# The pip cache is a BuildKit cache mount: it speeds up rebuilds and stays out of layers.
+COPY requirements/runtime.lock requirements/
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -m pip wheel --require-hashes --wheel-dir /wheels -r requirements/runtime.lock
+
+COPY pyproject.toml README.md LICENSE MANIFEST.in ./
 COPY flow_exporter/ flow_exporter/
 # The Avro schema lives at the repo root (schemas/); flow_exporter/schemas links to it and the
 # wheel carries it as package data, where flow_exporter.record.schema_path() finds it.
 COPY schemas/ schemas/
 
-# The project's wheel first (no dependencies resolved), then the wheels of its dependencies next
-# to it. The pip cache is a BuildKit cache mount: it speeds up rebuilds and stays out of layers.
+# Then the project's own wheel, next to them: no dependencies resolved (the lock has them all).
 RUN --mount=type=cache,target=/root/.cache/pip \
-    python -m pip wheel --no-deps --wheel-dir /wheels . \
- && python -m pip wheel --wheel-dir /wheels --find-links /wheels /wheels/flow_exporter-*.whl
+    python -m pip wheel --no-deps --wheel-dir /wheels .
 
 # ----------------------------------------------------------------------------- runtime
 FROM python:3.11.14-slim-bookworm
 
-# VERSION follows pyproject.toml (tests/test_dockerfile.py checks it); SOURCE_URL is the
-# repository the image is built from: pass the real one with --build-arg SOURCE_URL=...
+# VERSION is flow_exporter.__version__ (tests/integration/test_dockerfile.py checks it, and the
+# image tags in k8s/ and README.md); SOURCE_URL is the repository the image is built from: pass
+# the real one with --build-arg SOURCE_URL=...
 ARG VERSION=0.1.0
 ARG SOURCE_URL=https://github.com/example/flow-exporter
 LABEL org.opencontainers.image.title="flow-exporter" \
@@ -50,12 +57,19 @@ ENV VIRTUAL_ENV=/opt/flow-exporter \
 
 # The venv gets no pip of its own: the base image's pip installs into it (--python), so the
 # runtime environment holds the exporter and its dependencies only. Wheels come from the build
-# stage alone (--no-index): what was built and tested is what ships. pip compiles the .pyc
-# files here, since the root filesystem is read-only at run time.
+# stage alone (--no-index): what was built and tested is what ships. The dependencies are
+# installed from the lockfile with --require-hashes (each wheel must match a hash the lock
+# records), then the project's wheel with --no-deps; pip check then proves that the lock
+# satisfies the project's own requirements. pip compiles the .pyc files here, since the root
+# filesystem is read-only at run time.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    --mount=type=bind,from=build,source=/src/requirements,target=/requirements \
     python -m venv --without-pip "$VIRTUAL_ENV" \
  && python -m pip --python "$VIRTUAL_ENV/bin/python" install --no-cache-dir --no-index \
-        --find-links /wheels flow-exporter
+        --find-links /wheels --require-hashes -r /requirements/runtime.lock \
+ && python -m pip --python "$VIRTUAL_ENV/bin/python" install --no-cache-dir --no-index \
+        --no-deps /wheels/flow_exporter-*.whl \
+ && python -m pip --python "$VIRTUAL_ENV/bin/python" check
 
 # Only now: before the install, "python" must stay the base image's (the venv has no pip).
 ENV PATH=/opt/flow-exporter/bin:$PATH

@@ -2,13 +2,15 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-k8s test lint demo bench clean
+.PHONY: setup setup-k8s test unit lint demo bench clean lock
 
 setup:
 	@bash tools/setup.sh
 
+# ruff, and the layering contracts in .importlinter (the product never imports the harness; the pure core no I/O).
 lint: setup
 	.venv/bin/ruff check .
+	.venv/bin/lint-imports
 
 setup-k8s: setup
 	@bash tools/k8s/build.sh
@@ -16,12 +18,19 @@ setup-k8s: setup
 test: setup setup-k8s lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The unit tests only (tests/unit): no root, broker or API server; seconds.
+unit: setup
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
 demo: setup
 	$(PY) -m devtools.demo
 
 bench: setup
-	@$(PY) -m pip install -q -e '.[dev,bench]'
 	$(PY) -m bench $(BENCH)
 
 clean:
 	rm -rf .venv .cache .pytest_cache .ruff_cache build *.egg-info
+
+lock:
+	$(PY) -m uv pip compile --quiet pyproject.toml -c requirements/constraints.txt --generate-hashes --python-version 3.11 --python-platform x86_64-unknown-linux-gnu -o requirements/runtime.lock
+	$(PY) -m uv pip compile --quiet pyproject.toml -c requirements/constraints.txt --extra dev --extra bench --generate-hashes --python-version 3.11 --python-platform x86_64-unknown-linux-gnu -o requirements/dev.lock

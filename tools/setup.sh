@@ -26,11 +26,17 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv || die "cannot create .venv (python3-venv missing?)"
 fi
+# The dependencies come from the lock (exact versions, hashes checked), the project itself is then
+# installed editable without resolving anything; `make lock` rewrites the lock from pyproject.toml.
 stamp=.venv/.installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/dev.lock -nt "$stamp" ]; then
     .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-    .venv/bin/python -m pip install -q -e '.[dev]' >/tmp/flow-exporter-pip.log 2>&1 \
-        || die "pip could not install the project's dependencies (is PyPI reachable?); log: /tmp/flow-exporter-pip.log"
+    .venv/bin/python -m pip install -q --require-hashes -r requirements/dev.lock >/tmp/flow-exporter-pip.log 2>&1 \
+        || die "pip could not install requirements/dev.lock (is PyPI reachable? is the lock stale? try: make lock); log: /tmp/flow-exporter-pip.log"
+    .venv/bin/python -m pip install -q --no-deps -e . >>/tmp/flow-exporter-pip.log 2>&1 \
+        || die "pip could not install the project itself (pip install --no-deps -e .); log: /tmp/flow-exporter-pip.log"
+    .venv/bin/python -m pip check >>/tmp/flow-exporter-pip.log 2>&1 \
+        || die "the installed dependencies do not satisfy pyproject.toml (requirements/dev.lock is stale: run make lock); log: /tmp/flow-exporter-pip.log"
     touch "$stamp"
 fi
 

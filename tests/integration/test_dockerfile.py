@@ -6,8 +6,9 @@ directory standing for its root filesystem, the build context is the repository 
 interpreter. Absolute paths the image owns (``/src``, ``/wheels``, ``/opt/...``) are moved
 into the stage's directory; paths the base image provides (``/usr``, ``/bin``, ``/proc``...) are
 left alone. A ``--mount=type=bind,from=STAGE`` is a symlink into that stage's directory, removed
-after the step; ``type=cache`` mounts are the machine's own pip cache. The installed exporter is
-then run from outside the repository.
+after the step; ``type=cache`` mounts are the machine's own pip cache. Symbolic links in the build
+context are copied as links, as Docker sends them (``flow_exporter/schemas`` links to ``../schemas``).
+The installed exporter is then run from outside the repository.
 """
 
 from __future__ import annotations
@@ -20,23 +21,25 @@ import shutil
 import subprocess
 import sys
 import time
-import tomllib
 import venv
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
+from flow_exporter import __version__
 from flow_exporter.config import SETTINGS
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "Dockerfile"
 # First path components the base image provides: not rewritten into a stage's directory.
 SYSTEM_DIRS = {"bin", "sbin", "usr", "lib", "lib64", "etc", "proc", "sys", "dev", "var", "run"}
 BASE_IMAGE = re.compile(r"python:3\.\d+\.\d+-slim-(bookworm|trixie)(@sha256:[0-9a-f]{64})?")
 DEV_EXTRAS = ("pytest", "ruff", "hypothesis", "avro", "pytest-timeout")
 STEP_TIMEOUT = 600
+RUNTIME_LOCK = "requirements/runtime.lock"
 
 
 # ------------------------------------------------------------------------------ parsing
@@ -168,11 +171,26 @@ def context_files(root: Path) -> list[Path]:
     kept = []
     for dirpath, dirnames, filenames in os.walk(root):
         base = Path(dirpath).relative_to(root)
+        # A link to a directory is one entry of the context (Docker sends the link, not its target).
+        kept += [base / d for d in dirnames if (root / base / d).is_symlink() and included((base / d).as_posix())]
         dirnames[:] = [
-            d for d in dirnames if included((base / d).as_posix()) or may_hold_included((base / d).as_posix())
+            d
+            for d in dirnames
+            if not (root / base / d).is_symlink()
+            and (included((base / d).as_posix()) or may_hold_included((base / d).as_posix()))
         ]
         kept += [base / name for name in filenames if included((base / name).as_posix())]
     return kept
+
+
+def locked(lockfile: Path) -> dict[str, str]:
+    """``name==version`` pins of a lockfile (names normalized), hashes and comments left out."""
+    pins = {}
+    for line in lockfile.read_text().splitlines():
+        m = re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^]]*\])?==([^\s;\\]+)", line)
+        if m:
+            pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
+    return pins
 
 
 # ------------------------------------------------------------------------------ replay
@@ -258,7 +276,7 @@ class Replayer:
                     rel = f.relative_to(base) if f.as_posix() != base else Path(f.name if into_dir else "")
                     out = target / rel if rel.parts else target
                     out.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(source_root / f, out)
+                    shutil.copy2(source_root / f, out, follow_symlinks=False)  # a link stays a link
             else:
                 shutil.copytree(source_root / base, target, dirs_exist_ok=True, symlinks=True)
 
@@ -348,13 +366,29 @@ def test_runtime_metadata(stages: list[Stage]) -> None:
     assert meta["CMD"] == ["run", "--config", "/etc/flow-exporter/config.yaml"]
     labels = meta["labels"]
     assert isinstance(labels, dict)
-    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-    assert labels["org.opencontainers.image.version"] == version
+    assert labels["org.opencontainers.image.version"] == __version__
     assert labels["org.opencontainers.image.licenses"] == "Apache-2.0"
     assert labels["org.opencontainers.image.title"] == "flow-exporter"
     assert labels["org.opencontainers.image.source"].startswith("https://")
     user = str(meta["USER"]).split(":")[0]
     assert user not in ("0", "root"), "non-root by default; the DaemonSet opts in to UID 0 with NET_ADMIN only"
+
+
+def test_version_is_flow_exporter_version() -> None:
+    """flow_exporter.__version__ is the version; the image tags written elsewhere must follow it."""
+    dockerfile = DOCKERFILE.read_text()
+    assert re.findall(r"^ARG VERSION=(\S+)$", dockerfile, re.MULTILINE) == [__version__]
+    readme = (REPO / "README.md").read_text()
+    assert f"docker build -t flow-exporter:{__version__} ." in readme
+    tags = {}
+    for path in [DOCKERFILE, REPO / "README.md", *sorted((REPO / "k8s").glob("*.yaml"))]:
+        for tag in re.findall(r"\bflow-exporter:(\d[\w.+-]*)", path.read_text()):
+            tags.setdefault(tag, []).append(path.relative_to(REPO).as_posix())
+    assert set(tags) == {__version__}, f"image tags other than {__version__}: {tags}"
+    kustomization = yaml.safe_load((REPO / "k8s" / "kustomization.yaml").read_text())
+    assert [i["newTag"] for i in kustomization["images"] if i["name"] == "flow-exporter"] == [__version__]
+    versions = [e["pairs"]["app.kubernetes.io/version"] for e in kustomization["labels"]]
+    assert versions == [__version__]
 
 
 def test_final_install_uses_no_cache_and_no_index(stages: list[Stage]) -> None:
@@ -364,10 +398,32 @@ def test_final_install_uses_no_cache_and_no_index(stages: list[Stage]) -> None:
     assert not any(re.search(r"\bapt-get\b|\bgcc\b|build-essential", r) for r in runs)
 
 
+def test_dependencies_come_from_the_lock(stages: list[Stage]) -> None:
+    """Wheels are fetched from the lock with hashes; the image installs the lock, then the project alone."""
+    build_runs = [s.args for s in stages[0].steps if s.keyword == "RUN"]
+    fetches = [r for r in build_runs if re.search(r"pip (wheel|download)\b", r) and "--no-deps" not in r]
+    assert fetches, "the build stage fetches the dependencies' wheels"
+    assert all("--require-hashes" in r and f"-r {RUNTIME_LOCK}" in r for r in fetches), fetches
+    commands = [
+        c.strip()
+        for s in stages[-1].steps
+        if s.keyword == "RUN"
+        for c in flags(s.args)[1].split("&&")
+        if " install " in c
+    ]
+    from_lock = [c for c in commands if "--require-hashes" in c and re.search(r"-r \S*runtime\.lock\b", c)]
+    assert len(from_lock) == 1, commands
+    rest = [c for c in commands if c not in from_lock]
+    assert rest and all("--no-deps" in c for c in rest), "anything else installed is the project, without deps"
+
+
 def test_build_context_is_small() -> None:
     files = {f.as_posix() for f in context_files(REPO)}
-    assert "pyproject.toml" in files and "schemas/flow_record.avsc" in files
-    for excluded in (".venv", ".cache", ".git", "tests", "bench", "__pycache__"):
+    for needed in ("pyproject.toml", "schemas/flow_record.avsc", RUNTIME_LOCK, "LICENSE", "flow_exporter/schemas"):
+        assert needed in files, needed
+    assert (REPO / "flow_exporter" / "schemas").is_symlink(), "the link is sent as a link"
+    assert "requirements/dev.lock" not in files
+    for excluded in (".venv", ".cache", ".git", "tests", "bench", "devtools", "__pycache__"):
         assert not any(excluded in Path(f).parts for f in files), excluded
 
 
@@ -427,3 +483,21 @@ def test_image_holds_no_dev_extras_pip_or_wheels(image: Replay, tmp_path: Path) 
     assert not left, left
     # Byte code is compiled at build time: the root filesystem is read-only at run time.
     assert list(image.final.rglob("flow_exporter/__pycache__/*.pyc"))
+
+
+def test_image_holds_exactly_the_lock(image: Replay, tmp_path: Path) -> None:
+    """Every distribution in the image is pinned by the runtime lock, at its version; the project is the one more."""
+    python = shutil.which("python", path=image.final_env["PATH"])
+    assert python is not None
+    code = (
+        "import importlib.metadata as m, json, re; "
+        "print(json.dumps({re.sub(r'[-_.]+', '-', d.metadata['Name']).lower(): d.version for d in m.distributions()}))"
+    )
+    proc = run_in_image(image, python, "-c", code, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {**locked(REPO / RUNTIME_LOCK), "flow-exporter": __version__}
+    code = "import importlib.metadata as m; print(m.distribution('flow-exporter').metadata['License-Expression'])"
+    proc = run_in_image(image, python, "-c", code, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip() == "Apache-2.0", proc.stdout + proc.stderr
+    licenses = list(image.final.rglob("flow_exporter-*.dist-info/licenses/LICENSE"))
+    assert len(licenses) == 1 and licenses[0].read_bytes() == (REPO / "LICENSE").read_bytes()
