@@ -21,7 +21,8 @@ from bench.common import machine_line, plot, update_section, write_json
 
 def run_once(n: int, events: bool, broker: object) -> dict:
     from devtools.lab import Lab, run_in
-    from tests.test_exporter_lab import by_connection, read_records, start_exporter, stop_exporter
+    from tests.support.exporter_process import start_exporter, stop_exporter
+    from tests.support.records import by_connection, read_records
 
     topic = f"capture-{events}-{time.time_ns()}"
     broker.create_topic(topic, partitions=3)  # type: ignore[attr-defined]

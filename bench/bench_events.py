@@ -77,7 +77,7 @@ def read_all(bootstrap: str, topic: str, idle: float = 5.0) -> list[dict[str, An
 
 def run_rate(rate: int, seconds: float, broker: Any, churn: Path) -> dict[str, Any]:
     from devtools.lab import Lab, run_in
-    from tests.test_exporter_lab import free_port
+    from tests.support.exporter_process import free_port
 
     topic = f"events-{rate}-{time.time_ns()}"
     broker.create_topic(topic, partitions=3)

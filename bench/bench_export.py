@@ -63,8 +63,7 @@ def encode_only(exports: list) -> tuple[float, float]:
 
 def fastavro_only(exports: list) -> float:
     """Records/s of build_record + fastavro.schemaless_writer: the library path, for comparison."""
-    from flow_exporter.record import build_record
-    from flow_exporter.sink import AvroSerializer
+    from tests.support.reference import AvroSerializer, build_record
 
     ser = AvroSerializer()
     ms = time.time_ns() // 1_000_000
@@ -93,7 +92,7 @@ def produce(exports: list, bootstrap: str, topic: str) -> tuple[float, int, int]
             sink.poll(0)
     sink.flush(120)
     elapsed = time.perf_counter() - t0
-    return len(exports) / elapsed, sink.acked, size
+    return len(exports) / elapsed, sink.counters.acked, size
 
 
 def producer_performance(bootstrap: str, topic: str, n: int, size: int) -> float:

@@ -27,7 +27,7 @@ def run_once(poll: str, n: int, broker: object) -> dict:
 
     from devtools.lab import Lab
     from flow_exporter.record import load_schema
-    from tests.test_exporter_lab import start_exporter, stop_exporter
+    from tests.support.exporter_process import start_exporter, stop_exporter
 
     bootstrap = broker.bootstrap  # type: ignore[attr-defined]
     topic = f"latency-{poll}-{time.time_ns()}"

@@ -85,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             if tick >= next_sample:
                 with exp.lock:
                     tracked = len(exp.store)
-                samples.append((round(tick - t0, 1), rss(), tracked, sink.acked))
+                samples.append((round(tick - t0, 1), rss(), tracked, sink.counters.acked))
                 print(json.dumps({"t": samples[-1][0], "rss_mib": samples[-1][1] / 2**20, "tracked": tracked,
-                                  "acked": sink.acked}), flush=True)  # fmt: skip
+                                  "acked": sink.counters.acked}), flush=True)  # fmt: skip
                 next_sample += 10
             time.sleep(max(0.0, 1.0 - (time.monotonic() - tick)))
         exp.stop_event.set()

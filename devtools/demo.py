@@ -27,9 +27,10 @@ from confluent_kafka import Consumer
 
 from devtools.kafka import KafkaBroker
 from devtools.lab import Lab, LabError, Pod
+from flow_exporter.connection import PROTO_NAMES
+from flow_exporter.flow import REASON_NAMES
 from flow_exporter.record import load_schema
 
-REASONS = {1: "idle", 2: "active", 3: "end", 4: "shutdown", 5: "resources"}
 TOPIC = "flows"
 
 
@@ -107,14 +108,14 @@ def _print_table(records: list[dict[str, Any]]) -> None:
     for r in sorted(records, key=lambda r: (r["exportTime"], r["connectionId"], r["sequence"])):
         t = r["exportTime"]
         ts = t.strftime("%H:%M:%S.%f")[:12] if isinstance(t, datetime) else str(t)
-        proto = {6: "tcp", 17: "udp", 1: "icmp", 58: "icmp6", 132: "sctp"}.get(r["protocol"], str(r["protocol"]))
+        proto = PROTO_NAMES.get(r["protocol"], str(r["protocol"])).lower()
         dst = _endpoint(r["destinationAddress"], r["destinationPort"])
         orig = _endpoint(r["originalDestinationAddress"], r["originalDestinationPort"])
         service = r["destinationService"] or (orig if orig != dst else "")
         print(
             f"{ts:<12} {proto:<5} {_endpoint(r['sourceAddress'], r['sourcePort']):<28} {dst:<28} "
             f"{service:<24} {r['octetDeltaCount']:>9} {r['reverseOctetDeltaCount']:>9} "
-            f"{REASONS.get(r['flowEndReason'], '?'):<8}"
+            f"{REASON_NAMES.get(r['flowEndReason'], '?'):<8}"
         )
 
 

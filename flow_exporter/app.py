@@ -14,72 +14,59 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Protocol
 
 import tenacity
 
 from flow_exporter.checkpoint import Checkpoint
 from flow_exporter.connection import Connection
-from flow_exporter.flow import FORCED_END, Export, Tracked
-from flow_exporter.metrics import Metrics
-from flow_exporter.sink import KafkaSink
-from flow_exporter.store import ConnectionStore, Restored
+from flow_exporter.flow import FORCED_END, Export, Restored, Tracked
+from flow_exporter.lifecycle import Lifecycle
+from flow_exporter.ports import EventSource, Sink, Source
+from flow_exporter.readings import CheckpointReadings, Readings, Timings
+from flow_exporter.settings import DEFAULTS
+from flow_exporter.store import ConnectionStore
 from flow_exporter.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
-
-
-class Source(Protocol):
-    """What the poll loop needs from conntrack (the real one is ConntrackDumper)."""
-
-    def dump(self, zones: Collection[int] | None = None) -> list[Connection]: ...
-
-    def count(self) -> int: ...
-
-    def max_entries(self) -> int: ...
-
-
-class EventSource(Protocol):
-    """What the loops need from the conntrack event listener (the real one is ConntrackEvents)."""
-
-    lost: int
-    overruns: int
-
-    def caught_up(self, since: float, timeout: float) -> bool: ...
 
 
 @dataclass
 class LoopStats:
     polls: int = 0
     poll_errors: int = 0
-    last_poll_seconds: float = 0.0
-    last_poll_entries: int = 0
     table_count: int = 0
     table_max: int = 0
-    records_lost_at_shutdown: int = 0
-    records_kept_at_shutdown: int = 0  # undelivered at shutdown, in the checkpoint for the next start
     records_given_up: int = 0  # deliveries Kafka refused for good (e.g. too large): counts lost
     resyncs: int = 0
-    decode_skipped: int = 0
     barrier_timeouts: int = 0  # polls whose sweep ran before the event listener caught up
 
 
+@dataclass
+class ShutdownOutcome:
+    """How the last records went at shutdown (logged; the metrics endpoint is gone by then)."""
+
+    final_records: int = 0  # final records built (flowEndReason 4)
+    kept: int = 0  # undelivered, kept in the state directory for the next start
+    lost: int = 0  # undelivered and no state directory: their counts are lost
+
+
 class Exporter:
-    """Runs the poll and expire loops against a source and a sink."""
+    """Runs the poll and expire loops against a :class:`Source` and a :class:`Sink`."""
 
     def __init__(
         self,
         source: Source,
-        sink: KafkaSink,
+        sink: Sink,
         *,
         timeouts: Timeouts,
         node_name: str,
+        lifecycle: Lifecycle | None = None,
         zones: Collection[int] = (),
-        retry_initial: float = 0.2,
-        retry_max: float = 30.0,
-        grace: float = 30.0,
-        max_connections: int = 500_000,
-        max_in_flight: int = 100_000,
+        retry_initial: float = DEFAULTS["retry.initialBackoff"],
+        retry_max: float = DEFAULTS["retry.maxBackoff"],
+        grace: float = DEFAULTS["shutdown.grace"],
+        max_connections: int = DEFAULTS["limits.maxConnections"],
+        max_in_flight: int = DEFAULTS["limits.maxInFlight"],
         on_new: Callable[[Tracked], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_ns: Callable[[], int] = time.time_ns,
@@ -87,10 +74,11 @@ class Exporter:
         checkpoint: Checkpoint | None = None,
         lineage: bytes = b"",
         adopt: bool = True,
-        stop_event: threading.Event | None = None,
+        timings: Timings | None = None,
     ) -> None:
         self.source = source
         self.sink = sink
+        self.lifecycle = lifecycle or Lifecycle()
         self.timeouts = timeouts
         self.node_name = node_name
         self.zones = frozenset(zones)
@@ -101,23 +89,23 @@ class Exporter:
             timeouts, on_new=on_new, max_connections=max_connections, lineage=lineage, adopt=adopt
         )
         self.checkpoint = checkpoint
-        self._events_barrier: Callable[[float, float], bool] | None = None
         self.events: EventSource | None = None
         self._given_up_logged_at = float("-inf")
         self.max_in_flight = max_in_flight
         self.lock = threading.Lock()
-        self.stop_event = stop_event or threading.Event()
+        self.stop_event = self.lifecycle.stop_event
         self.stats = LoopStats()
-        self.first_poll_done = threading.Event()
+        self.outcome = ShutdownOutcome()
         self.fatal: BaseException | None = None
         self._is_fatal = is_fatal
         self._retry_initial = retry_initial
         self._retry_max = retry_max
-        self.sink.stopping = self.stop_event.is_set
-        self.metrics: Metrics | None = None
-        self.heartbeats: dict[str, float] = {}
+        self._timings = timings
         self._resync = threading.Event()
-        self.sink.on_wait = lambda: self.heartbeats.__setitem__("expire", time.monotonic())
+
+    def stop(self) -> None:
+        """Ask the loops to stop; ``run`` then shuts down (final records within the grace period)."""
+        self.stop_event.set()
 
     def restore(self, rows: list[Restored], resends: list[Export]) -> None:
         """Continue from a previous process's checkpoint (call before ``run``)."""
@@ -127,7 +115,6 @@ class Exporter:
     def attach_events(self, events: EventSource) -> None:
         """The event listener: its ``caught_up`` lets the sweep wait for DESTROY events queued until then."""
         self.events = events
-        self._events_barrier = events.caught_up
 
     # ------------------------------------------------------------------ poll
     def poll_once(self) -> int:
@@ -138,35 +125,26 @@ class Exporter:
         lock = self.lock
         with lock:
             store.begin_poll()
-        dump_into = getattr(self.source, "dump_into", None)
-        if dump_into is not None:
-            # Batch by batch, so the table never exists twice in memory.
-            def consume(batch: list[Connection]) -> None:
-                with lock:
-                    store.update_batch(batch, self.clock(), self.wall_ns())
 
-            n = dump_into(consume, zones)
-        else:
-            conns = self.source.dump(zones)
-            n = len(conns)
+        # Batch by batch, so the table never exists twice in memory.
+        def consume(batch: list[Connection]) -> None:
             with lock:
-                store.update_batch(conns, self.clock(), self.wall_ns())
+                store.update_batch(batch, self.clock(), self.wall_ns())
+
+        n = self.source.dump_into(consume, zones)
         # An entry missing from the dump was deleted before the dump passed it, and the kernel sends
         # its DESTROY before deleting it: once the listener has drained its socket after now, every
         # such DESTROY is applied and the sweep ends those connections with their real final counters.
-        barrier = self._events_barrier
-        if barrier is not None and not barrier(time.monotonic(), min(2.0, self.timeouts.poll_interval)):
+        events = self.events
+        if events is not None and not events.caught_up(time.monotonic(), min(2.0, self.timeouts.poll_interval)):
             self.stats.barrier_timeouts += 1
         with lock:
             store.end_poll(self.clock())
         elapsed = time.perf_counter() - t0
-        if self.metrics is not None:
-            self.metrics.poll_seconds.observe(elapsed)
+        if self._timings is not None:
+            self._timings.observe_poll(elapsed)
         s = self.stats
         s.polls += 1
-        s.last_poll_seconds = elapsed
-        s.last_poll_entries = n
-        s.decode_skipped += getattr(self.source, "last_skipped", 0)
         try:
             s.table_count = self.source.count()
             s.table_max = self.source.max_entries()
@@ -174,7 +152,7 @@ class Exporter:
             log.debug("conntrack count unavailable: %s", exc)
         if s.polls == 1:
             log.info("first poll: %s connections in %.2fs", f"{n:,}", elapsed)
-            self.first_poll_done.set()
+            self.lifecycle.first_poll_done.set()
         return n
 
     def _poll_with_retry(self) -> None:
@@ -202,7 +180,7 @@ class Exporter:
         interval = self.timeouts.poll_interval
         next_tick = time.monotonic()
         while not self.stop_event.is_set():
-            self.heartbeats["poll"] = time.monotonic()
+            self.lifecycle.beat("poll")
             try:
                 self._poll_with_retry()
             except BaseException as exc:
@@ -235,14 +213,13 @@ class Exporter:
 
     # ---------------------------------------------------------------- expire
     def _apply_reports(self) -> None:
-        reports = self.sink.reports
+        reports = self.sink.take_reports()
         if not reports:
             return
         now = self.clock()
         settled: list[Export] = []
         with self.lock:
-            while reports:
-                r = reports.popleft()
+            for r in reports:
                 if r.delivered:
                     settled.append(r.export)
                 elif r.permanent:
@@ -292,7 +269,7 @@ class Exporter:
     def expire_once(self) -> int:
         """Export everything that is due; returns the number of records produced."""
         self._apply_reports()
-        room = self.max_in_flight - self.sink.in_flight
+        room = self.max_in_flight - self.sink.in_flight()
         if room <= 0:
             return 0  # Kafka is behind: due connections wait, coalescing, instead of piling up
         with self.lock:
@@ -300,14 +277,14 @@ class Exporter:
         if exports:
             t0 = time.perf_counter()
             self._send(exports)
-            if self.metrics is not None:
-                self.metrics.export_seconds.observe(time.perf_counter() - t0)
+            if self._timings is not None:
+                self._timings.observe_export(time.perf_counter() - t0)
         return len(exports)
 
     def expire_loop(self) -> None:
         cp = self.checkpoint
         while not self.stop_event.is_set():
-            self.heartbeats["expire"] = time.monotonic()
+            self.lifecycle.beat("expire")
             self.expire_once()
             if cp is not None and cp.due():
                 self.snapshot()
@@ -315,6 +292,57 @@ class Exporter:
                 deadline = self.store.next_deadline()
             wait = 0.2 if deadline is None else min(max(deadline - self.clock(), 0.0), 0.2)
             self.sink.poll(wait)  # serves delivery callbacks while waiting
+
+    # ------------------------------------------------------------- readings
+    def readings(self, extra: dict[str, float] | None = None) -> Readings:
+        """Every counter, copied at one moment (for the metrics endpoint, from its thread)."""
+        s = self.stats
+        st = self.store.stats
+        sc = self.sink.counters
+        ev = self.events
+        cp = self.checkpoint
+        return Readings(
+            table_count=s.table_count,
+            table_max=s.table_max,
+            polls=s.polls,
+            poll_errors=s.poll_errors,
+            resyncs=s.resyncs,
+            barrier_timeouts=s.barrier_timeouts,
+            decode_skipped=self.source.skipped + (ev.skipped if ev is not None else 0),
+            events_received=ev.received if ev is not None else 0,
+            event_losses=ev.lost if ev is not None else 0,
+            connections_tracked=len(self.store),
+            connections_added=st.added,
+            connections_added_from_events=st.added_from_events,
+            connections_deleted=st.deleted,
+            tuples_reused=st.reused_tuples,
+            destroy_events=st.destroyed_events,
+            late_events_continued=st.resurrected,
+            late_destroys_dropped=st.late_destroys_dropped,
+            counter_resets=st.counter_resets,
+            connections_restored=st.restored,
+            connections_restored_gone=st.restored_gone,
+            unreported_ends=st.unreported_ends,
+            given_up=dict(st.given_up),
+            records_built=st.records_built,
+            records_resent=st.resends,
+            records_in_flight=self.sink.in_flight(),
+            records_produced=sc.produced,
+            records_acknowledged=sc.acked,
+            records_failed=sc.failed,
+            records_given_up=s.records_given_up,
+            bytes_produced=sc.bytes_produced,
+            checkpoint=None
+            if cp is None
+            else CheckpointReadings(
+                cp.stats.snapshots,
+                cp.stats.errors,
+                cp.stats.last_snapshot_bytes,
+                cp.stats.last_snapshot_seconds,
+                cp.stats.journal_bytes,
+            ),
+            extra=extra or {},
+        )
 
     # ------------------------------------------------------------- lifecycle
     def run(self) -> int:
@@ -343,7 +371,7 @@ class Exporter:
         """Final records (flowEndReason 4) for every connection, delivered within the grace period."""
         if deadline is None:
             deadline = time.monotonic() + self.grace
-        self.sink.stopping = lambda: time.monotonic() >= deadline
+        self.lifecycle.shutting_down(deadline)
         # Connections with a record in flight get their final one once it settles,
         # so no counts are sent twice.
         sent = 0
@@ -351,7 +379,7 @@ class Exporter:
             with self.lock:
                 exports = self.store.export_all(self.clock(), FORCED_END)
             if exports:
-                sent += len(exports)
+                sent += sum(1 for e in exports if e.attempts == 0)  # resends are not new records
                 self._send(exports)
             remaining = max(deadline - time.monotonic(), 0)
             self.sink.flush(min(remaining, 1.0))
@@ -360,6 +388,10 @@ class Exporter:
                 left = self.store.unfinished()
             if left == 0 or time.monotonic() >= deadline:
                 break
+            if exports and not self.sink.in_flight():
+                # Every record came straight back failed (a broker that refuses at once):
+                # pause before sending the same bytes again rather than spin.
+                time.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
         self.sink.flush(0)
         self._apply_reports()
         with self.lock:
@@ -367,9 +399,10 @@ class Exporter:
         if left:
             self.sink.purge()  # so closing the producer does not wait on a broker that is gone
             self._apply_reports()  # purged records come back as failed: they stay in the store
+        self.outcome.final_records = sent
         if self.checkpoint is not None and not self.checkpoint.broken:
             self.snapshot()
-            self.stats.records_kept_at_shutdown = left
+            self.outcome.kept = left
             if left:
                 log.warning(
                     "shutdown: grace period over, %d records not delivered; kept in the state directory, "
@@ -379,7 +412,7 @@ class Exporter:
             else:
                 log.info("shutdown: %d final records delivered", sent)
         elif left:
-            self.stats.records_lost_at_shutdown = left
+            self.outcome.lost = left
             log.error("shutdown: grace period over, %d connections' final records were not delivered", left)
         else:
             log.info("shutdown: %d final records delivered", sent)

@@ -48,8 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flow_exporter.flow import LACK_OF_RESOURCES, Export
-from flow_exporter.store import Restored
+from flow_exporter.flow import LACK_OF_RESOURCES, Export, Restored
 
 log = logging.getLogger(__name__)
 

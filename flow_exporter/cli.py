@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from flow_exporter import __version__, tools
-from flow_exporter.config import Config, ConfigError, defaults_text, load, parse_overrides
+from flow_exporter.config import Config, ConfigError, load, parse_overrides
+from flow_exporter.settings import defaults_text
 
 log = logging.getLogger("flow_exporter")
 

@@ -7,7 +7,6 @@ costs more than the whole store update: text is made once, when a record is buil
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 
 # Kernel enum ip_conntrack_status bits we look at.
@@ -39,7 +38,7 @@ PROTO_NAMES = {
     PROTO_ICMP: "ICMP",
     PROTO_TCP: "TCP",
     PROTO_UDP: "UDP",
-    PROTO_ICMPV6: "ICMPv6",
+    PROTO_ICMPV6: "ICMP6",
     PROTO_SCTP: "SCTP",
 }
 
@@ -103,6 +102,3 @@ class Connection:
             return self.tcp_state in (TCP_TIME_WAIT, TCP_CLOSE)
         return bool(self.status & IPS_DYING)
 
-
-def ip_text(family: int, packed: bytes) -> str:
-    return socket.inet_ntop(family, packed)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from flow_exporter.connection import Connection, ConnectionKey
 
@@ -147,3 +147,20 @@ class Export:
     topic: str | None = None
     key: bytes | None = None
     attempts: int = 0
+
+
+class Restored(NamedTuple):
+    """What a checkpoint keeps of a connection, and gives back to a restarted process.
+
+    A named tuple: a snapshot writes one per reported connection and a restart reads them
+    all back, so it must be cheap to make (bench/bench_checkpoint.py).
+    """
+
+    key: ConnectionKey
+    ct_id: int
+    start_ns: int
+    first_seen_ns: int
+    flow_id: int
+    next_seq: int
+    base: tuple[int, int, int, int]
+    flags: int

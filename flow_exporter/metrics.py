@@ -9,26 +9,102 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from flow_exporter.app import Exporter
+from flow_exporter.lifecycle import Lifecycle
+from flow_exporter.readings import Readings
 
 log = logging.getLogger(__name__)
 
 POLL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 EXPORT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 
+# (field of Readings, metric name after "flow_exporter_", help, "counter" or "gauge"): every plain field.
+_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
+    ("table_count", "conntrack_entries", "Entries in the conntrack table (all zones).", "gauge"),
+    ("table_max", "conntrack_max", "nf_conntrack_max: the table's capacity.", "gauge"),
+    ("connections_tracked", "connections_tracked", "Connections held in the store.", "gauge"),
+    ("records_in_flight", "records_in_flight", "Records handed to the producer, not yet acknowledged.", "gauge"),
+    ("polls", "polls", "Conntrack polls completed.", "counter"),
+    ("poll_errors", "poll_errors", "Conntrack dumps that failed and were retried.", "counter"),
+    ("resyncs", "conntrack_resyncs", "Full dumps run at once because events were lost.", "counter"),
+    (
+        "barrier_timeouts",
+        "event_barrier_timeouts",
+        "Polls whose sweep ran before the event listener caught up (a DESTROY may come late).",
+        "counter",
+    ),
+    ("decode_skipped", "decode_skipped", "Netlink messages skipped as malformed (dumps and events).", "counter"),
+    ("events_received", "conntrack_events", "Conntrack NEW and DESTROY events received.", "counter"),
+    ("event_losses", "event_losses", "Conntrack events the kernel dropped (buffer full).", "counter"),
+    ("connections_added", "connections_added", "Connections first seen.", "counter"),
+    (
+        "connections_added_from_events",
+        "connections_added_from_events",
+        "Connections first seen in a NEW or DESTROY event rather than a dump.",
+        "counter",
+    ),
+    ("connections_deleted", "connections_deleted", "Connections removed after their final record.", "counter"),
+    ("tuples_reused", "tuples_reused", "Tuples taken over by a new conntrack entry (the old one ended).", "counter"),
+    ("destroy_events", "destroy_events", "DESTROY events applied.", "counter"),
+    ("late_events_continued", "late_events_continued", "Ended connections continued by a late event.", "counter"),
+    (
+        "late_destroys_dropped",
+        "late_destroys_dropped",
+        "Late DESTROY events with nothing new to report.",
+        "counter",
+    ),
+    ("counter_resets", "counter_resets", "Entries whose counters went down (new connectionId).", "counter"),
+    (
+        "connections_restored",
+        "connections_restored",
+        "Connections continued from the checkpoint after a restart.",
+        "counter",
+    ),
+    (
+        "connections_restored_gone",
+        "connections_restored_gone",
+        "Connections in the checkpoint that had ended while no exporter ran.",
+        "counter",
+    ),
+    (
+        "unreported_ends",
+        "unreported_ends",
+        "Final counters that could not be reported (connection given up, or unknown).",
+        "counter",
+    ),
+    ("records_built", "records_built", "Records built (first sends; resends are counted apart).", "counter"),
+    ("records_resent", "records_resent", "Records sent again, as the same bytes, after a failed delivery.", "counter"),
+    ("records_produced", "records_produced", "Records handed to the Kafka producer.", "counter"),
+    ("records_acknowledged", "records_acknowledged", "Records whose delivery Kafka acknowledged.", "counter"),
+    ("records_failed", "records_failed", "Deliveries that failed (the same record is sent again).", "counter"),
+    ("records_given_up", "records_given_up", "Records Kafka refused for good (their counts are lost).", "counter"),
+    ("bytes_produced", "bytes_produced", "Avro bytes handed to the producer.", "counter"),
+)
+_CHECKPOINT_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
+    ("snapshots", "checkpoint_snapshots", "Checkpoint snapshots written.", "counter"),
+    ("errors", "checkpoint_errors", "Checkpoint writes that failed (state then dropped).", "counter"),
+    ("last_snapshot_bytes", "checkpoint_snapshot_bytes", "Size of the last checkpoint snapshot.", "gauge"),
+    ("last_snapshot_seconds", "checkpoint_snapshot_seconds", "Time to write the last snapshot.", "gauge"),
+    ("journal_bytes", "checkpoint_journal_bytes", "Size of the journal since the last snapshot.", "gauge"),
+)
+GIVEN_UP_REASONS = ("cap_refused", "cap_idle")
+
+
+def _families(values: object, table: tuple[tuple[str, str, str, str], ...]) -> Iterator[Metric]:
+    for attr, name, doc, kind in table:
+        family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+        yield family(f"flow_exporter_{name}", doc, value=getattr(values, attr))
+
 
 class Metrics:
-    """The exporter's metrics registry (one per process; tests make their own)."""
+    """The exporter's metrics registry (one per process; tests make their own); also its :class:`Timings`."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -45,67 +121,36 @@ class Metrics:
             registry=self.registry,
         )
 
-    def bind(self, exporter: Exporter, extra: Callable[[], dict[str, float]] | None = None) -> None:
-        self.registry.register(_ExporterCollector(exporter, extra))
+    def observe_poll(self, seconds: float) -> None:
+        self.poll_seconds.observe(seconds)
+
+    def observe_export(self, seconds: float) -> None:
+        self.export_seconds.observe(seconds)
+
+    def bind(self, read: Callable[[], Readings]) -> None:
+        """Serve what ``read`` returns at each scrape."""
+        self.registry.register(_ReadingsCollector(read))
 
 
-class _ExporterCollector(Collector):
-    def __init__(self, exporter: Exporter, extra: Callable[[], dict[str, float]] | None) -> None:
-        self.exporter = exporter
-        self.extra = extra
+class _ReadingsCollector(Collector):
+    def __init__(self, read: Callable[[], Readings]) -> None:
+        self.read = read
 
     def collect(self) -> Iterator[Metric]:
-        e = self.exporter
-        s = e.stats
-        sink = e.sink
-        st = e.store.stats
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"flow_exporter_{name}", doc, value=value)
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(f"flow_exporter_{name}", doc, value=value)
-
-        yield gauge("conntrack_entries", "Entries in the conntrack table (all zones).", s.table_count)
-        yield gauge("conntrack_max", "nf_conntrack_max: the table's capacity.", s.table_max)
-        yield gauge("connections_tracked", "Connections held in the store.", len(e.store))
-        yield gauge("records_in_flight", "Records handed to the producer, not yet acknowledged.", sink.in_flight)
-        yield counter("polls", "Conntrack polls completed.", s.polls)
-        yield counter("poll_errors", "Conntrack dumps that failed and were retried.", s.poll_errors)
-        yield counter("records_produced", "Records handed to the Kafka producer.", sink.produced)
-        yield counter("records_acknowledged", "Records whose delivery Kafka acknowledged.", sink.acked)
-        yield counter("records_failed", "Records Kafka did not take (their counts go in the next one).", sink.failed)
-        yield counter("bytes_produced", "Avro bytes handed to the producer.", sink.bytes_produced)
-        yield counter("connections_added", "Connections first seen.", st.added)
-        yield counter("connections_deleted", "Connections removed after their final record.", st.deleted)
+        r = self.read()
+        yield from _families(r, _FAMILIES)
         given_up = CounterMetricFamily(
             "flow_exporter_connections_given_up",
             "Connections given up at limits.maxConnections, by reason (each got one lack-of-resources record).",
             labels=["reason"],
         )
-        for reason in ("cap_refused", "cap_idle"):
-            given_up.add_metric([reason], st.given_up.get(reason, 0))
+        for reason in GIVEN_UP_REASONS:
+            given_up.add_metric([reason], r.given_up.get(reason, 0))
         yield given_up
-        yield counter("decode_skipped", "Netlink messages skipped as malformed.", s.decode_skipped)
-        ev = e.events
-        yield counter("event_losses", "Conntrack events the kernel dropped (buffer full).", ev.lost if ev else 0)
-        yield counter("conntrack_resyncs", "Full dumps run at once because events were lost.", s.resyncs)
-        yield counter("records_resent", "Records sent again, as the same bytes, after a failed delivery.", st.resends)
-        yield counter("records_given_up", "Records Kafka refused for good (their counts are lost).", s.records_given_up)
-        yield counter("late_events_continued", "Ended connections continued by a late event.", st.resurrected)
-        yield counter("counter_resets", "Entries whose counters went down (new connectionId).", st.counter_resets)
-        yield counter("connections_restored", "Connections continued from the checkpoint after a restart.", st.restored)
-        cp = e.checkpoint
-        if cp is not None:
-            cs = cp.stats
-            yield counter("checkpoint_snapshots", "Checkpoint snapshots written.", cs.snapshots)
-            yield counter("checkpoint_errors", "Checkpoint writes that failed (state then dropped).", cs.errors)
-            yield gauge("checkpoint_snapshot_bytes", "Size of the last checkpoint snapshot.", cs.last_snapshot_bytes)
-            yield gauge("checkpoint_snapshot_seconds", "Time to write the last snapshot.", cs.last_snapshot_seconds)
-            yield gauge("checkpoint_journal_bytes", "Size of the journal since the last snapshot.", cs.journal_bytes)
-        if self.extra is not None:
-            for name, value in self.extra().items():
-                yield counter(name, name.replace("_", " "), value)
+        if r.checkpoint is not None:
+            yield from _families(r.checkpoint, _CHECKPOINT_FAMILIES)
+        for name, value in r.extra.items():
+            yield CounterMetricFamily(f"flow_exporter_{name}", name.replace("_", " "), value=value)
 
 
 class HealthServer:
@@ -156,29 +201,28 @@ class HealthServer:
         self.server.server_close()
 
 
-def liveness(exporter: Exporter, max_silence: float) -> Callable[[], tuple[bool, str]]:
+def liveness(lifecycle: Lifecycle, max_silence: float) -> Callable[[], tuple[bool, str]]:
     """Alive while both loops have ticked within ``max_silence`` seconds."""
 
     def check() -> tuple[bool, str]:
-        now = time.monotonic()
-        stale = [name for name, t in exporter.heartbeats.items() if now - t > max_silence]
-        if stale:
-            return False, "stalled: " + ", ".join(sorted(stale))
-        return True, "ok"
+        stale = lifecycle.stalled(max_silence)
+        return (False, "stalled: " + ", ".join(stale)) if stale else (True, "ok")
 
     return check
 
 
-def readiness(exporter: Exporter, caches_ready: Callable[[], bool] | None = None) -> Callable[[], tuple[bool, str]]:
+def readiness(
+    lifecycle: Lifecycle, kafka_reached: Callable[[], bool], caches_ready: Callable[[], bool] | None = None
+) -> Callable[[], tuple[bool, str]]:
     """Ready once the first poll is done, the caches synced and the producer reached the broker."""
 
     def check() -> tuple[bool, str]:
         missing = []
-        if not exporter.first_poll_done.is_set():
+        if not lifecycle.first_poll_done.is_set():
             missing.append("first poll")
         if caches_ready is not None and not caches_ready():
             missing.append("kubernetes caches")
-        if not exporter.sink.connected:
+        if not kafka_reached():
             missing.append("kafka")
         return (False, "waiting for: " + ", ".join(missing)) if missing else (True, "ok")
 

@@ -1,18 +1,18 @@
-"""Flow records: an :class:`~flow_exporter.store.Export` turned into the Avro record's fields.
+"""Flow records: the Avro schema that is the contract with consumers, and the message key.
 
-Field names and meanings are the contract in ``schemas/flow_record.avsc``.
+Field names and meanings are in ``schemas/flow_record.avsc``; the hand-written encoder
+(:mod:`flow_exporter.sink.encoder`) writes them, and ``tests/support/reference.py`` holds the
+plain-dict reference it is tested against.
 """
 
 from __future__ import annotations
 
 import json
-import socket
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, TCP_STATE_NAMES
 from flow_exporter.flow import Export
 
 SCHEMA_FILE = "flow_record.avsc"
@@ -40,65 +40,6 @@ def schema_path() -> Path:
 @lru_cache(maxsize=1)
 def load_schema() -> dict[str, Any]:
     return json.loads(schema_path().read_text())
-
-
-@lru_cache(maxsize=65536)
-def _ip(family: int, packed: bytes) -> str:
-    # Cached: the same few thousand addresses recur in every poll.
-    return socket.inet_ntop(family, packed)
-
-
-def build_record(export: Export, node: str, export_ms: int) -> dict[str, Any]:
-    """The record dict for one export (what the Avro writer serializes)."""
-    tr = export.tracked
-    c = tr.conn
-    fam = c.family
-    icmp = c.proto in (PROTO_ICMP, PROTO_ICMPV6)
-    tcp_state = None
-    if c.proto == PROTO_TCP and c.tcp_state is not None and 0 <= c.tcp_state < len(TCP_STATE_NAMES):
-        tcp_state = TCP_STATE_NAMES[c.tcp_state]
-    totals = export.totals
-    deltas = export.deltas
-    rec: dict[str, Any] = {
-        "connectionId": export.flow_id,
-        "sequence": export.sequence,
-        "exporterNode": node,
-        "exportTime": export_ms,
-        "flowStart": tr.first_seen_ns // 1_000_000,
-        "flowEnd": max(export.flow_end_ns, tr.first_seen_ns) // 1_000_000,
-        "flowEndReason": export.reason,
-        "ipVersion": 4 if fam == socket.AF_INET else 6,
-        "protocol": c.proto,
-        "sourceAddress": _ip(fam, c.orig_src),
-        "sourcePort": c.orig_sport,
-        "destinationAddress": _ip(fam, c.reply_src),
-        "destinationPort": c.orig_dport if icmp else c.reply_sport,
-        "originalDestinationAddress": _ip(fam, c.orig_dst),
-        "originalDestinationPort": c.orig_dport,
-        "icmpType": c.icmp_type if icmp else None,
-        "icmpCode": c.icmp_code if icmp else None,
-        "zone": c.zone,
-        "tcpState": tcp_state,
-        "ctMark": c.mark,
-        "ctLabels": c.labels,
-        "ctId": c.ct_id,
-        "packetTotalCount": totals[0],
-        "octetTotalCount": totals[1],
-        "reversePacketTotalCount": totals[2],
-        "reverseOctetTotalCount": totals[3],
-        "packetDeltaCount": deltas[0],
-        "octetDeltaCount": deltas[1],
-        "reversePacketDeltaCount": deltas[2],
-        "reverseOctetDeltaCount": deltas[3],
-        "flowType": 0,
-        "flags": tr.flags,
-    }
-    meta = tr.meta
-    for name in K8S_FIELDS:
-        rec[name] = meta.get(name) if meta else None
-    if meta:
-        rec["flowType"] = meta.get("flowType", 0)
-    return rec
 
 
 def partition_key(export: Export) -> bytes:

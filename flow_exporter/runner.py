@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from confluent_kafka import KafkaException
@@ -16,7 +17,9 @@ from flow_exporter.app import Exporter
 from flow_exporter.checkpoint import Checkpoint, CheckpointError, Loaded
 from flow_exporter.config import Config
 from flow_exporter.conntrack.events import ConntrackEvents
+from flow_exporter.lifecycle import Lifecycle
 from flow_exporter.metrics import HealthServer, Metrics, liveness, readiness
+from flow_exporter.readings import Readings
 from flow_exporter.sink import KafkaSink, Route
 from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.sink.kafka import redact
@@ -26,7 +29,8 @@ from flow_exporter.timeouts import Timeouts
 log = logging.getLogger(__name__)
 
 
-def build_sink(cfg: Config) -> KafkaSink:
+def build_sink(cfg: Config, lifecycle: Lifecycle | None = None) -> KafkaSink:
+    lifecycle = lifecycle or Lifecycle()
     routes = [
         Route(r["topic"], flow_type=r.get("flowType"), end_reason=r.get("endReason")) for r in cfg["kafka.routes"]
     ]
@@ -38,6 +42,8 @@ def build_sink(cfg: Config) -> KafkaSink:
         routes,
         retry_initial=cfg["retry.initialBackoff"],
         retry_max=cfg["retry.maxBackoff"],
+        stopping=lifecycle.stopping,
+        on_wait=partial(lifecycle.beat, "expire"),  # blocked on a full queue is still alive
     )
 
 
@@ -76,27 +82,31 @@ def check_topics(sink: KafkaSink, stop: threading.Event, initial: float, maximum
     return False
 
 
-def start_health_server(cfg: Config, exporter: Exporter, enricher: Any = None) -> HealthServer | None:
-    """/metrics, /healthz and /readyz, unless metrics.port is 0."""
-    if cfg["metrics.port"] == 0:
+def start_health_server(
+    cfg: Config, metrics: Metrics | None, exporter: Exporter, enricher: Any = None
+) -> HealthServer | None:
+    """/metrics, /healthz and /readyz, unless metrics.port is 0 (then ``metrics`` is None)."""
+    if metrics is None:
         return None
-    metrics = Metrics()
     caches_ready: Callable[[], bool] | None = None
-    extra: Callable[[], dict[str, float]] | None = None
     if enricher is not None:
         caches_ready = enricher.caches.ready.is_set
         st = enricher.stats
 
-        def extra() -> dict[str, float]:
-            return {
-                "enrichment_lookups": st.lookups,
-                "enrichment_misses": st.misses,
-                "enrichment_errors": st.errors,
-                "labels_truncated": st.truncated_labels,
-            }
+        def read() -> Readings:
+            return exporter.readings(
+                {
+                    "enrichment_lookups": st.lookups,
+                    "enrichment_misses": st.misses,
+                    "enrichment_errors": st.errors,
+                    "labels_truncated": st.truncated_labels,
+                }
+            )
 
-    metrics.bind(exporter, extra)
-    exporter.metrics = metrics
+        metrics.bind(read)
+    else:
+        metrics.bind(exporter.readings)
+    sink = exporter.sink
     # A poll may wait out the longest retry backoff; only silence beyond that is a hang.
     silence = max(3 * cfg["conntrack.pollInterval"], 60.0) + cfg["retry.maxBackoff"]
     try:
@@ -104,8 +114,8 @@ def start_health_server(cfg: Config, exporter: Exporter, enricher: Any = None) -
             metrics,
             cfg["metrics.address"],
             cfg["metrics.port"],
-            liveness(exporter, silence),
-            readiness(exporter, caches_ready),
+            liveness(exporter.lifecycle, silence),
+            readiness(exporter.lifecycle, lambda: sink.counters.connected, caches_ready),
         )
     except OSError as exc:
         log.error("metrics listener %s:%d: %s", cfg["metrics.address"], cfg["metrics.port"], exc.strerror)
@@ -184,7 +194,8 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
     except ConntrackError as exc:
         log.error("cannot open conntrack: %s", exc)
         return 1
-    stop = threading.Event()
+    lifecycle = Lifecycle()
+    stop = lifecycle.stop_event
     if install_signals is not None:
         install_signals(stop)
     try:
@@ -196,7 +207,8 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
     if stop.is_set():
         source.close()
         return 0
-    sink = build_sink(cfg)
+    sink = build_sink(cfg, lifecycle)
+    metrics = Metrics() if cfg["metrics.port"] else None
     enricher = None
     if cfg["k8s.enabled"]:  # caches fill in the background; records go out meanwhile
         from flow_exporter.k8s import start_enricher
@@ -218,11 +230,12 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         checkpoint=checkpoint,
         lineage=loaded.lineage if loaded else b"",
         adopt=not (loaded and loaded.valid),
-        stop_event=stop,
+        lifecycle=lifecycle,
+        timings=metrics,
     )
     if loaded is not None and loaded.valid:
         exporter.restore(loaded.rows, loaded.resends)
-    http = start_health_server(cfg, exporter, enricher)
+    http = start_health_server(cfg, metrics, exporter, enricher)
     events = start_events(cfg, exporter)
     try:
         if cfg["kafka.checkTopics"] and not check_topics(

@@ -32,7 +32,6 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
 
 from flow_exporter.connection import Connection, ConnectionKey
 from flow_exporter.expiry import ExpiryQueue
@@ -45,10 +44,12 @@ from flow_exporter.flow import (
     IDLE_TIMEOUT,
     LACK_OF_RESOURCES,
     Export,
+    Restored,
     Tracked,
     connection_id,
     next_segment_id,
 )
+from flow_exporter.settings import DEFAULTS
 from flow_exporter.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
@@ -78,23 +79,6 @@ class Tombstone:
     flags: int
     destroyed: bool
     deadline: float
-
-
-class Restored(NamedTuple):
-    """What a checkpoint keeps of a connection, and gives back to a restarted process.
-
-    A named tuple: a snapshot writes one per reported connection and a restart reads them
-    all back, so it must be cheap to make (bench/bench_checkpoint.py).
-    """
-
-    key: ConnectionKey
-    ct_id: int
-    start_ns: int
-    first_seen_ns: int
-    flow_id: int
-    next_seq: int
-    base: tuple[int, int, int, int]
-    flags: int
 
 
 @dataclass
@@ -148,7 +132,7 @@ class ConnectionStore:
 
     timeouts: Timeouts = field(default_factory=Timeouts)
     on_new: Callable[[Tracked], None] | None = None  # enrichment hook, called once per new connection
-    max_connections: int = 500_000  # bounded memory: beyond this, connections are given up
+    max_connections: int = DEFAULTS["limits.maxConnections"]  # bounded memory: beyond this, connections are given up
     lineage: bytes = b""  # part of every connectionId; random unless the checkpoint gives one
     adopt: bool = True  # no state to continue from: connections found live are flagged ADOPTED
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from flow_exporter.settings import DEFAULTS
+
 log = logging.getLogger(__name__)
 
 
@@ -12,10 +14,10 @@ log = logging.getLogger(__name__)
 class Timeouts:
     """Seconds. Build with :meth:`normalized` so the derived rules apply."""
 
-    poll_interval: float = 5.0
-    active: float = 5.0
-    idle: float = 15.0
-    stale: float = 300.0
+    poll_interval: float = DEFAULTS["conntrack.pollInterval"]
+    active: float = DEFAULTS["expiry.activeTimeout"]
+    idle: float = DEFAULTS["expiry.idleTimeout"]
+    stale: float = DEFAULTS["expiry.staleTimeout"]
 
     @classmethod
     def normalized(cls, poll_interval: float, active: float, idle: float, stale: float) -> Timeouts:

@@ -23,6 +23,8 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TextIO
 
 from flow_exporter.config import ConfigError, load, parse_overrides
+from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_NAMES
+from flow_exporter.flow import REASON_NAMES
 
 if TYPE_CHECKING:
     from confluent_kafka.schema_registry import SchemaRegistryClient
@@ -30,9 +32,7 @@ if TYPE_CHECKING:
     from flow_exporter.config import Config
 
 COMMANDS = ("tail", "schema")
-PROTOCOLS = {1: "icmp", 6: "tcp", 17: "udp", 58: "icmp6", 132: "sctp"}
-REASONS = {1: "idle", 2: "active", 3: "end", 4: "forced", 5: "resources"}
-_PORTLESS = (1, 58)
+_PORTLESS = (PROTO_ICMP, PROTO_ICMPV6)
 # Client settings that belong to the connection (kept for tail's consumer); any other
 # kafka.producer entry is a producer tuning that a consumer would only warn about.
 _CONNECTION_PREFIXES = ("bootstrap.", "security.", "sasl.", "ssl.", "client.", "socket.", "broker.")
@@ -280,7 +280,7 @@ def table_row(rec: Mapping[str, Any]) -> str:
     t = rec.get("exportTime")
     when = t.astimezone().strftime("%H:%M:%S.%f")[:12] if isinstance(t, datetime) else str(t)
     proto_num = rec.get("protocol")
-    proto = PROTOCOLS.get(proto_num, str(proto_num))
+    proto = PROTO_NAMES.get(proto_num, str(proto_num)).lower()
     if proto_num in _PORTLESS and rec.get("icmpType") is not None:
         proto += f" {rec['icmpType']}/{rec.get('icmpCode')}"
     portless = proto_num in _PORTLESS
@@ -306,7 +306,7 @@ def table_row(rec: Mapping[str, Any]) -> str:
             rec.get("destinationService") or "-",
             f"{rec['octetDeltaCount']:,}",
             f"{rec['reverseOctetDeltaCount']:,}",
-            REASONS.get(reason, str(reason)),
+            REASON_NAMES.get(reason, str(reason)),
         )
     )
 

@@ -1,3 +1,14 @@
-"""Shared pytest setup: the real Kafka broker and Kubernetes API server fixtures."""
+"""Shared pytest setup: the real Kafka broker and Kubernetes API server fixtures, and the stub Schema Registry.
 
-pytest_plugins = ["tests.kafka_fixtures", "tests.apiserver_fixtures"]
+The helpers in tests/support assert like tests do; they are rewritten so a failing assert shows its values.
+"""
+
+import pytest
+
+pytest.register_assert_rewrite("tests.support")
+
+pytest_plugins = [
+    "tests.support.kafka_fixtures",
+    "tests.support.apiserver_fixtures",
+    "tests.support.schema_registry",
+]

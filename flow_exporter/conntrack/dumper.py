@@ -67,6 +67,7 @@ class ConntrackDumper:
         self.timeout = timeout
         self.decoder = decoder if decoder is not None else Decoder()
         self.last_skipped = 0  # malformed messages in the last dump
+        self.skipped = 0  # ... in every dump so far (the Source port's counter)
         self._buf = bytearray(bufsize)
         self._view = memoryview(self._buf)
         self._seq = 0
@@ -184,6 +185,7 @@ class ConntrackDumper:
             if gc_was_enabled:
                 gc.enable()
             self.last_skipped = skipped
+            self.skipped += skipped
             if not ok:
                 self._discard()
         if interrupted:

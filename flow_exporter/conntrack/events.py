@@ -73,11 +73,9 @@ class ConntrackEvents:
         self.zones = frozenset(zones) if zones else None
         self.on_events = on_events
         self.on_overrun = on_overrun
-        self.events = 0
-        self.overruns = 0
+        self.received = 0  # events decoded and handed on
         self.lost = 0  # events the kernel dropped for want of room in the receive buffer
-        self.batches = 0
-        self.skipped = 0
+        self.skipped = 0  # malformed messages
         self.rcvbuf_granted = 0
         self._decoder = Decoder()
         self._buf = bytearray(bufsize)
@@ -194,7 +192,6 @@ class ConntrackEvents:
             except OSError as e:
                 if e.errno != errno.ENOBUFS:
                     raise
-                self.overruns += 1
                 self._count_losses()
                 log.warning("conntrack events lost (receive buffer overrun); resyncing with a full dump")
                 self.on_overrun()
@@ -227,8 +224,7 @@ class ConntrackEvents:
         res = self._decoder.decode_batch(data, new, self.zones, destroyed)
         self.skipped += res.skipped
         if new or destroyed:
-            self.events += len(new) + len(destroyed)
-            self.batches += 1
+            self.received += len(new) + len(destroyed)
             try:
                 self.on_events(new, destroyed)
             except Exception:  # never let a bad event kill the listener

@@ -32,8 +32,8 @@ def start_enricher(cfg: Config) -> Enricher | None:
     """
     from kubernetes.config import ConfigException
 
-    from flow_exporter.config import MAX_POD_LABEL_KEYS
     from flow_exporter.k8s.cache import K8sCaches, load_configuration
+    from flow_exporter.settings import MAX_POD_LABEL_KEYS
 
     try:
         api = load_configuration(cfg["k8s.kubeconfig"])

@@ -31,6 +31,7 @@ from kubernetes import config as kube_config
 from kubernetes.client.rest import ApiException
 
 from flow_exporter.k8s.index import Indexes, NodeIndex, PodIndex, ServiceIndex
+from flow_exporter.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +90,9 @@ class K8sCaches(Indexes):
         self,
         configuration: client.Configuration,
         *,
-        scope: str = "cluster",
+        scope: str = DEFAULTS["k8s.scope"],
         node_name: str = "",
-        retention: float = 300.0,
+        retention: float = DEFAULTS["k8s.deletedPodRetention"],
         label_keys: Collection[str] | None = None,
         backoff_initial: float = 0.5,
         backoff_max: float = 30.0,

@@ -1,6 +1,5 @@
-"""Where records go: Avro serialization and the Kafka producer."""
+"""Where records go: the Kafka producer (the Sink port), the record encoder, Schema Registry framing."""
 
-from flow_exporter.sink.avro import AvroSerializer
-from flow_exporter.sink.kafka import DeliveryReport, KafkaSink, Route, SinkError
+from flow_exporter.sink.kafka import KafkaSink, Route, SinkError
 
-__all__ = ["AvroSerializer", "DeliveryReport", "KafkaSink", "Route", "SinkError"]
+__all__ = ["KafkaSink", "Route", "SinkError"]

@@ -19,7 +19,9 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
 from flow_exporter.flow import Export
+from flow_exporter.ports import DeliveryReport, SinkCounters
 from flow_exporter.record import partition_key
+from flow_exporter.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
 _rdkafka_log = logging.getLogger(__name__ + ".rdkafka")
@@ -87,14 +89,6 @@ PERMANENT_ERRORS = frozenset(
 )
 
 
-@dataclass(slots=True)
-class DeliveryReport:
-    export: Export
-    delivered: bool
-    error: str | None = None
-    permanent: bool = False  # failed for good: resending the same bytes cannot succeed
-
-
 def redact(config: dict[str, Any]) -> dict[str, Any]:
     """A copy of a client config that is safe to log."""
     return {
@@ -117,7 +111,12 @@ class _LibrdkafkaLog:
 
 
 class KafkaSink:
-    """Produces records to Kafka topics; one producer for all of them."""
+    """Produces records to Kafka topics; one producer for all of them (the :class:`~flow_exporter.ports.Sink`).
+
+    ``stopping`` says when a produce blocked on a full local queue must give up (the
+    composition root passes :meth:`Lifecycle.stopping`); ``on_wait`` is called while it waits,
+    so the expire loop's heartbeat goes on.
+    """
 
     def __init__(
         self,
@@ -125,8 +124,10 @@ class KafkaSink:
         topic: str,
         encode: Callable[[Export, int], bytes],
         routes: Sequence[Route] = (),
-        retry_initial: float = 0.05,
-        retry_max: float = 5.0,
+        retry_initial: float = DEFAULTS["retry.initialBackoff"],
+        retry_max: float = DEFAULTS["retry.maxBackoff"],
+        stopping: Callable[[], bool] = lambda: False,
+        on_wait: Callable[[], None] = lambda: None,
     ) -> None:
         self.topic = topic
         self.routes = tuple(routes)
@@ -135,19 +136,14 @@ class KafkaSink:
         self.config.setdefault("error_cb", self._on_error)
         self.config["logger"] = _LibrdkafkaLog(self.config.get("logger") or _rdkafka_log)
         self._producer = Producer(self.config)
-        self.reports: deque[DeliveryReport] = deque()
-        self.produced = 0
-        self.acked = 0
-        self.failed = 0
-        self.bytes_produced = 0
-        self.connected = False  # the broker answered (metadata or a delivery)
+        self._reports: deque[DeliveryReport] = deque()
+        self.counters = SinkCounters()
         self._last_error_log: dict[str | None, float] = {}  # by _security_failure(); None: other errors
-        self.stopping: Callable[[], bool] = lambda: False
-        self.on_wait: Callable[[], None] = lambda: None  # called while blocked on a full queue
+        self._on_wait = on_wait
         self._retry = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(BufferError),
             wait=tenacity.wait_exponential_jitter(multiplier=retry_initial, max=retry_max),
-            stop=tenacity.stop_when_event_set(_StopFlag(self)),
+            stop=tenacity.stop_when_event_set(_StopFlag(stopping)),
             sleep=self._serve_while_waiting,
             reraise=True,
         )
@@ -163,7 +159,7 @@ class KafkaSink:
             md = admin.list_topics(timeout=timeout)
         finally:
             admin.poll(0)  # serve error_cb: a refused login says so, not just "transport failure"
-        self.connected = True
+        self.counters.connected = True
         return {t for t in self.topics() if t not in md.topics or md.topics[t].error is not None}
 
     # --------------------------------------------------------------- produce
@@ -194,16 +190,17 @@ class KafkaSink:
         topic = export.topic
         key = export.key
         assert value is not None and topic is not None, "produce() before prepare()"
-        reports = self.reports
+        reports = self._reports
+        counters = self.counters
 
         def on_delivery(err: KafkaError | None, _msg: Any, export: Export = export) -> None:
             # Runs inside poll()/flush() on the caller's thread; counters are read by metrics.
             if err is None:
-                self.acked += 1
-                self.connected = True
+                counters.acked += 1
+                counters.connected = True
                 reports.append(DeliveryReport(export, True))
             else:
-                self.failed += 1
+                counters.failed += 1
                 reports.append(DeliveryReport(export, False, err.str(), err.code() in PERMANENT_ERRORS))
 
         produce = self._producer.produce
@@ -214,19 +211,25 @@ class KafkaSink:
                 self._retry(produce, topic, value, key, on_delivery=on_delivery)
         except BufferError:
             # Only when stopping: the record never entered the queue.
-            self.reports.append(DeliveryReport(export, False, "local queue full during shutdown"))
-            self.failed += 1
+            reports.append(DeliveryReport(export, False, "local queue full during shutdown"))
+            counters.failed += 1
             return
         except KafkaException as exc:
             err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
             permanent = err is not None and err.code() in PERMANENT_ERRORS
-            self.reports.append(DeliveryReport(export, False, str(exc), permanent))
-            self.failed += 1
+            reports.append(DeliveryReport(export, False, str(exc), permanent))
+            counters.failed += 1
             return
-        self.produced += 1
-        self.bytes_produced += len(value)
+        counters.produced += 1
+        counters.bytes_produced += len(value)
 
-    @property
+    def take_reports(self) -> list[DeliveryReport]:
+        """The delivery reports collected by ``poll``/``flush`` since the last call."""
+        reports = self._reports
+        taken = list(reports)
+        reports.clear()  # one thread serves the producer and takes the reports: nothing lands in between
+        return taken
+
     def in_flight(self) -> int:
         """Records handed to librdkafka and not yet reported."""
         return len(self._producer)
@@ -249,7 +252,7 @@ class KafkaSink:
 
     # -------------------------------------------------------------- internals
     def _serve_while_waiting(self, seconds: float) -> None:
-        self.on_wait()
+        self._on_wait()
         self._producer.poll(seconds)
 
     def _on_error(self, err: KafkaError) -> None:
@@ -269,13 +272,10 @@ class KafkaSink:
 
 
 class _StopFlag:
-    """Adapts the sink's ``stopping`` callable to tenacity's event protocol."""
+    """Adapts a ``stopping`` callable to tenacity's event protocol."""
 
-    def __init__(self, sink: KafkaSink) -> None:
-        self._sink = sink
-
-    def is_set(self) -> bool:
-        return self._sink.stopping()
+    def __init__(self, stopping: Callable[[], bool]) -> None:
+        self.is_set = stopping
 
 
 def _is_admin_key(key: str) -> bool:

@@ -27,6 +27,7 @@ import tenacity
 
 from flow_exporter.flow import Export
 from flow_exporter.record import schema_path
+from flow_exporter.settings import DEFAULTS
 
 if TYPE_CHECKING:
     from confluent_kafka.schema_registry import SchemaRegistryClient
@@ -39,9 +40,9 @@ MAGIC = 0
 HEADER_SIZE = 5
 # The schema's full name, as Confluent's RecordNameStrategy would name the subject: one
 # subject for every topic the exporter writes to (kafka.topic and any kafka.routes).
-DEFAULT_SUBJECT = "io.flowexporter.FlowRecord"
+DEFAULT_SUBJECT: str = DEFAULTS["schemaRegistry.subject"]
 # New consumers' schema must read every older record still on the topic, not only the last version's.
-DEFAULT_COMPATIBILITY = "BACKWARD_TRANSITIVE"
+DEFAULT_COMPATIBILITY: str = DEFAULTS["schemaRegistry.compatibility"]
 
 Encode = Callable[[Export, int], bytes]
 
@@ -122,8 +123,8 @@ def register(
     schema_str: str,
     compatibility: str | None = DEFAULT_COMPATIBILITY,
     *,
-    initial: float = 0.2,
-    maximum: float = 30.0,
+    initial: float = DEFAULTS["retry.initialBackoff"],
+    maximum: float = DEFAULTS["retry.maxBackoff"],
     max_attempts: int | None = None,
     stopping: Callable[[], bool] = lambda: False,
     sleep: Callable[[float], None] = time.sleep,

@@ -29,8 +29,9 @@ from flow_exporter.flow import ADOPTED, COUNTERS_RESET, END_OF_FLOW, FORCED_END,
 from flow_exporter.sink import KafkaSink
 from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.timeouts import Timeouts
-from tests import contract
-from tests.test_exporter_lab import free_port, read_records, scrape, start_exporter, stop_exporter
+from tests.support import contract
+from tests.support.exporter_process import free_port, scrape, start_exporter, stop_exporter
+from tests.support.records import read_records
 
 pytestmark = [pytest.mark.lab, pytest.mark.kafka]
 

@@ -9,7 +9,6 @@ field by field with pyroute2's own `NFCTSocket` dump of the same namespace.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import secrets
 import shutil
@@ -20,8 +19,6 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any
 
 import pytest
 from pyroute2 import NFCTSocket
@@ -30,21 +27,17 @@ from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, Connection
 from flow_exporter.conntrack import (
     ConntrackDumper,
-    ConntrackDumpInterrupted,
     ConntrackError,
-    ConntrackOverrun,
-    ConntrackPermissionError,
-    ConntrackUnavailable,
     NetnsError,
     enable_accounting,
     read_sysctl,
     run_in_netns,
 )
-from flow_exporter.conntrack.errors import error_from_errno
 from flow_exporter.conntrack.netns import current_netns_inode
-from tests.test_decode import assert_valid, connection_from_pyroute2, ct_message, done_message, ip4_tuple
+from tests.support.netlink_messages import assert_valid, connection_from_pyroute2
+from tests.support.paths import REPO
 
-# Kernel tests; the fake-socket tests at the end need neither root nor namespaces.
+# Kernel tests; the fake-socket tests (tests/unit/test_dumper.py) need neither root nor namespaces.
 lab = pytest.mark.skipif(
     os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("conntrack")),
     reason="needs root, ip and conntrack for network namespaces",
@@ -368,117 +361,6 @@ def test_without_cap_net_admin_is_a_permission_error() -> None:
     out = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all",
          sys.executable, "-c", code],
-        capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1],
+        capture_output=True, text=True, check=True, cwd=REPO,
     ).stdout.splitlines()
     assert len(out) == 2 and all(line.startswith("1 ") and "needs CAP_NET_ADMIN" in line for line in out)
-
-
-# -- error handling, with a fake socket behind a real dumper ---------------------------------
-
-class FakeSocket:
-    """Replays recv() results: bytes, or an exception to raise."""
-
-    def __init__(self, replies: list[bytes | BaseException]) -> None:
-        self.replies = list(replies)
-        self.sent: list[bytes] = []
-        self.closed = False
-
-    def send(self, data: bytes) -> int:
-        self.sent.append(bytes(data))
-        return len(data)
-
-    def recv_into(self, buf: bytearray, nbytes: int = 0, flags: int = 0) -> int:
-        item = self.replies.pop(0)
-        if isinstance(item, BaseException):
-            raise item
-        buf[:len(item)] = item
-        return len(item)
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def udp_entry(sport: int, zone: int | None = None) -> bytes:
-    attrs: list[Any] = [("CTA_TUPLE_ORIG", ip4_tuple("10.0.0.1", "10.0.0.2", sport=sport, dport=53)),
-                        ("CTA_TUPLE_REPLY", ip4_tuple("10.0.0.2", "10.0.0.1", sport=53, dport=sport))]
-    if zone is not None:
-        attrs.append(("CTA_ZONE", zone))
-    return ct_message(attrs)
-
-
-def nlmsg_error(err: int) -> bytes:
-    return struct.pack("=IHHIIi", 36, 2, 0, 1, 0, -err) + b"\0" * 16
-
-
-@contextlib.contextmanager
-def fake_dumper(replies: list[bytes | BaseException]) -> Iterator[tuple[ConntrackDumper, FakeSocket]]:
-    with ConntrackDumper(timeout=5) as d:
-        assert d._sock is not None
-        d._sock.close()
-        fake = FakeSocket(replies)
-        d._sock = fake  # type: ignore[assignment]
-        yield d, fake
-
-
-def test_dump_streams_batches_and_filters_zones() -> None:
-    batch1 = udp_entry(1) + udp_entry(2, zone=5)
-    batch2 = udp_entry(3, zone=5) + b"\xff" * 20  # a truncated tail: skipped, counted
-    with fake_dumper([batch1, batch2, done_message()]) as (d, fake):
-        assert [c.orig_sport for c in d.dump()] == [1, 2, 3]
-        assert d.last_skipped == 1
-    with fake_dumper([batch1 + udp_entry(3, zone=5) + done_message()]) as (d, fake):
-        assert [c.orig_sport for c in d.dump(zones={5})] == [2, 3]
-        assert d.last_skipped == 0
-    request = fake.sent[0]
-    assert len(request) == 28 and struct.unpack_from("=HH", request, 20) == (6, 18)  # CTA_ZONE in the request
-    assert struct.unpack_from("=HH", request, 4) == ((1 << 8) | 1, 0x301)  # CT_GET, REQUEST|DUMP
-    assert request[16] == socket.AF_UNSPEC
-    with fake_dumper([udp_entry(1, zone=1) + udp_entry(2, zone=2) + done_message()]) as (d, fake):
-        assert [c.orig_sport for c in d.dump(zones={1, 2})] == [1, 2]
-    assert len(fake.sent[0]) == 20  # several zones: no kernel filter
-
-
-@pytest.mark.parametrize(
-    ("replies", "exc", "retryable"),
-    [
-        ([OSError(errno.ENOBUFS, "No buffer space available")], ConntrackOverrun, True),
-        ([udp_entry(1), done_message(errno.ENOBUFS)], ConntrackOverrun, True),
-        ([OSError(errno.EINTR, "Interrupted")], ConntrackDumpInterrupted, True),
-        ([nlmsg_error(errno.EPERM)], ConntrackPermissionError, False),
-        ([nlmsg_error(errno.EOPNOTSUPP)], ConntrackUnavailable, False),
-        ([nlmsg_error(errno.ENOENT)], ConntrackUnavailable, False),
-        ([nlmsg_error(errno.EPROTONOSUPPORT)], ConntrackUnavailable, False),
-        ([nlmsg_error(errno.EINVAL)], ConntrackError, False),
-        ([TimeoutError()], ConntrackError, False),
-    ],
-)
-def test_dump_errors(replies: list[bytes | BaseException], exc: type[ConntrackError], retryable: bool) -> None:
-    with fake_dumper(replies) as (d, fake):
-        with pytest.raises(exc) as info:
-            d.dump()
-        assert type(info.value) is exc and info.value.retryable is retryable
-        assert isinstance(info.value, OSError) and info.value.errno
-        assert fake.closed and d._sock is None  # a failed dump never leaves its rest behind
-
-
-def test_error_messages() -> None:
-    assert "needs CAP_NET_ADMIN" in str(error_from_errno(errno.EPERM, "conntrack: dump"))
-    assert "conntrack module not loaded" in str(error_from_errno(errno.EOPNOTSUPP, "conntrack: dump"))
-    assert "retry" in str(error_from_errno(errno.ENOBUFS, "conntrack: dump"))
-
-
-def test_interrupted_dump_is_read_to_the_end_then_raises() -> None:
-    intr = bytearray(udp_entry(1))
-    intr[6] |= 0x10  # NLM_F_DUMP_INTR
-    with fake_dumper([bytes(intr), udp_entry(2) + done_message()]) as (d, fake):
-        with pytest.raises(ConntrackDumpInterrupted):
-            d.dump()
-        assert fake.replies == []
-
-
-def test_stats_reply() -> None:
-    stats = struct.pack("=IHHIIBBH", 36, (1 << 8) | 5, 0, 1, 0, 0, 0, 0)
-    stats += struct.pack("=HH", 8, 1) + struct.pack(">I", 1234) + struct.pack("=HH", 8, 2) + struct.pack(">I", 65536)
-    with fake_dumper([stats, stats[:8] + struct.pack("=I", 2) + stats[12:]]) as (d, _):
-        assert d.count() == 1234  # sequence numbers: the first request is 1
-        assert d.max_entries() == 65536

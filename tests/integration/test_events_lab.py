@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from devtools.lab import Lab, run_in
-from tests.test_exporter_lab import by_connection, read_records, start_exporter, stop_exporter
+from tests.support.exporter_process import start_exporter, stop_exporter
+from tests.support.records import by_connection, read_records
 
 pytestmark = [pytest.mark.lab, pytest.mark.kafka]
 

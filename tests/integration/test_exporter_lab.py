@@ -6,66 +6,22 @@ the exporter writes with), and checked against what ``conntrack -L`` reported.
 
 from __future__ import annotations
 
-import io
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import avro.io
-import avro.schema
 import pytest
-from confluent_kafka import Consumer
 
 from devtools.lab import CtEntry, Lab
-from flow_exporter.record import schema_path
+from tests.support.exporter_process import free_port, scrape, start_exporter, stop_exporter
+from tests.support.records import by_connection, read_records
 
 pytestmark = [pytest.mark.lab, pytest.mark.kafka]
 
 ACTIVE, IDLE, END, FORCED = 2, 1, 3, 4
-
-
-def read_records(bootstrap: str, topic: str, expect_at_least: int = 1, timeout: float = 30.0) -> list[dict]:
-    """Every record on the topic, decoded with the reference avro implementation."""
-    schema = avro.schema.parse(schema_path().read_text())
-    reader = avro.io.DatumReader(schema)
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"t-{time.time_ns()}",
-            "auto.offset.reset": "earliest",
-            "enable.auto.commit": False,
-        }
-    )
-    consumer.subscribe([topic])
-    out: list[dict] = []
-    deadline = time.monotonic() + timeout
-    idle_since = None
-    try:
-        while time.monotonic() < deadline:
-            msg = consumer.poll(0.5)
-            if msg is None:
-                if len(out) >= expect_at_least:
-                    idle_since = idle_since or time.monotonic()
-                    if time.monotonic() - idle_since > 3:
-                        break
-                continue
-            idle_since = None
-            assert msg.error() is None, msg.error()
-            out.append(reader.read(avro.io.BinaryDecoder(io.BytesIO(msg.value()))))
-    finally:
-        consumer.close()
-    return out
 
 
 @pytest.fixture
@@ -74,83 +30,10 @@ def lab() -> Iterator[Lab]:
         yield lab
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def scrape(port: int, path: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
 def metric(text: str, name: str) -> float:
     m = re.search(rf"^{name}(?:_total)? ([0-9.e+]+)$", text, re.M)
     assert m, f"{name} missing"
     return float(m.group(1))
-
-
-def start_exporter(
-    lab: Lab, bootstrap: str, topic: str, log: Path, *extra: str, metrics_port: int = 0
-) -> subprocess.Popen[bytes]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "flow_exporter",
-        "run",
-        "--netns",
-        lab.node_ns,
-        "--bootstrap-servers",
-        bootstrap,
-        "--topic",
-        topic,
-        "--node-name",
-        "lab-node",
-        "--set",
-        "conntrack.pollInterval=1s",
-        "--set",
-        "expiry.activeTimeout=2s",
-        "--set",
-        "expiry.idleTimeout=4s",
-        "--set",
-        "shutdown.grace=15s",
-        "--set",
-        f"metrics.port={metrics_port}",
-        "--set",
-        "metrics.address=127.0.0.1",
-        *extra,
-    ]
-    fh = log.open("wb")
-    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + 20
-    while "first poll" not in log.read_text():
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.1)
-    return proc
-
-
-def stop_exporter(proc: subprocess.Popen[bytes], log: Path, grace: float = 15.0) -> str:
-    t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    rc = proc.wait(timeout=grace + 5)
-    text = log.read_text()
-    assert rc == 0, text
-    assert time.monotonic() - t0 <= grace, text
-    return text
-
-
-def by_connection(records: list[dict]) -> dict[int, list[dict]]:
-    groups: dict[int, list[dict]] = defaultdict(list)
-    for r in records:
-        groups[r["connectionId"]].append(r)
-    for recs in groups.values():
-        recs.sort(key=lambda r: r["sequence"])
-    return groups
 
 
 def records_of(groups: dict[int, list[dict]], src: str, sport: int, proto: int) -> list[dict]:

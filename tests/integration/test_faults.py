@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,8 @@ from flow_exporter.conntrack.errors import ConntrackDumpInterrupted, ConntrackEr
 from flow_exporter.sink import KafkaSink
 from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.timeouts import Timeouts
-from tests.test_exporter_lab import read_records, start_exporter, stop_exporter
+from tests.support.exporter_process import start_exporter, stop_exporter
+from tests.support.records import read_records
 
 pytestmark = [pytest.mark.lab, pytest.mark.kafka]
 
@@ -184,12 +185,15 @@ class FlakySource:
     def __init__(self, real: ConntrackDumper, failures: list[BaseException]) -> None:
         self.real = real
         self.failures = failures
-        self.last_skipped = 0
 
-    def dump(self, zones: Collection[int] | None = None) -> list[Connection]:
+    @property
+    def skipped(self) -> int:
+        return self.real.skipped
+
+    def dump_into(self, consume: Callable[[list[Connection]], None], zones: Collection[int] | None = None) -> int:
         if self.failures:
             raise self.failures.pop(0)
-        return self.real.dump(zones)
+        return self.real.dump_into(consume, zones)
 
     def count(self) -> int:
         return self.real.count()
@@ -211,13 +215,13 @@ def test_failing_dumps_are_retried_with_backoff_and_counted(lab: Lab, kafka_brok
     t0 = time.monotonic()
     th = threading.Thread(target=exp.run)
     th.start()
-    assert exp.first_poll_done.wait(10)
+    assert exp.lifecycle.first_poll_done.wait(10)
     elapsed = time.monotonic() - t0
     exp.stop_event.set()
     th.join(20)
     assert exp.stats.poll_errors == 3 and not failures
     assert 0.15 <= elapsed < 5, f"three retries took {elapsed:.2f}s: no backoff, or too much"
-    assert exp.fatal is None and exp.stats.records_lost_at_shutdown == 0
+    assert exp.fatal is None and exp.outcome.lost == 0
 
 
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) is not installed")

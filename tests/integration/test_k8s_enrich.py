@@ -31,9 +31,11 @@ from flow_exporter.k8s.cache import RESOURCES, K8sCaches, load_configuration
 from flow_exporter.k8s.enrich import INTER_NODE, INTRA_NODE, Enricher
 from flow_exporter.k8s.index import pack_ip
 from flow_exporter.record import K8S_FIELDS
-from tests.test_exporter_lab import by_connection, read_records, start_exporter, stop_exporter
+from tests.support.exporter_process import start_exporter, stop_exporter
+from tests.support.paths import REPO
+from tests.support.records import by_connection, read_records
 
-K8S_DIR = Path(__file__).resolve().parent.parent / "k8s"
+K8S_DIR = REPO / "k8s"
 EXPORTER_NODE = "lab-node"  # the --node-name start_exporter gives the exporter
 OTHER_NODE = "lab-node-b"
 

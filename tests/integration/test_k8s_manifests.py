@@ -19,8 +19,8 @@ import yaml
 
 from devtools.apiserver import ApiServer
 from flow_exporter.config import BY_KEY, ENV_PREFIX, SETTINGS, Config, load
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
 NAMESPACE = "flow-exporter"
 # Not applied by the kustomization: an example the operator replaces with a real Secret.
@@ -167,7 +167,7 @@ def test_every_object_is_namespaced_and_labelled(docs: list[dict[str, Any]]) -> 
 
 def test_manifests_pass_server_side_dry_run(apiserver: ApiServer, docs: list[dict[str, Any]]) -> None:
     # Admission refuses even a dry-run create in a missing namespace, so the Namespace is applied
-    # for real (as tests/test_k8s_enrich.py does); everything else only goes through validation.
+    # for real (as tests/integration/test_k8s_enrich.py does); everything else only goes through validation.
     apiserver.apply([find(docs, "Namespace")])
     example = [d for name in sorted(EXAMPLES) for d in _load_docs(name)]
     results = apiserver.dry_run_apply([*docs, *example])

@@ -153,7 +153,7 @@ def assert_delivers(cfg: Config, n: int = 3) -> None:
     for e in exports(n):
         sink.send(e, 0)
     assert sink.flush(20) == 0
-    reports = list(sink.reports)
+    reports = sink.take_reports()
     assert len(reports) == n and all(r.delivered for r in reports), [r.error for r in reports]
 
 
@@ -168,7 +168,7 @@ def watch_failing(*cfgs: Config) -> list[KafkaSink]:
             sink.poll(0)
         time.sleep(0.05)
     for sink in sinks:
-        assert sink.acked == 0
+        assert sink.counters.acked == 0
         # Stop the client now: the sink and its producer reference each other (error_cb), so it
         # would otherwise keep reconnecting until a garbage collection.
         sink._producer.purge()

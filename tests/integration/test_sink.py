@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
 
@@ -16,10 +16,11 @@ from flow_exporter.app import Exporter
 from flow_exporter.connection import PROTO_TCP, Connection
 from flow_exporter.flow import END_OF_FLOW
 from flow_exporter.record import partition_key
-from flow_exporter.sink import AvroSerializer, KafkaSink, Route
+from flow_exporter.sink import KafkaSink, Route
 from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.store import ConnectionStore
 from flow_exporter.timeouts import Timeouts
+from tests.support.reference import AvroSerializer
 
 pytestmark = pytest.mark.kafka
 
@@ -107,9 +108,9 @@ def test_routes_and_delivery_reports(kafka_broker: Any) -> None:
     for e in exports:
         sink.send(e, 0)
     assert sink.flush(20) == 0
-    reports = list(sink.reports)
+    reports = sink.take_reports()
     assert len(reports) == 3 and all(r.delivered for r in reports)
-    assert sink.acked == 3 and sink.failed == 0 and sink.in_flight == 0
+    assert sink.counters.acked == 3 and sink.counters.failed == 0 and sink.in_flight() == 0
     ended = consume(kafka_broker.bootstrap, ended_topic, 1)
     main = consume(kafka_broker.bootstrap, main_topic, 2)
     assert [ser.decode(m.value())["flowEndReason"] for m in ended] == [END_OF_FLOW]
@@ -133,10 +134,13 @@ class ListSource:
         self.dumps = dumps
         self.calls = 0
 
-    def dump(self, zones: Collection[int] | None = None) -> list[Connection]:
+    skipped = 0
+
+    def dump_into(self, consume: Callable[[list[Connection]], None], zones: Collection[int] | None = None) -> int:
         d = self.dumps[min(self.calls, len(self.dumps) - 1)]
         self.calls += 1
-        return d
+        consume(d)
+        return len(d)
 
     def count(self) -> int:
         return 0
@@ -158,7 +162,7 @@ def test_loops_export_and_shutdown_flushes_forced_records(kafka_broker: Any) -> 
     exp.stop_event.set()
     t.join(15)
     assert not t.is_alive()
-    assert exp.stats.records_lost_at_shutdown == 0
+    assert exp.outcome.lost == 0
     msgs = consume(kafka_broker.bootstrap, topic, 100)
     recs = [ser.decode(m.value()) for m in msgs]
     by_conn: dict[int, list[dict]] = {}

@@ -41,12 +41,13 @@ from devtools.kafka import KafkaBroker
 from devtools.lab import CtEntry, CtTable, Lab
 from downstream.spark_flows import HighWater
 from flow_exporter.record import schema_path
-from tests.test_exporter_lab import read_records, start_exporter, stop_exporter
+from tests.support.exporter_process import start_exporter, stop_exporter
+from tests.support.paths import REPO
+from tests.support.records import read_records
 
 pytestmark = pytest.mark.spark
 
-ROOT = Path(__file__).resolve().parent.parent
-JOB = ROOT / "downstream" / "spark_flows.py"
+JOB = REPO / "downstream" / "spark_flows.py"
 WINDOW_S = 10
 # Short-run JVM flags: C1 only and the serial GC roughly halve this run's CPU on two cores.
 SPARK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"

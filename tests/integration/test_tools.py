@@ -10,8 +10,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import fastavro
@@ -22,62 +20,24 @@ from bench.bench_export import synthetic_exports
 from devtools.kafka import KafkaBroker
 from flow_exporter.app import Exporter
 from flow_exporter.flow import Export
-from flow_exporter.record import build_record, load_schema
+from flow_exporter.record import load_schema
 from flow_exporter.sink import KafkaSink
 from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.sink.registry import header
 from flow_exporter.timeouts import Timeouts
 from flow_exporter.tools import ValueDecoder, matches, table_header, table_row
-
-ROOT = Path(__file__).resolve().parents[1]
-NODE = "node-tools"
-EXPORT_MS = 1_767_225_600_123  # 2026-01-01T00:00:00.123Z
-TIME_FIELDS = ("flowStart", "flowEnd", "exportTime")
+from tests.support.cli import EXPORT_MS, NODE, clean_env, from_json, run_cli, run_tail
+from tests.support.paths import REPO
+from tests.support.reference import build_record
 
 
 # ------------------------------------------------------------------- helpers
-def clean_env() -> dict[str, str]:
-    """The test's environment without FLOW_EXPORTER_* settings (the cache location is kept)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLOW_EXPORTER_") or k == "FLOW_EXPORTER_CACHE"}
-    env["PYTHONPATH"] = str(ROOT)
-    return env
-
-
-def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "flow_exporter", *args],
-        cwd=ROOT,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def run_tail(bootstrap: str, topic: str, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
-    """``flow-exporter tail`` from the beginning of ``topic``, as a subprocess."""
-    return run_cli(
-        "tail", "--bootstrap-servers", bootstrap, "--topic", topic, "--from-beginning", *args, timeout=timeout
-    )
-
-
-def from_json(line: str) -> dict[str, Any]:
-    """A tail --json line back to build_record's form (epoch ms, raw bytes)."""
-    rec = json.loads(line)
-    for name in TIME_FIELDS:
-        rec[name] = round(datetime.fromisoformat(rec[name].replace("Z", "+00:00")).timestamp() * 1000)
-    if rec["ctLabels"] is not None:
-        rec["ctLabels"] = bytes.fromhex(rec["ctLabels"])
-    return rec
-
-
 def produce(bootstrap: str, topic: str, exports: Sequence[Export], encode: Any = None) -> list[dict[str, Any]]:
     """Send ``exports`` through a KafkaSink; their record dicts, in order."""
     sink = KafkaSink({"bootstrap.servers": bootstrap}, topic, encode or RecordEncoder(NODE).encode)
     for e in exports:
         sink.send(e, EXPORT_MS)
-    assert sink.flush(30) == 0 and sink.acked == len(exports)
+    assert sink.flush(30) == 0 and sink.counters.acked == len(exports)
     return [build_record(e, NODE, EXPORT_MS) for e in exports]
 
 
@@ -218,7 +178,7 @@ def test_tail_stops_on_ctrl_c(kafka_broker: KafkaBroker, kafka_topic: str) -> No
             "--topic",
             kafka_topic,
         ],
-        cwd=ROOT,
+        cwd=REPO,
         env=clean_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -273,8 +233,11 @@ def test_first_poll_line_has_thousands_separators(caplog: pytest.LogCaptureFixtu
     conns = [e.tracked.conn for e in synthetic_exports(12_345)]
 
     class Source:
-        def dump(self, zones: object = None) -> list[Any]:
-            return conns
+        skipped = 0
+
+        def dump_into(self, consume: Any, zones: object = None) -> int:
+            consume(conns)
+            return len(conns)
 
         def count(self) -> int:
             return len(conns)
@@ -319,7 +282,7 @@ def test_run_with_json_logs(kafka_broker: KafkaBroker, kafka_topic: str) -> None
             "--set",
             "shutdown.grace=5s",
         ],
-        cwd=ROOT,
+        cwd=REPO,
         env=clean_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -2,7 +2,7 @@
 
 One server serves the whole session because it takes seconds to start (and minutes to build the
 first time); tests stay independent by each using its own namespace. Load with
-``pytest_plugins = ["tests.apiserver_fixtures"]`` in the top-level conftest.
+``pytest_plugins = ["tests.support.apiserver_fixtures"]`` in the top-level conftest.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One broker serves the whole session because a JVM broker takes seconds to start; tests stay
 independent by each using a fresh, uniquely named topic. Load with
-``pytest_plugins = ["tests.kafka_fixtures"]`` in the top-level conftest.
+``pytest_plugins = ["tests.support.kafka_fixtures"]`` in the top-level conftest.
 """
 
 from __future__ import annotations

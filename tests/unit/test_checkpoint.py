@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from flow_exporter.checkpoint import CHECKPOINT, JOURNAL, Checkpoint, CheckpointError
-from flow_exporter.flow import Export
-from flow_exporter.store import ConnectionStore, Restored
+from flow_exporter.flow import Export, Restored
+from flow_exporter.store import ConnectionStore
 from flow_exporter.timeouts import Timeouts
-from tests.test_store import Clock, poll, tcp
+from tests.support.store_builders import Clock, poll, tcp
 
 BOOT = b"B" * 16
 

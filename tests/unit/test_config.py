@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from flow_exporter.cli import main
-from flow_exporter.config import ConfigError, load, parse_duration
+from flow_exporter.config import ConfigError, load
+from flow_exporter.settings import parse_duration
 
 
 def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:

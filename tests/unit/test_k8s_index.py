@@ -1,6 +1,6 @@
 """Kubernetes indexes, enricher and watch protocol on made-up objects and a fake clock (no server).
 
-The real API server tests are in tests/test_k8s_enrich.py; these pin the rules: which address
+The real API server tests are in tests/integration/test_k8s_enrich.py; these pin the rules: which address
 belongs to which pod at which time, Service keys, label bounds, flowType, and how the watch
 loop answers 410 Gone and outages.
 """

@@ -12,55 +12,36 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-from confluent_kafka import Consumer
-from confluent_kafka.schema_registry import SchemaRegistryClient, record_subject_name_strategy
-from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
-from confluent_kafka.serialization import MessageField, SerializationContext
+from confluent_kafka.schema_registry import record_subject_name_strategy
+from confluent_kafka.schema_registry.avro import AvroDeserializer
 from hypothesis import given, settings
 
 from bench.bench_export import synthetic_exports
-from devtools.kafka import KafkaBroker
 from flow_exporter.config import ConfigError, load
 from flow_exporter.flow import Export
-from flow_exporter.record import build_record, schema_path
 from flow_exporter.runner import build_sink
 from flow_exporter.sink import registry
 from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.sink.registry import DEFAULT_SUBJECT, RegistryError, framed, register, split_header
 from flow_exporter.tools import ValueDecoder
-from tests.test_encoder import exports as any_export
-from tests.test_tools import EXPORT_MS, NODE, ROOT, clean_env, from_json, run_tail
+from tests.support.cli import EXPORT_MS, NODE
+from tests.support.reference import build_record
+from tests.support.schema_registry import (
+    CTX,
+    INCOMPATIBLE,
+    SCHEMA_TEXT,
+    StubRegistry,
+    closed_port,
+    mock_client,
+    reference,
+)
+from tests.support.strategies import exports as any_export
 
-SCHEMA_TEXT = schema_path().read_text()
-
-
-def mock_client() -> SchemaRegistryClient:
-    return SchemaRegistryClient.new_client({"url": f"mock://flow-{time.time_ns()}"})
-
-
-def reference(client: SchemaRegistryClient) -> AvroSerializer:
-    """confluent-kafka's serializer, told to find (not register) the schema under the record's name."""
-    return AvroSerializer(
-        client,
-        SCHEMA_TEXT,
-        conf={"auto.register.schemas": False, "subject.name.strategy": record_subject_name_strategy},
-    )
-
-
-CTX = SerializationContext("flows", MessageField.VALUE)
 _CLIENT = mock_client()
 _ID = register(_CLIENT, DEFAULT_SUBJECT, SCHEMA_TEXT)
 _REFERENCE = reference(_CLIENT)
@@ -105,54 +86,7 @@ def test_default_subject_is_the_record_name_strategy() -> None:
     assert load(environ={})["schemaRegistry.compatibility"] == "BACKWARD_TRANSITIVE"
 
 
-# --------------------------------------------------------- real broker
-def consume_values(bootstrap: str, topic: str, n: int, timeout: float = 30.0) -> list[bytes]:
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"g{time.time_ns()}", "auto.offset.reset": "earliest"})
-    c.subscribe([topic])
-    out: list[bytes] = []
-    deadline = time.monotonic() + timeout
-    try:
-        while len(out) < n and time.monotonic() < deadline:
-            m = c.poll(0.5)
-            if m is not None and m.error() is None:
-                out.append(m.value())
-    finally:
-        c.close()
-    return out
-
-
-@pytest.mark.kafka
-def test_build_sink_writes_what_the_serializer_writes(
-    kafka_broker: KafkaBroker, kafka_topic: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    client = mock_client()
-    monkeypatch.setattr(registry, "make_client", lambda url, auth=None: client)
-    cfg = load(
-        environ={},
-        overrides={
-            "kafka.bootstrapServers": kafka_broker.bootstrap,
-            "kafka.topic": kafka_topic,
-            "nodeName": NODE,
-            "schemaRegistry.url": "mock://shared",
-        },
-    )
-    sink = build_sink(cfg)
-    assert registry.ensure_registered(sink.encode, threading.Event())  # as run_exporter does, after /healthz is up
-    exports = synthetic_exports(25)
-    for e in exports:
-        sink.send(e, EXPORT_MS)
-    assert sink.flush(30) == 0 and sink.acked == len(exports)
-    values = consume_values(kafka_broker.bootstrap, kafka_topic, len(exports))
-    ser = reference(client)
-    assert values == [ser(build_record(e, NODE, EXPORT_MS), CTX) for e in exports]
-    # tail finds the framing by itself and decodes the same records.
-    proc = run_tail(kafka_broker.bootstrap, kafka_topic, "--json", "--count", str(len(exports)))
-    assert proc.returncode == 0, proc.stderr
-    assert [from_json(line) for line in proc.stdout.splitlines()] == [build_record(e, NODE, EXPORT_MS) for e in exports]
-    proc = run_tail(kafka_broker.bootstrap, kafka_topic, "--json", "--confluent", "--count", "1")
-    assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 1, proc.stderr
-
-
+# ----------------------------------------------------------- sink and tail
 def test_build_sink_without_registry_stays_bare() -> None:
     cfg = load(environ={}, overrides={"kafka.bootstrapServers": "127.0.0.1:9", "kafka.producer": {"log_level": 0}})
     sink = build_sink(cfg)
@@ -189,14 +123,6 @@ def registry_schema(text: str) -> Any:
 
 
 # --------------------------------------------------- failures and retries
-def closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 def test_registry_down_is_a_clear_error_after_retries(caplog: pytest.LogCaptureFixture) -> None:
     url = f"http://127.0.0.1:{closed_port()}"
     client = registry.make_client(url)
@@ -223,73 +149,6 @@ def test_stopping_ends_the_wait() -> None:
     assert time.monotonic() - t0 < 3.0
     with pytest.raises(RegistryError):
         encode(e, EXPORT_MS)
-
-
-class StubRegistry(ThreadingHTTPServer):
-    """Answers PUT /config/{subject} and POST /subjects/{subject}/versions like the registry's REST API.
-
-    ``answers`` holds the (status, body) to give to successive registrations; after them, id 7.
-    Not a registry: it only lets the test see what the real client sends.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _StubHandler)
-        self.requests: list[tuple[str, str, dict[str, Any], str | None]] = []
-        self.answers: list[tuple[int, dict[str, Any]]] = []
-        self.config_status = 200
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _StubHandler(BaseHTTPRequestHandler):
-    server: StubRegistry
-
-    def _reply(self, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/vnd.schemaregistry.v1+json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _record(self) -> dict[str, Any]:
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-        self.server.requests.append((self.command, self.path, body, self.headers.get("Authorization")))
-        return body
-
-    def do_PUT(self) -> None:
-        body = self._record()
-        if self.server.config_status != 200:
-            self._reply(self.server.config_status, {"error_code": 40301, "message": "User is denied operation"})
-        else:
-            self._reply(200, body)
-
-    def do_POST(self) -> None:
-        self._record()
-        if self.server.answers:
-            self._reply(*self.server.answers.pop(0))
-        else:
-            self._reply(200, {"id": 7})
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-@pytest.fixture
-def stub() -> Iterator[StubRegistry]:
-    server = StubRegistry()
-    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-INCOMPATIBLE = (409, {"error_code": 409, "message": "Schema being registered is incompatible with an earlier schema"})
 
 
 def test_with_registry_sets_compatibility_then_registers_with_basic_auth(stub: StubRegistry) -> None:
@@ -381,78 +240,3 @@ def test_config_print_masks_the_user_info(capsys: pytest.CaptureFixture[str], mo
 
 def test_safe_url_hides_credentials() -> None:
     assert registry.safe_url("https://u:p@reg.example:8081/x,http://b:1") == "https://***@reg.example:8081/x,http://b:1"
-
-
-@pytest.mark.kafka
-@pytest.mark.skipif(os.geteuid() != 0, reason="reading conntrack needs root")
-def test_run_waits_alive_for_the_registry_then_registers(
-    kafka_broker: KafkaBroker, kafka_topic: str, stub: StubRegistry
-) -> None:
-    """``run`` with a registry refusing the schema: /healthz answers while it retries, then it registers.
-
-    (The own network namespace has no conntrack entries here, so the framed values themselves
-    are checked by test_build_sink_writes_what_the_serializer_writes.)
-    """
-    stub.answers = [INCOMPATIBLE] * 4
-    port = closed_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flow_exporter",
-            "run",
-            "--log-format",
-            "json",
-            "--bootstrap-servers",
-            kafka_broker.bootstrap,
-            "--topic",
-            kafka_topic,
-            "--node-name",
-            NODE,
-            "--set",
-            f"schemaRegistry.url={stub.url}",
-            "--set",
-            "metrics.address=127.0.0.1",
-            "--set",
-            f"metrics.port={port}",
-            "--set",
-            "conntrack.events=false",
-            "--set",
-            "conntrack.setSysctls=false",
-            "--set",
-            "conntrack.pollInterval=1s",
-            "--set",
-            "expiry.activeTimeout=1s",
-            "--set",
-            "retry.initialBackoff=0.3s",
-            "--set",
-            "retry.maxBackoff=1s",
-        ],
-        cwd=ROOT,
-        env=clean_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        alive_while_waiting = False
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and stub.answers:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
-                    alive_while_waiting = alive_while_waiting or (resp.status == 200 and bool(stub.answers))
-            except OSError:
-                pass
-            time.sleep(0.2)
-        assert alive_while_waiting, "no /healthz answer while the registry refused the schema"
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and len(stub.requests) < 10:  # 5 compatibility PUTs + 5 POSTs
-            time.sleep(0.1)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    messages = [json.loads(line)["message"] for line in err.splitlines() if line.strip()]
-    refused = [m for m in messages if "cannot register" in m]
-    assert len(refused) == 4 and all(DEFAULT_SUBJECT in m and "HTTP 409" in m for m in refused)
-    assert any("schema registered, id 7" in m for m in messages)

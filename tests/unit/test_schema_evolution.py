@@ -17,7 +17,6 @@ import random
 import subprocess
 import zlib
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import avro.io
@@ -27,13 +26,14 @@ import pytest
 from avro.compatibility import ReaderWriterCompatibilityChecker, SchemaCompatibilityType
 from fastavro.read import SchemaResolutionError
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
+
 SCHEMA = "schemas/flow_record.avsc"
 RECORDS_PER_PAIR = 200
 
 
 def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
 
 
 def schema_versions() -> list[tuple[str, str]]:
@@ -43,7 +43,7 @@ def schema_versions() -> list[tuple[str, str]]:
     except (OSError, subprocess.CalledProcessError):
         revs = []
     versions = [(rev[:7], _git("show", f"{rev}:{SCHEMA}")) for rev in reversed(revs)]
-    current = (ROOT / SCHEMA).read_text()
+    current = (REPO / SCHEMA).read_text()
     if not versions or json.loads(versions[-1][1]) != json.loads(current):
         versions.append(("worktree", current))
     return versions
@@ -175,7 +175,7 @@ def _plain(v: Any) -> Any:
 # ------------------------------------------------------------------------ tests
 def test_versions_found() -> None:
     assert VERSIONS, "no version of the schema"
-    assert json.loads(VERSIONS[-1][1]) == json.loads((ROOT / SCHEMA).read_text()), "newest version is the file's"
+    assert json.loads(VERSIONS[-1][1]) == json.loads((REPO / SCHEMA).read_text()), "newest version is the file's"
 
 
 @pytest.mark.parametrize(("writer", "reader"), PAIRS, ids=[f"{w[0]}->{r[0]}" for w, r in PAIRS])

@@ -8,7 +8,6 @@ the contract on everything "Kafka" received against the kernel model's own count
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import replace
 from typing import Any
 
@@ -16,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from flow_exporter.connection import IPS_DYING, PROTO_TCP, PROTO_UDP, Connection
+from flow_exporter.connection import IPS_DYING, Connection
 from flow_exporter.expiry import ExpiryQueue
 from flow_exporter.flow import (
     ACTIVE_TIMEOUT,
@@ -27,60 +26,28 @@ from flow_exporter.flow import (
     IDLE_TIMEOUT,
     LACK_OF_RESOURCES,
     Export,
+    Restored,
     connection_id,
 )
-from flow_exporter.store import RETRY_DELAY, ConnectionStore, Restored
+from flow_exporter.store import RETRY_DELAY, ConnectionStore
 from flow_exporter.timeouts import Timeouts
-from tests import contract
-
-ESTABLISHED, FIN_WAIT, CLOSE_WAIT, LAST_ACK, TIME_WAIT, CLOSE = 3, 4, 5, 6, 7, 8
-NS = 1_000_000_000
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def wall(self) -> int:
-        return int(self.now * NS)
-
-    def tick(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def tcp(sport: int = 40000, *, packets: int = 1, state: int = ESTABLISHED, **kw: object) -> Connection:
-    base = Connection(
-        family=socket.AF_INET,
-        proto=PROTO_TCP,
-        orig_src=bytes([10, 0, 1, 2]),
-        orig_dst=bytes([10, 96, 0, 10]),
-        orig_sport=sport,
-        orig_dport=80,
-        reply_src=bytes([10, 0, 2, 2]),
-        reply_dst=bytes([10, 0, 1, 2]),
-        reply_sport=8080,
-        reply_dport=sport,
-        ct_id=7,
-        tcp_state=state,
-        orig_packets=packets,
-        orig_bytes=packets * 100,
-        reply_packets=packets,
-        reply_bytes=packets * 200,
-        start_ns=999 * NS,
-    )
-    return replace(base, **kw)
-
-
-def udp(sport: int = 5353, *, packets: int = 1, status: int = 0, **kw: object) -> Connection:
-    return replace(tcp(sport, packets=packets), proto=PROTO_UDP, tcp_state=None, status=status, **kw)
+from tests.support import contract
+from tests.support.store_builders import (
+    CLOSE,
+    CLOSE_WAIT,
+    FIN_WAIT,
+    LAST_ACK,
+    NS,
+    TIME_WAIT,
+    Clock,
+    poll,
+    tcp,
+    udp,
+)
 
 
 def make(clock: Clock, **kw: float) -> ConnectionStore:
     return ConnectionStore(Timeouts(**kw) if kw else Timeouts())
-
-
-def poll(store: ConnectionStore, clock: Clock, *conns: Connection) -> None:
-    store.update(list(conns), clock.now, clock.wall())
 
 
 def expire(store: ConnectionStore, clock: Clock, ack: bool = True) -> list[Export]:

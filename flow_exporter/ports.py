@@ -1,0 +1,107 @@
+"""The ports where the loops meet the edges: what they need from conntrack and from Kafka.
+
+The loops (:mod:`flow_exporter.app`) are written against these protocols only, so they run
+the same against the real conntrack dumper and Kafka producer as against the in-memory fakes
+the unit tests use. Each port is a handful of methods; callbacks a port needs (when to stop
+waiting, a heartbeat while blocked) are given to the adapter when it is built, never patched in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Protocol
+
+from flow_exporter.connection import Connection
+from flow_exporter.flow import Export
+
+
+class Source(Protocol):
+    """Conntrack, as the poll loop reads it (the real one: ``conntrack.ConntrackDumper``)."""
+
+    skipped: int
+    """Malformed messages skipped so far (cumulative)."""
+
+    def dump_into(self, consume: Callable[[list[Connection]], None], zones: Collection[int] | None = None) -> int:
+        """Hand the table to ``consume`` batch by batch (so it never exists twice in memory); returns its size."""
+        ...
+
+    def count(self) -> int:
+        """Entries in the table now."""
+        ...
+
+    def max_entries(self) -> int:
+        """The table's capacity (nf_conntrack_max)."""
+        ...
+
+
+class EventSource(Protocol):
+    """The conntrack NEW/DESTROY listener, as the poll loop waits on it (the real one: ``ConntrackEvents``)."""
+
+    received: int
+    """Events decoded and handed on (cumulative)."""
+    lost: int
+    """Events the kernel dropped (cumulative)."""
+    skipped: int
+    """Malformed messages skipped (cumulative)."""
+
+    def caught_up(self, since: float, timeout: float) -> bool:
+        """Block until every event queued before ``since`` is applied; False after ``timeout`` seconds."""
+        ...
+
+
+@dataclass(slots=True)
+class DeliveryReport:
+    """The broker's answer for one record."""
+
+    export: Export
+    delivered: bool
+    error: str | None = None
+    permanent: bool = False  # failed for good: resending the same bytes cannot succeed
+
+
+@dataclass(slots=True)
+class SinkCounters:
+    """What a sink has done so far (cumulative), for metrics."""
+
+    produced: int = 0
+    acked: int = 0
+    failed: int = 0
+    bytes_produced: int = 0
+    connected: bool = False  # the broker answered at least once (readiness)
+
+
+class Sink(Protocol):
+    """Where records go (the real one: ``sink.KafkaSink``, a produce/poll/flush loop).
+
+    Records are prepared (encoded once, so a resend is the same bytes) and produced in two
+    steps so the checkpoint can journal them in between. Delivery reports are collected while
+    ``poll``/``flush`` serve the producer and handed over by ``take_reports``, on the loop's own
+    thread: a sink never calls back into the store.
+    """
+
+    counters: SinkCounters
+
+    def prepare(self, export: Export, export_ms: int) -> None: ...
+
+    def produce(self, export: Export) -> None: ...
+
+    def poll(self, timeout: float) -> int:
+        """Serve deliveries for up to ``timeout`` seconds."""
+        ...
+
+    def flush(self, timeout: float) -> int:
+        """Wait up to ``timeout`` for everything in flight; returns how many are still undelivered."""
+        ...
+
+    def purge(self) -> None:
+        """Drop what is still queued; its reports come back as failures."""
+        ...
+
+    def in_flight(self) -> int:
+        """Records produced and not yet reported."""
+        ...
+
+    def take_reports(self) -> list[DeliveryReport]:
+        """The delivery reports collected since the last call."""
+        ...

@@ -1,0 +1,367 @@
+"""The settings table: every setting once, with its type, default and meaning.
+
+It drives parsing and validation (each bad value is a :class:`ConfigError` naming the key and
+the value), the environment variable names, ``flow-exporter config --print-defaults``, and the
+defaults of the constructors that take a setting (:data:`DEFAULTS`), so a default is written
+in one place only. Pure: no file, environment or network access (that is :mod:`.config`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ENV_PREFIX = "FLOW_EXPORTER_"
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names the key and the value."""
+
+    def __init__(self, key: str, value: object, reason: str) -> None:
+        shown = "***" if is_secret(key) and value is not None else repr(value)
+        super().__init__(f"config {key}={shown}: {reason}")
+        self.key = key
+
+
+# ------------------------------------------------------------------ value types
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(key: str, value: object) -> float:
+    """``5s``, ``1m``, ``250ms``, ``1.5h`` or a bare number of seconds; never negative."""
+    if isinstance(value, bool):
+        raise ConfigError(key, value, "expected a duration like 5s, 1m or 250ms")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ConfigError(key, value, "must not be negative")
+        return float(value)
+    if isinstance(value, str):
+        if value.strip().startswith("-"):
+            raise ConfigError(key, value, "must not be negative")
+        m = _DURATION.match(value)
+        if m:
+            return float(m.group(1)) * _UNITS[m.group(2)]
+    raise ConfigError(key, value, "expected a duration like 5s, 1m or 250ms")
+
+
+def positive_duration(key: str, value: object) -> float:
+    d = parse_duration(key, value)
+    if d <= 0:
+        raise ConfigError(key, value, "must be greater than zero")
+    return d
+
+
+def parse_bool(key: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+        return value.strip().lower() in ("true", "yes", "on", "1")
+    raise ConfigError(key, value, "expected true or false")
+
+
+def parse_str(key: str, value: object) -> str:
+    if isinstance(value, str | int) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(key, value, "expected a string")
+
+
+def parse_opt_str(key: str, value: object) -> str | None:
+    if value is None or value == "":
+        return None
+    return parse_str(key, value)
+
+
+def parse_topic(key: str, value: object) -> str:
+    s = parse_str(key, value)
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", s):
+        raise ConfigError(key, value, "a Kafka topic name: 1-249 of letters, digits, '.', '_', '-'")
+    return s
+
+
+def parse_zones(key: str, value: object) -> tuple[int, ...]:
+    """A list of zone numbers (0-65535); empty means every zone."""
+    if value is None or value == "" or value == "all":
+        return ()
+    items: list[object]
+    if isinstance(value, str):
+        items = [v for v in re.split(r"[,\s]+", value) if v]
+    elif isinstance(value, list):
+        items = value
+    elif isinstance(value, int) and not isinstance(value, bool):
+        items = [value]
+    else:
+        raise ConfigError(key, value, "expected a list of zone numbers")
+    zones = []
+    for item in items:
+        try:
+            z = int(str(item), 0)
+        except ValueError:
+            raise ConfigError(key, value, f"zone {item!r} is not a number") from None
+        if not 0 <= z <= 0xFFFF:
+            raise ConfigError(key, value, f"zone {z} is outside 0-65535")
+        zones.append(z)
+    return tuple(sorted(set(zones)))
+
+
+def parse_count(key: str, value: object, minimum: int = 0) -> int:
+    """A whole number >= ``minimum`` (``100000`` or ``100_000``)."""
+    try:
+        n = int(str(value).replace("_", ""), 10)
+    except ValueError:
+        raise ConfigError(key, value, "expected a whole number") from None
+    if isinstance(value, bool) or n < minimum:
+        raise ConfigError(key, value, f"expected a whole number >= {minimum}")
+    return n
+
+
+def parse_port(key: str, value: object) -> int:
+    """A TCP port; 0 turns the listener off."""
+    try:
+        port = int(str(value), 10)
+    except ValueError:
+        raise ConfigError(key, value, "expected a port number 0-65535") from None
+    if isinstance(value, bool) or not 0 <= port <= 65535:
+        raise ConfigError(key, value, "expected a port number 0-65535")
+    return port
+
+
+def parse_level(key: str, value: object) -> str:
+    s = parse_str(key, value).lower()
+    if s not in ("debug", "info", "warning", "error"):
+        raise ConfigError(key, value, "one of debug, info, warning, error")
+    return s
+
+
+def parse_log_format(key: str, value: object) -> str:
+    s = parse_str(key, value).lower()
+    if s not in ("text", "json"):
+        raise ConfigError(key, value, "one of text, json")
+    return s
+
+
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+
+
+def parse_security_protocol(key: str, value: object) -> str:
+    s = parse_str(key, value).strip().upper()
+    if s not in SECURITY_PROTOCOLS:
+        raise ConfigError(key, value, "one of " + ", ".join(SECURITY_PROTOCOLS))
+    return s
+
+
+def parse_sasl_mechanism(key: str, value: object) -> str | None:
+    if value is None or value == "":
+        return None
+    s = parse_str(key, value).strip().upper()
+    if s not in SASL_MECHANISMS:
+        raise ConfigError(key, value, "one of " + ", ".join(SASL_MECHANISMS))
+    return s
+
+
+def parse_map(key: str, value: object) -> dict[str, Any]:
+    """A mapping; from the environment or a flag, ``k=v,k=v``."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        out: dict[str, Any] = {}
+        for part in (p for p in value.split(",") if p.strip()):
+            k, sep, v = part.partition("=")
+            if not sep or not k.strip():
+                raise ConfigError(key, value, "expected k=v pairs separated by commas")
+            out[k.strip()] = v.strip()
+        return out
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str) or isinstance(v, list | dict):
+                raise ConfigError(f"{key}.{k}", v, "expected a scalar value")
+        return {str(k): v for k, v in value.items()}
+    raise ConfigError(key, value, "expected a mapping")
+
+
+def parse_routes(key: str, value: object) -> tuple[dict[str, Any], ...]:
+    """``[{topic: T, flowType: N}, {topic: T, endReason: N}]``: first match wins."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise ConfigError(key, value, "expected a list of {topic, flowType | endReason}")
+    routes = []
+    for i, r in enumerate(value):
+        where = f"{key}[{i}]"
+        if not isinstance(r, Mapping):
+            raise ConfigError(where, r, "expected a mapping with topic and flowType or endReason")
+        unknown = set(r) - {"topic", "flowType", "endReason"}
+        if unknown:
+            raise ConfigError(f"{where}.{sorted(unknown)[0]}", r[sorted(unknown)[0]], "unknown key")
+        if "topic" not in r:
+            raise ConfigError(f"{where}.topic", None, "missing")
+        route: dict[str, Any] = {"topic": parse_topic(f"{where}.topic", r["topic"])}
+        for name, hi in (("flowType", 4), ("endReason", 5)):
+            if name in r:
+                v = r[name]
+                if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi:
+                    raise ConfigError(f"{where}.{name}", v, f"expected an integer 0-{hi}")
+                route[name] = v
+        if len(route) == 1:
+            raise ConfigError(where, r, "needs flowType or endReason")
+        routes.append(route)
+    return tuple(routes)
+
+
+MAX_POD_LABEL_KEYS = 16  # labels are copied into every record: keep the set small
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_LABEL_PREFIX = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def parse_label_keys(key: str, value: object) -> tuple[str, ...]:
+    """Pod label keys (``app``, ``app.kubernetes.io/name``): a list, or ``a,b`` from env/flags."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        items: list[object] = [v for v in re.split(r"[,\s]+", value) if v]
+    elif isinstance(value, list | tuple):
+        items = list(value)
+    else:
+        raise ConfigError(key, value, "expected a list of label keys")
+    keys: list[str] = []
+    for item in items:
+        if not isinstance(item, str):
+            raise ConfigError(key, value, f"label key {item!r} is not a string")
+        prefix, _, name = item.rpartition("/")
+        if not _LABEL_NAME.fullmatch(name) or (prefix and (len(prefix) > 253 or not _LABEL_PREFIX.fullmatch(prefix))):
+            raise ConfigError(key, value, f"{item!r} is not a valid label key")
+        if item not in keys:
+            keys.append(item)
+    if len(keys) > MAX_POD_LABEL_KEYS:
+        raise ConfigError(key, value, f"at most {MAX_POD_LABEL_KEYS} label keys")
+    return tuple(keys)
+
+
+def parse_k8s_scope(key: str, value: object) -> str:
+    s = parse_str(key, value).lower()
+    if s not in ("cluster", "node"):
+        raise ConfigError(key, value, "one of cluster (every pod), node (this node's pods)")
+    return s
+
+
+# Schema Registry (flow_exporter.sink.registry); kept here so loading a config imports no registry client.
+REGISTRY_COMPATIBILITY = (
+    "BACKWARD", "BACKWARD_TRANSITIVE", "FORWARD", "FORWARD_TRANSITIVE", "FULL", "FULL_TRANSITIVE", "NONE"
+)
+
+
+def parse_registry_url(key: str, value: object) -> str | None:
+    """``http(s)://host:port[,...]``; ``mock://name`` is confluent-kafka's in-memory registry (tests)."""
+    s = parse_opt_str(key, value)
+    if s is not None and not all(re.match(r"(https?|mock)://[^\s/]", u.strip()) for u in s.split(",")):
+        raise ConfigError(key, value, "expected http://host:port or https://host:port (comma-separated)")
+    return s
+
+
+def parse_compatibility(key: str, value: object) -> str | None:
+    """A subject compatibility level, or empty/none to leave the registry's level alone."""
+    s = parse_opt_str(key, value)
+    if s is None:
+        return None
+    if s.strip().upper() not in REGISTRY_COMPATIBILITY:
+        raise ConfigError(key, value, "one of " + ", ".join(REGISTRY_COMPATIBILITY) + " or empty")
+    return s.strip().upper()
+
+
+def parse_subject(key: str, value: object) -> str:
+    s = parse_str(key, value).strip()
+    if not s:
+        raise ConfigError(key, value, "must not be empty")
+    return s
+
+
+def parse_user_info(key: str, value: object) -> str | None:
+    s = parse_opt_str(key, value)
+    if s is not None and ":" not in s:
+        raise ConfigError(key, value, "expected user:password")
+    return s
+
+
+# --------------------------------------------------------------------- settings
+@dataclass(frozen=True, slots=True)
+class Setting:
+    key: str
+    parse: Callable[[str, object], Any]
+    default: Any
+    doc: str
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", self.key).replace(".", "_").upper()
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("nodeName", parse_str, "", "This node's name in records; empty: $NODE_NAME, else the host name."),
+    Setting("conntrack.netns", parse_opt_str, None, "Read conntrack of this named network namespace."),
+    Setting("conntrack.zones", parse_zones, (), "Conntrack zones to export; empty means all zones."),
+    Setting("conntrack.pollInterval", positive_duration, 5.0, "How often the conntrack table is dumped."),
+    Setting("conntrack.events", parse_bool, True, "Also listen to NEW/DESTROY events (short-lived flows)."),
+    Setting("conntrack.setSysctls", parse_bool, True, "Turn on nf_conntrack_acct and _timestamp at start."),
+    Setting("expiry.activeTimeout", positive_duration, 5.0, "A record every this long while a flow is active."),
+    Setting("expiry.idleTimeout", positive_duration, 15.0, "A flow with no packets for this long is idle."),
+    Setting("expiry.staleTimeout", positive_duration, 300.0, "Unused; kept so older configs load."),
+    Setting("kafka.bootstrapServers", parse_str, "localhost:9092", "Kafka bootstrap servers, host:port[,...]."),
+    Setting("kafka.topic", parse_topic, "flows", "Topic for flow records (unless a route matches)."),
+    Setting("kafka.routes", parse_routes, (), "Other topics by flowType or endReason; first match wins."),
+    Setting("schemaRegistry.url", parse_registry_url, None, "Schema Registry URL; set: Confluent-framed values."),
+    Setting("schemaRegistry.subject", parse_subject, "io.flowexporter.FlowRecord", "Subject for the schema."),
+    Setting("schemaRegistry.compatibility", parse_compatibility, "BACKWARD_TRANSITIVE", "Set at start; empty: keep."),
+    Setting("schemaRegistry.basicAuthUserInfo", parse_user_info, None, "user:password for the registry (a secret)."),
+    Setting("kafka.producer", parse_map, {}, "librdkafka producer settings passed through as they are."),
+    Setting("kafka.securityProtocol", parse_security_protocol, "PLAINTEXT", "PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL"),
+    Setting("kafka.sasl.mechanism", parse_sasl_mechanism, None, "PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (SASL_*)."),
+    Setting("kafka.sasl.username", parse_opt_str, None, "SASL user name."),
+    Setting("kafka.sasl.password", parse_opt_str, None, "SASL password; prefer the env variable or passwordFile."),
+    Setting("kafka.sasl.passwordFile", parse_opt_str, None, "File holding the SASL password, read at start."),
+    Setting("kafka.tls.caFile", parse_opt_str, None, "PEM CA bundle (or directory) for the brokers; empty: system's."),
+    Setting("kafka.tls.certFile", parse_opt_str, None, "PEM client certificate for mutual TLS."),
+    Setting("kafka.tls.keyFile", parse_opt_str, None, "PEM private key of that certificate."),
+    Setting("kafka.tls.keyPasswordFile", parse_opt_str, None, "File holding the key's passphrase, if encrypted."),
+    Setting("kafka.tls.verifyHostname", parse_bool, True, "Check the broker certificate matches its host name."),
+    Setting("kafka.checkTopics", parse_bool, True, "Check at start that every topic exists."),
+    Setting("k8s.enabled", parse_bool, False, "Enrich records with pod, node and Service names from the API server."),
+    Setting("k8s.kubeconfig", parse_opt_str, None, "Kubeconfig file; empty: in-cluster account, else ~/.kube/config."),
+    Setting("k8s.scope", parse_k8s_scope, "cluster", "Pods to cache: cluster (all) or node (only this node's)."),
+    Setting("k8s.podLabels", parse_label_keys, ("app", "app.kubernetes.io/name"), "Pod label keys put in records."),
+    Setting("k8s.deletedPodRetention", parse_duration, 300.0, "Deleted pods' IPs still resolve for older flows."),
+    Setting("state.dir", parse_opt_str, None, "Checkpoint directory: restarts continue exactly."),
+    Setting("limits.maxConnections", lambda k, v: parse_count(k, v, 1), 500_000, "Cap on tracked connections."),
+    Setting("limits.maxInFlight", lambda k, v: parse_count(k, v, 1), 100_000, "Cap on records awaiting Kafka's ack."),
+    Setting("retry.initialBackoff", positive_duration, 0.2, "First wait after a failed dump or produce."),
+    Setting("retry.maxBackoff", positive_duration, 30.0, "Longest wait between retries."),
+    Setting("shutdown.grace", parse_duration, 30.0, "On SIGTERM: how long to keep delivering final records."),
+    Setting("metrics.address", parse_str, "0.0.0.0", "Address of the /metrics, /healthz, /readyz listener."),
+    Setting("metrics.port", parse_port, 9690, "Port of that listener; 0 turns it off."),
+    Setting("log.level", parse_level, "info", "debug, info, warning or error."),
+    Setting("log.format", parse_log_format, "text", "text or json."),
+)
+BY_KEY = {s.key: s for s in SETTINGS}
+DEFAULTS: Mapping[str, Any] = {s.key: s.default for s in SETTINGS}
+
+
+def defaults_text() -> str:
+    """Every setting with its default, environment variable and meaning."""
+    lines = []
+    for s in SETTINGS:
+        default = s.default
+        if isinstance(default, float) and s.parse in (parse_duration, positive_duration):
+            default = f"{default:g}s"
+        elif isinstance(default, tuple):
+            default = list(default)
+        lines.append(f"{s.key} = {default!r}\n    {s.doc}\n    env: {s.env}")
+    return "\n".join(lines) + "\n"
+
+
+def is_secret(key: str) -> bool:
+    k = key.lower()
+    if k.endswith(("file", ".location")):  # the path to a secret, which helps to show
+        return False
+    return "password" in k or "secret" in k or "userinfo" in k

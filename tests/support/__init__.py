@@ -1,0 +1,1 @@
+"""Helpers shared by the test modules and the benchmarks; no tests here."""

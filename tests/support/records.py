@@ -1,0 +1,58 @@
+"""Flow records as a consumer reads them from Kafka: decoded with the reference Apache ``avro`` package.
+
+(Not fastavro, which the exporter writes with.)
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections import defaultdict
+
+import avro.io
+import avro.schema
+from confluent_kafka import Consumer
+
+from flow_exporter.record import schema_path
+
+
+def read_records(bootstrap: str, topic: str, expect_at_least: int = 1, timeout: float = 30.0) -> list[dict]:
+    """Every record on the topic, decoded with the reference avro implementation."""
+    schema = avro.schema.parse(schema_path().read_text())
+    reader = avro.io.DatumReader(schema)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"t-{time.time_ns()}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+        }
+    )
+    consumer.subscribe([topic])
+    out: list[dict] = []
+    deadline = time.monotonic() + timeout
+    idle_since = None
+    try:
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None:
+                if len(out) >= expect_at_least:
+                    idle_since = idle_since or time.monotonic()
+                    if time.monotonic() - idle_since > 3:
+                        break
+                continue
+            idle_since = None
+            assert msg.error() is None, msg.error()
+            out.append(reader.read(avro.io.BinaryDecoder(io.BytesIO(msg.value()))))
+    finally:
+        consumer.close()
+    return out
+
+
+def by_connection(records: list[dict]) -> dict[int, list[dict]]:
+    groups: dict[int, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[r["connectionId"]].append(r)
+    for recs in groups.values():
+        recs.sort(key=lambda r: r["sequence"])
+    return groups

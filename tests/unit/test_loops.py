@@ -1,0 +1,217 @@
+"""The poll and expire loops against in-memory ports: a fake table, a fake broker, a fake clock.
+
+What the lab tests check end to end with netlink and a real broker, checked here step by step
+and in milliseconds: the records a connection gets over its life, what a failed or refused
+delivery does, backpressure, shutdown, and that every counter reaches the metrics endpoint.
+Records are decoded with fastavro from the bytes the fake broker accepted, never taken from
+the exporter's own objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import time
+
+import fastavro
+import pytest
+from prometheus_client import generate_latest
+
+from flow_exporter.app import Exporter
+from flow_exporter.flow import ACTIVE_TIMEOUT, END_OF_FLOW, FORCED_END, IDLE_TIMEOUT
+from flow_exporter.lifecycle import Lifecycle
+from flow_exporter.metrics import _CHECKPOINT_FAMILIES, _FAMILIES, Metrics
+from flow_exporter.readings import CheckpointReadings, Readings
+from flow_exporter.record import load_schema
+from flow_exporter.sink.encoder import RecordEncoder
+from flow_exporter.timeouts import Timeouts
+from tests.support.fakes import FakeBroker, FakeTable
+from tests.support.store_builders import Clock, tcp, udp
+
+SCHEMA = fastavro.parse_schema(load_schema())
+TIMEOUTS = Timeouts(poll_interval=1.0, active=5.0, idle=15.0, stale=30.0)
+
+
+def decode(value: bytes) -> dict:
+    return fastavro.schemaless_reader(io.BytesIO(value), SCHEMA, SCHEMA)
+
+
+def rig(**kw: object) -> tuple[Exporter, FakeTable, FakeBroker, Clock]:
+    clock = Clock()
+    table = FakeTable()
+    broker = FakeBroker(RecordEncoder("node-a").encode)
+    exp = Exporter(table, broker, timeouts=TIMEOUTS, node_name="node-a", clock=lambda: clock.now,
+                   wall_ns=clock.wall, **kw)  # type: ignore[arg-type]  # fmt: skip
+    return exp, table, broker, clock
+
+
+def step(exp: Exporter, broker: FakeBroker, clock: Clock, seconds: float = 1.0) -> int:
+    """One poll interval: time passes, a poll, the expire loop's turn, the broker answers."""
+    clock.tick(seconds)
+    exp.poll_once()
+    n = exp.expire_once()
+    broker.poll(0)
+    return n
+
+
+def records(broker: FakeBroker) -> list[dict]:
+    return [decode(a.value) for a in broker.accepted]
+
+
+def test_a_connection_over_its_life() -> None:
+    exp, table, broker, clock = rig()
+    table.entries = [tcp(40000, packets=1)]
+    for _ in range(6):  # first seen at the first poll: due 5 s later
+        step(exp, broker, clock)
+    assert [r["flowEndReason"] for r in records(broker)] == [ACTIVE_TIMEOUT]
+    table.entries = [tcp(40000, packets=4)]
+    for _ in range(5):
+        step(exp, broker, clock)
+    table.entries = [tcp(40000, packets=6, state=7)]  # TIME_WAIT: the connection is over
+    step(exp, broker, clock)
+    step(exp, broker, clock)  # the first delivery report is applied on the expire loop's next turn
+    recs = records(broker)
+    assert [(r["sequence"], r["flowEndReason"]) for r in recs] == [(0, ACTIVE_TIMEOUT), (1, ACTIVE_TIMEOUT),
+                                                                   (2, END_OF_FLOW)]  # fmt: skip
+    assert [r["packetDeltaCount"] for r in recs] == [1, 3, 2]
+    assert [r["octetDeltaCount"] for r in recs] == [100, 300, 200]
+    assert [r["reverseOctetDeltaCount"] for r in recs] == [200, 600, 400]
+    assert recs[-1]["octetTotalCount"] == 600 and recs[-1]["reverseOctetTotalCount"] == 1200
+    assert len({r["connectionId"] for r in recs}) == 1
+
+
+def test_an_idle_udp_flow_ends_with_its_idle_record() -> None:
+    exp, table, broker, clock = rig()
+    table.entries = [udp(5353, packets=2)]
+    for _ in range(16):
+        step(exp, broker, clock)
+    recs = records(broker)
+    # Active records at 5 s and 10 s (the second with nothing new), idle 15 s after the last change.
+    assert [r["flowEndReason"] for r in recs] == [ACTIVE_TIMEOUT, ACTIVE_TIMEOUT, IDLE_TIMEOUT]
+    assert [r["packetDeltaCount"] for r in recs] == [2, 0, 0]
+
+
+def test_a_failed_delivery_is_resent_as_the_same_bytes() -> None:
+    exp, table, broker, clock = rig()
+    table.entries = [tcp(40001, packets=3)]
+    broker.mode = "down"
+    for _ in range(6):
+        step(exp, broker, clock)
+    assert broker.counters.failed == 1 and broker.accepted == []
+    first = [e.value for e in exp.store.in_flight()]
+    table.entries = [tcp(40001, packets=9)]  # counters move while the broker is down
+    broker.mode = "up"
+    for _ in range(3):
+        step(exp, broker, clock)
+    assert [a.value for a in broker.accepted][:1] == first  # the frozen record, not a new one
+    r = records(broker)[0]
+    assert (r["sequence"], r["packetDeltaCount"]) == (0, 3)
+    assert exp.readings().records_resent == 1
+
+
+def test_a_refused_record_is_given_up_once_and_counted() -> None:
+    exp, table, broker, clock = rig()
+    table.entries = [tcp(40002)]
+    broker.mode = "refuse"
+    for _ in range(12):
+        step(exp, broker, clock)
+    r = exp.readings()
+    assert (r.records_produced, r.records_failed, r.records_given_up, r.records_resent) == (2, 2, 2, 0)
+    assert broker.accepted == []
+
+
+def test_backpressure_holds_due_connections_and_coalesces_them() -> None:
+    exp, table, broker, clock = rig(max_in_flight=2)
+    table.entries = [tcp(41000 + i) for i in range(5)]
+    clock.tick(1)
+    exp.poll_once()
+    clock.tick(5)
+    assert exp.expire_once() == 2  # the rest stays due
+    assert exp.expire_once() == 0 and broker.in_flight() == 2
+    broker.poll(0)
+    assert exp.expire_once() == 2
+    broker.poll(0)
+    assert exp.expire_once() == 1
+    broker.poll(0)
+    assert sorted(r["sourcePort"] for r in records(broker)) == [41000 + i for i in range(5)]
+
+
+def test_shutdown_sends_every_final_record() -> None:
+    exp, table, broker, clock = rig(grace=5.0)
+    table.entries = [tcp(42000), udp(5400, packets=4)]
+    step(exp, broker, clock)
+    assert exp.shutdown() == 0
+    recs = records(broker)
+    assert sorted((r["sourcePort"], r["flowEndReason"], r["packetDeltaCount"]) for r in recs) == [
+        (5400, FORCED_END, 4), (42000, FORCED_END, 1)]  # fmt: skip
+    assert dataclasses.astuple(exp.outcome) == (2, 0, 0)
+
+
+def test_shutdown_with_the_broker_gone_reports_what_is_lost() -> None:
+    exp, table, broker, clock = rig(grace=0.3)
+    table.entries = [tcp(42001), tcp(42002)]
+    step(exp, broker, clock)
+    broker.mode = "down"
+    assert exp.shutdown(time.monotonic() + 0.3) == 0
+    assert broker.accepted == [] and dataclasses.astuple(exp.outcome) == (2, 0, 2)
+
+
+def test_a_failing_dump_is_retried_with_backoff() -> None:
+    exp, table, _broker, _clock = rig(retry_initial=0.001, retry_max=0.002)
+    table.entries = [tcp(43000)]
+    table.fail = [OSError(105, "No buffer space"), OSError(105, "No buffer space")]
+    exp._poll_with_retry()
+    assert (table.dumps, exp.stats.poll_errors, exp.stats.polls, len(exp.store)) == (3, 2, 1, 1)
+
+
+def test_a_fatal_source_error_stops_the_poll_loop() -> None:
+    exp, table, _broker, _clock = rig(is_fatal=lambda e: isinstance(e, PermissionError))
+    table.fail = [PermissionError(1, "Operation not permitted")]
+    exp.poll_loop()
+    assert isinstance(exp.fatal, PermissionError) and exp.stop_event.is_set()
+
+
+def test_lifecycle_stopping_follows_the_stop_signal_then_the_deadline() -> None:
+    now = [0.0]
+    life = Lifecycle(clock=lambda: now[0])
+    assert not life.stopping()
+    life.stop_event.set()
+    assert life.stopping()
+    life.shutting_down(10.0)  # the final records may still wait for the producer
+    assert not life.stopping()
+    now[0] = 10.0
+    assert life.stopping()
+    life.beat("poll")
+    now[0] = 15.0
+    life.beat("expire")
+    assert life.stalled(4.0) == ["poll"]
+
+
+def test_every_reading_reaches_the_metrics_endpoint() -> None:
+    exp, table, broker, clock = rig()
+    table.entries = [tcp(44000, packets=2)]
+    for _ in range(6):
+        step(exp, broker, clock)
+    metrics = Metrics()
+    metrics.bind(lambda: exp.readings({"enrichment_lookups": 3}))
+    text = generate_latest(metrics.registry).decode()
+    exported = {attr for attr, *_ in _FAMILIES} | {"given_up", "checkpoint", "extra"}
+    assert {f.name for f in dataclasses.fields(Readings)} == exported
+    assert {attr for attr, *_ in _CHECKPOINT_FAMILIES} == {f.name for f in dataclasses.fields(CheckpointReadings)}
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert values["flow_exporter_records_acknowledged_total"] == 1
+    assert values["flow_exporter_bytes_produced_total"] == len(broker.accepted[0].value)
+    assert values["flow_exporter_polls_total"] == 6
+    assert values["flow_exporter_connections_tracked"] == 1
+    assert values["flow_exporter_enrichment_lookups_total"] == 3
+    assert values['flow_exporter_connections_given_up_total{reason="cap_refused"}'] == 0
+
+
+@pytest.fixture(autouse=True)
+def _no_threads_left() -> None:
+    """The loops here run on the test's thread only: nothing may be left behind."""
+    import threading
+
+    before = threading.active_count()
+    yield
+    assert threading.active_count() == before
