@@ -36,7 +36,7 @@ from flow_exporter.settings import DEFAULTS
 log = logging.getLogger(__name__)
 
 # What the caches read, as (resource, CoreV1Api list method). k8s/rbac.yaml grants get/list/watch
-# on exactly these (tests/test_k8s_enrich.py holds the two together).
+# on exactly these (tests/integration/test_k8s_enrich.py holds the two together).
 RESOURCES: tuple[tuple[str, str], ...] = (
     ("pods", "list_pod_for_all_namespaces"),
     ("services", "list_service_for_all_namespaces"),

@@ -2,7 +2,7 @@
 
 Why by hand: fastavro's ``schemaless_writer`` costs ~19 µs per record here (about
 52k records/s, bench/bench_export.py), more than everything else on the export
-path together. This encoder writes the same bytes (tests/test_encoder.py proves
+path together. This encoder writes the same bytes (tests/unit/test_encoder.py proves
 it against fastavro on generated records) at a fraction of the cost by:
 
 * following the schema's field order, which puts the fields fixed for a

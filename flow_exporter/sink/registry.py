@@ -5,7 +5,7 @@ record dict and runs fastavro per record, which is the cost ``flow_exporter.sink
 exists to avoid. The Confluent wire format is only a fixed 5-byte header (magic byte 0,
 then the schema id as a 4-byte big-endian integer) in front of the same bare Avro body,
 so the schema is registered once at start and every value is ``header + body``.
-tests/test_registry.py proves the bytes equal the serializer's for the same record.
+tests/unit/test_registry.py proves the bytes equal the serializer's for the same record.
 
 Start-up registration is retried with backoff (tenacity) and every failure is logged
 naming the registry and the subject: an unreachable registry or an incompatible schema

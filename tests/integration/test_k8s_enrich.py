@@ -122,10 +122,12 @@ def make_service(core: client.CoreV1Api, ns: str, name: str, port: int, target: 
         try:
             svc = core.create_namespaced_service(ns, body)
         except ApiException as exc:
-            if exc.status == 422 and "allocated" in str(exc.body):  # address taken: pick again
+            body = exc.body.decode() if isinstance(exc.body, bytes) else str(exc.body)  # bytes before client 36
+            if exc.status == 422 and "allocated" in body:  # address taken: pick again
                 continue
             raise
-        return svc.spec.cluster_ips[0], svc.spec.cluster_ips[1]
+        ips = client.ApiClient().sanitize_for_serialization(svc)["spec"]["clusterIPs"]  # stable across versions
+        return ips[0], ips[1]
     raise AssertionError("no free ClusterIP found")
 
 
