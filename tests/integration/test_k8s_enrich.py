@@ -122,8 +122,8 @@ def make_service(core: client.CoreV1Api, ns: str, name: str, port: int, target: 
         try:
             svc = core.create_namespaced_service(ns, body)
         except ApiException as exc:
-            body = exc.body.decode() if isinstance(exc.body, bytes) else str(exc.body)  # bytes before client 36
-            if exc.status == 422 and "allocated" in body:  # address taken: pick again
+            why = exc.body.decode() if isinstance(exc.body, bytes) else str(exc.body)  # bytes before client 36
+            if exc.status == 422 and "allocated" in why:  # address taken: pick again
                 continue
             raise
         ips = client.ApiClient().sanitize_for_serialization(svc)["spec"]["clusterIPs"]  # stable across versions
