@@ -10,7 +10,7 @@ setup:
 # ruff, and the layering contracts in .importlinter (the product never imports the harness; the pure core no I/O).
 lint: setup
 	.venv/bin/ruff check .
-	.venv/bin/lint-imports
+	.venv/bin/lint-imports --no-logo
 
 setup-k8s: setup
 	@bash tools/k8s/build.sh
