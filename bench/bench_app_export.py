@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
 
     RecordingSink = recording_sink()
 
+    from flow_exporter import gc_policy
+
+    gc_policy.tune()  # as flow-exporter run does
     n = args.connections
     start = time.time_ns() - 10**9
     conns = [

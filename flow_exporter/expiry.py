@@ -53,6 +53,19 @@ class ExpiryQueue:
         self._maybe_compact()
         return item
 
+    def requeue(self, key: Hashable, item: QueueItem, active_expire: float, idle_expire: float) -> None:
+        """Queue again an item ``pop_due`` just yielded, with new deadlines.
+
+        The export hot path: the popped item is reused (no new object) and no stale heap entry
+        can exist for it (its entry was popped), so no compaction check is needed.
+        """
+        self._version += 1
+        item.active_expire = active_expire
+        item.idle_expire = idle_expire
+        item.version = version = self._version
+        self._items[key] = item
+        heapq.heappush(self._heap, (active_expire if active_expire < idle_expire else idle_expire, version, key))
+
     def update(
         self, key: Hashable, *, active_expire: float | None = None, idle_expire: float | None = None
     ) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from confluent_kafka import KafkaException
 
+from flow_exporter import gc_policy
 from flow_exporter.app import Exporter
 from flow_exporter.checkpoint import Checkpoint, CheckpointError, Loaded
 from flow_exporter.config import Config
@@ -177,6 +178,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
     from flow_exporter.conntrack.errors import ConntrackError
     from flow_exporter.conntrack.sysctl import enable_accounting
 
+    gc_policy.tune()
     netns = cfg["conntrack.netns"]
     log.info(
         "flow-exporter starting: node=%s netns=%s kafka=%s (%s) topic=%s",

@@ -647,9 +647,13 @@ class ConnectionStore:
                 elif tr.final_due:
                     out.append(self._build(tr, tr.end_reason, now))
             self._orphan_due = waiting
-        t = self.timeouts
+        active = self.timeouts.active
         queue = self.queue
+        requeue = queue.requeue
         conns = self.connections
+        append = out.append
+        stats = self.stats
+        built = 0
         retry: list[ConnectionKey] = []
         for key, item in queue.pop_due(now):
             if limit is not None and len(out) >= limit:
@@ -672,8 +676,26 @@ class ConnectionStore:
                 self._idle[key] = None
                 out.append(self._build(tr, IDLE_TIMEOUT, now))
                 continue
-            out.append(self._build(tr, ACTIVE_TIMEOUT, now))
-            queue.push(key, now + t.active, item.idle_expire)
+            # The active timeout: most records in steady state, so _build is inlined here
+            # (bench/bench_app_export.py; the same arithmetic, one call less per record).
+            c = tr.conn
+            totals = (c.orig_packets, c.orig_bytes, c.reply_packets, c.reply_bytes)
+            b = tr.base
+            d0 = totals[0] - b[0]
+            d1 = totals[1] - b[1]
+            d2 = totals[2] - b[2]
+            d3 = totals[3] - b[3]
+            e = Export(tr, ACTIVE_TIMEOUT, tr.next_seq, totals,
+                       (d0 if d0 > 0 else 0, d1 if d1 > 0 else 0, d2 if d2 > 0 else 0, d3 if d3 > 0 else 0),
+                       False, c.stop_ns or tr.last_active_ns, tr.flow_id)  # fmt: skip
+            tr.next_seq += 1
+            tr.base = totals
+            tr.pending = e
+            tr.last_export = now
+            built += 1
+            append(e)
+            requeue(key, item, now + active, item.idle_expire)
+        stats.records_built += built
         for key in retry:
             queue.push(key, now + RETRY_DELAY, now + RETRY_DELAY)
         return out
