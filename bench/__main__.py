@@ -1,7 +1,7 @@
 """``make bench``: every benchmark in turn; each updates its own section of BENCHMARKS.md.
 
-``python -m bench [NAME ...]`` runs only the named ones (poll, export, capture, events, checkpoint, latency,
-k8s, spark).
+``python -m bench [NAME ...]`` runs only the named ones (poll, export, app_export, node, capture, events,
+checkpoint, latency, k8s, spark).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import sys
 SUITE = {
     "poll": ("bench.bench_poll", []),
     "export": ("bench.bench_export", []),
+    "app_export": ("bench.bench_app_export", []),
+    "node": ("bench.bench_node", []),
     "capture": ("bench.bench_capture", []),
     "events": ("bench.bench_events", []),
     "checkpoint": ("bench.bench_checkpoint", []),
