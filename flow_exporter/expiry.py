@@ -53,6 +53,16 @@ class ExpiryQueue:
         self._maybe_compact()
         return item
 
+    def add(self, key: Hashable, active_expire: float, idle_expire: float) -> None:
+        """Queue a key that is not queued (a new connection): the first poll's hot path.
+
+        One live item and one heap entry more leave their ratio as it was: no compaction check.
+        """
+        self._version += 1
+        version = self._version
+        self._items[key] = QueueItem(active_expire, idle_expire, version)
+        heapq.heappush(self._heap, (active_expire if active_expire < idle_expire else idle_expire, version, key))
+
     def requeue(self, key: Hashable, item: QueueItem, active_expire: float, idle_expire: float) -> None:
         """Queue again an item ``pop_due`` just yielded, with new deadlines.
 

@@ -464,20 +464,17 @@ class ConnectionStore:
     def _track(
         self, key: ConnectionKey, conn: Connection, flow_id: int, first_seen: int, now: float, wall_ns: int
     ) -> Tracked:
-        tr = Tracked(
-            key=key,
-            conn=conn,
-            flow_id=flow_id,
-            first_seen_ns=first_seen,
-            last_active_ns=conn.stop_ns or wall_ns,
-            last_export=now,
-            seen=self._generation,
-        )
+        # Positional: key, conn, flow_id, first_seen_ns, last_active_ns, last_export, seen.
+        tr = Tracked(key, conn, flow_id, first_seen, conn.stop_ns or wall_ns, now, self._generation)
         self.connections[key] = tr
         self.stats.added += 1
         if self.on_new is not None:
             self.on_new(tr)
-        self.queue.push(key, now + self.timeouts.active, now + self.timeouts.idle)
+        t = self.timeouts
+        if key in self.queue:
+            self.queue.push(key, now + t.active, now + t.idle)
+        else:
+            self.queue.add(key, now + t.active, now + t.idle)
         return tr
 
     # --------------------------------------------------------------------- cap
