@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     plot("pipeline", draw)
     cmd = " ".join(["python -m bench.bench_pipeline", *(argv if argv is not None else sys.argv[1:])])
     lines = [
-        "## The loops at 250k connections, 50,000 records/s",
+        "## The loops at 250k moving connections (50,000 records/s due)",
         "",
         f"Command: `{cmd}`  ",
         f"Machine: {machine_line()}",
