@@ -31,6 +31,7 @@ import yaml
 
 from flow_exporter import __version__
 from flow_exporter.config import SETTINGS
+from tests.support.lockfile import locked
 from tests.support.paths import REPO
 
 DOCKERFILE = REPO / "Dockerfile"
@@ -181,16 +182,6 @@ def context_files(root: Path) -> list[Path]:
         ]
         kept += [base / name for name in filenames if included((base / name).as_posix())]
     return kept
-
-
-def locked(lockfile: Path) -> dict[str, str]:
-    """``name==version`` pins of a lockfile (names normalized), hashes and comments left out."""
-    pins = {}
-    for line in lockfile.read_text().splitlines():
-        m = re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^]]*\])?==([^\s;\\]+)", line)
-        if m:
-            pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
-    return pins
 
 
 # ------------------------------------------------------------------------------ replay

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +38,7 @@ from flow_exporter.config import SETTINGS
 from flow_exporter.record import partition_key
 from flow_exporter.sink.encoder import RecordEncoder
 from tests.support.cli import from_json
+from tests.support.lockfile import locked
 from tests.support.paths import REPO
 from tests.support.reference import build_record
 
@@ -72,16 +72,6 @@ def run(argv: list[str | Path], cwd: Path, env: dict[str, str] | None = None) ->
     )
     assert proc.returncode == 0, f"{argv}\nexit {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     return proc
-
-
-def locked(lockfile: Path) -> dict[str, str]:
-    """``name==version`` pins of a lockfile (names normalized)."""
-    pins = {}
-    for line in lockfile.read_text().splitlines():
-        m = re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^]]*\])?==([^\s;\\]+)", line)
-        if m:
-            pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
-    return pins
 
 
 @dataclass
