@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import machine_line, plot, update_section, write_json
+from bench.common import plot_load, section_head, update_section, write_json
 
 
 def proc_cpu(pid: int) -> float:
@@ -120,20 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     write_json("node", result)
     print(result)
 
-    def draw(ax) -> None:
-        ax.bar(["CPU (cores)", "records/s / 50k"], [result["cpu_cores"], result["records_per_s"] / 50_000],
-               color=["#1f77b4", "#ff7f0e"])  # fmt: skip
-        ax.axhline(1.0, color="grey", linestyle="--")
-        ax.set_title(f"flow-exporter run, {n:,} connections, poll 5 s, active 5 s")
-
-    plot("node", draw)
-    cmd_line = " ".join(["python -m bench.bench_node", *(argv if argv is not None else sys.argv[1:])])
+    title = f"flow-exporter run, {n:,} connections, poll 5 s, active 5 s"
+    plot_load("node", result["cpu_cores"], result["records_per_s"], title)
     lines = [
-        "## The whole node pipeline at 250k connections",
-        "",
-        f"Command: `{cmd_line}`  ",
-        f"Machine: {machine_line()}",
-        "",
+        *section_head("The whole node pipeline at 250k connections", "bench.bench_node", argv),
         f"`flow-exporter run` on {n:,} real conntrack entries (synthetic, `conntrack -R`), poll 5 s, active timeout",
         "5 s, events on, state.dir on, metrics on, a local broker (3 partitions). Measured over "
         f"{wall:.0f} s of steady state, after every connection's first record was acknowledged. Synthetic entries",

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import machine_line, plot, tcp_conn, update_section, write_json
+from bench.common import plot_load, section_head, tcp_conn, update_section, write_json
 
 
 def cpu() -> float:
@@ -113,20 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     write_json("pipeline", result)
     print(result)
 
-    def draw(ax) -> None:
-        ax.bar(["CPU (cores)", "records/s / 50k"], [result["cpu_cores"], result["records_per_s"] / 50_000],
-               color=["#1f77b4", "#ff7f0e"])  # fmt: skip
-        ax.axhline(1.0, color="grey", linestyle="--")
-        ax.set_title(f"the loops at {n:,} moving connections, poll 5 s, active 5 s")
-
-    plot("pipeline", draw)
-    cmd = " ".join(["python -m bench.bench_pipeline", *(argv if argv is not None else sys.argv[1:])])
+    title = f"the loops at {n:,} moving connections, poll 5 s, active 5 s"
+    plot_load("pipeline", result["cpu_cores"], result["records_per_s"], title)
     lines = [
-        "## The loops at 250k moving connections (50,000 records/s due)",
-        "",
-        f"Command: `{cmd}`  ",
-        f"Machine: {machine_line()}",
-        "",
+        *section_head("The loops at 250k moving connections (50,000 records/s due)", "bench.bench_pipeline", argv),
         "`Exporter.run` (poll and expire threads, state directory, the Kafka sink, a local broker with 3 partitions)",
         f"over an in-memory table of {n:,} connections whose counters all move at every poll (poll 5 s, active",
         f"timeout 5 s): every connection is due every 5 s. Measured over {wall:.0f} s after the first records.",

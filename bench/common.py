@@ -85,6 +85,23 @@ def command_line() -> str:
     )
 
 
+def section_head(title: str, module: str, argv: list[str] | None) -> list[str]:
+    """A BENCHMARKS.md section's first lines: its title, the exact command and the machine."""
+    cmd = " ".join([f"python -m {module}", *(argv if argv is not None else sys.argv[1:])])
+    return [f"## {title}", "", f"Command: `{cmd}`  ", f"Machine: {machine_line()}", ""]
+
+
+def plot_load(name: str, cpu_cores: float, records_per_s: float, title: str) -> None:
+    """CPU in cores beside the record rate as a share of 50,000/s, against the one-core line."""
+
+    def draw(ax: Any) -> None:
+        ax.bar(["CPU (cores)", "records/s / 50k"], [cpu_cores, records_per_s / 50_000], color=["#1f77b4", "#ff7f0e"])
+        ax.axhline(1.0, color="grey", linestyle="--")
+        ax.set_title(title)
+
+    plot(name, draw)
+
+
 def update_section(name: str, markdown: str) -> None:
     """Replace (or append) this benchmark's section of BENCHMARKS.md."""
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
