@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         cp.begin(cp.load())
         table = MovingTable(conns)
         exp = Exporter(table, sink, timeouts=Timeouts(5.0, 5.0, 15.0, 300.0), node_name="bench", lifecycle=life,
-                       checkpoint=cp, max_connections=1_000_000, grace=10.0)  # fmt: skip
+                       checkpoint=cp, max_connections=250_000, max_in_flight=50_000,  # the DaemonSet's limits
+                       grace=10.0)  # fmt: skip
         runner = threading.Thread(target=exp.run)
         t_start = time.monotonic()
         runner.start()
