@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -24,7 +23,7 @@ from flow_exporter.config import load
 from flow_exporter.runner import build_sink
 from flow_exporter.sink import registry
 from flow_exporter.sink.registry import DEFAULT_SUBJECT
-from tests.support.cli import EXPORT_MS, NODE, clean_env, from_json, run_tail
+from tests.support.cli import EXPORT_MS, NODE, clean_env, from_json, json_run_command, run_tail
 from tests.support.paths import REPO
 from tests.support.reference import build_record
 from tests.support.schema_registry import CTX, INCOMPATIBLE, StubRegistry, closed_port, mock_client, reference
@@ -90,38 +89,19 @@ def test_run_waits_alive_for_the_registry_then_registers(
     stub.answers = [INCOMPATIBLE] * 4
     port = closed_port()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flow_exporter",
-            "run",
-            "--log-format",
-            "json",
-            "--bootstrap-servers",
+        json_run_command(
             kafka_broker.bootstrap,
-            "--topic",
             kafka_topic,
-            "--node-name",
-            NODE,
-            "--set",
-            f"schemaRegistry.url={stub.url}",
-            "--set",
-            "metrics.address=127.0.0.1",
-            "--set",
-            f"metrics.port={port}",
-            "--set",
-            "conntrack.events=false",
-            "--set",
-            "conntrack.setSysctls=false",
-            "--set",
-            "conntrack.pollInterval=1s",
-            "--set",
-            "expiry.activeTimeout=1s",
-            "--set",
-            "retry.initialBackoff=0.3s",
-            "--set",
-            "retry.maxBackoff=1s",
-        ],
+            schemaRegistry__url=stub.url,
+            metrics__address="127.0.0.1",
+            metrics__port=str(port),
+            conntrack__events="false",
+            conntrack__setSysctls="false",
+            conntrack__pollInterval="1s",
+            expiry__activeTimeout="1s",
+            retry__initialBackoff="0.3s",
+            retry__maxBackoff="1s",
+        ),
         cwd=REPO,
         env=clean_env(),
         stdout=subprocess.DEVNULL,

@@ -26,7 +26,7 @@ from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.sink.registry import header
 from flow_exporter.timeouts import Timeouts
 from flow_exporter.tools import ValueDecoder, matches, table_header, table_row
-from tests.support.cli import EXPORT_MS, NODE, clean_env, from_json, run_cli, run_tail
+from tests.support.cli import EXPORT_MS, NODE, clean_env, from_json, json_run_command, run_cli, run_tail
 from tests.support.paths import REPO
 from tests.support.reference import build_record
 
@@ -258,30 +258,15 @@ def test_first_poll_line_has_thousands_separators(caplog: pytest.LogCaptureFixtu
 def test_run_with_json_logs(kafka_broker: KafkaBroker, kafka_topic: str) -> None:
     """``run --log-format json``: every stderr line is a JSON object, start-up status lines included."""
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "flow_exporter",
-            "run",
-            "--log-format",
-            "json",
-            "--bootstrap-servers",
+        json_run_command(
             kafka_broker.bootstrap,
-            "--topic",
             kafka_topic,
-            "--node-name",
-            NODE,
-            "--set",
-            "metrics.port=0",
-            "--set",
-            "conntrack.events=false",
-            "--set",
-            "conntrack.setSysctls=false",
-            "--set",
-            "conntrack.pollInterval=1s",
-            "--set",
-            "shutdown.grace=5s",
-        ],
+            metrics__port="0",
+            conntrack__events="false",
+            conntrack__setSysctls="false",
+            conntrack__pollInterval="1s",
+            shutdown__grace="5s",
+        ),
         cwd=REPO,
         env=clean_env(),
         stdout=subprocess.DEVNULL,

@@ -45,6 +45,18 @@ def run_tail(bootstrap: str, topic: str, *args: str, timeout: float = 60.0) -> s
     )
 
 
+def json_run_command(bootstrap: str, topic: str, **settings: str) -> list[str]:
+    """``flow-exporter run --log-format json`` in the own network namespace, with ``--set key=value`` each.
+
+    Keys are given with ``__`` for the dots (``conntrack__events="false"``).
+    """
+    cmd = [sys.executable, "-m", "flow_exporter", "run", "--log-format", "json", "--bootstrap-servers", bootstrap,
+           "--topic", topic, "--node-name", NODE]  # fmt: skip
+    for key, value in settings.items():
+        cmd += ["--set", f"{key.replace('__', '.')}={value}"]
+    return cmd
+
+
 def from_json(line: str) -> dict[str, Any]:
     """A tail --json line back to build_record's form (epoch ms, raw bytes)."""
     rec = json.loads(line)
