@@ -47,21 +47,14 @@ class ExpiryQueue:
     def push(self, key: Hashable, active_expire: float, idle_expire: float) -> QueueItem:
         """Queue ``key`` (or replace its deadlines if already queued)."""
         self._version += 1
-        item = QueueItem(active_expire, idle_expire, self._version)
-        self._items[key] = item
-        heapq.heappush(self._heap, (item.deadline, self._version, key))
-        self._maybe_compact()
-        return item
-
-    def add(self, key: Hashable, active_expire: float, idle_expire: float) -> None:
-        """Queue a key that is not queued (a new connection): the first poll's hot path.
-
-        One live item and one heap entry more leave their ratio as it was: no compaction check.
-        """
-        self._version += 1
         version = self._version
-        self._items[key] = QueueItem(active_expire, idle_expire, version)
+        item = QueueItem(active_expire, idle_expire, version)
+        replaced = self._items.get(key) is not None
+        self._items[key] = item
         heapq.heappush(self._heap, (active_expire if active_expire < idle_expire else idle_expire, version, key))
+        if replaced:  # only a replaced item leaves a stale heap entry (a new key is the first poll's hot path)
+            self._maybe_compact()
+        return item
 
     def requeue(self, key: Hashable, item: QueueItem, active_expire: float, idle_expire: float) -> None:
         """Queue again an item ``pop_due`` just yielded, with new deadlines.

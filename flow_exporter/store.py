@@ -471,10 +471,7 @@ class ConnectionStore:
         if self.on_new is not None:
             self.on_new(tr)
         t = self.timeouts
-        if key in self.queue:
-            self.queue.push(key, now + t.active, now + t.idle)
-        else:
-            self.queue.add(key, now + t.active, now + t.idle)
+        self.queue.push(key, now + t.active, now + t.idle)
         return tr
 
     # --------------------------------------------------------------------- cap
@@ -649,8 +646,6 @@ class ConnectionStore:
         requeue = queue.requeue
         conns = self.connections
         append = out.append
-        stats = self.stats
-        built = 0
         retry: list[ConnectionKey] = []
         for key, item in queue.pop_due(now):
             if limit is not None and len(out) >= limit:
@@ -673,26 +668,8 @@ class ConnectionStore:
                 self._idle[key] = None
                 out.append(self._build(tr, IDLE_TIMEOUT, now))
                 continue
-            # The active timeout: most records in steady state, so _build is inlined here
-            # (bench/bench_app_export.py; the same arithmetic, one call less per record).
-            c = tr.conn
-            totals = (c.orig_packets, c.orig_bytes, c.reply_packets, c.reply_bytes)
-            b = tr.base
-            d0 = totals[0] - b[0]
-            d1 = totals[1] - b[1]
-            d2 = totals[2] - b[2]
-            d3 = totals[3] - b[3]
-            e = Export(tr, ACTIVE_TIMEOUT, tr.next_seq, totals,
-                       (d0 if d0 > 0 else 0, d1 if d1 > 0 else 0, d2 if d2 > 0 else 0, d3 if d3 > 0 else 0),
-                       False, c.stop_ns or tr.last_active_ns, tr.flow_id)  # fmt: skip
-            tr.next_seq += 1
-            tr.base = totals
-            tr.pending = e
-            tr.last_export = now
-            built += 1
-            append(e)
+            append(self._build(tr, ACTIVE_TIMEOUT, now))
             requeue(key, item, now + active, item.idle_expire)
-        stats.records_built += built
         for key in retry:
             queue.push(key, now + RETRY_DELAY, now + RETRY_DELAY)
         return out
@@ -730,18 +707,17 @@ class ConnectionStore:
         return n
 
     def _build(self, tr: Tracked, reason: int, now: float) -> Export:
-        totals = tr.totals
+        # One call per record (bench/bench_app_export.py): attribute reads and conditionals, no max() calls.
+        c = tr.conn
+        totals = (c.orig_packets, c.orig_bytes, c.reply_packets, c.reply_bytes)
         b = tr.base
-        deltas = (
-            max(totals[0] - b[0], 0),
-            max(totals[1] - b[1], 0),
-            max(totals[2] - b[2], 0),
-            max(totals[3] - b[3], 0),
-        )
+        d0 = totals[0] - b[0]
+        d1 = totals[1] - b[1]
+        d2 = totals[2] - b[2]
+        d3 = totals[3] - b[3]
+        deltas = (d0 if d0 > 0 else 0, d1 if d1 > 0 else 0, d2 if d2 > 0 else 0, d3 if d3 > 0 else 0)
         final = bool(tr.end_reason)
-        e = Export(
-            tr, reason, tr.next_seq, totals, deltas, final, tr.conn.stop_ns or tr.last_active_ns, tr.flow_id
-        )
+        e = Export(tr, reason, tr.next_seq, totals, deltas, final, c.stop_ns or tr.last_active_ns, tr.flow_id)
         tr.next_seq += 1
         tr.base = totals
         tr.pending = e
