@@ -49,7 +49,7 @@ def encode_only(exports: list) -> tuple[float, float]:
     from flow_exporter.sink.encoder import RecordEncoder
 
     for e in exports:
-        e.tracked.avro_prefix = None
+        e.prefix = None
     enc = RecordEncoder("bench-node").encode
     rates = []
     for _ in range(2):

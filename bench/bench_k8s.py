@@ -248,9 +248,9 @@ def child(pages_dir: Path, lookups: int, trace: bool) -> None:
     import tracemalloc
 
     from flow_exporter.connection import PROTO_TCP, Connection
-    from flow_exporter.flow import Tracked
     from flow_exporter.k8s.enrich import Enricher
     from flow_exporter.k8s.index import pack_ip
+    from tests.support.fakes import NewFlow
 
     caches = _replay_caches(pages_dir)
     gc.collect()
@@ -274,10 +274,10 @@ def child(pages_dir: Path, lookups: int, trace: bool) -> None:
     services = len(caches.services)
     nodes = len(caches.nodes)
 
-    def conn(src: str, dst: str, orig_dst: str | None = None, dport: int = 8080) -> Tracked:
+    def conn(src: str, dst: str, orig_dst: str | None = None, dport: int = 8080) -> NewFlow:
         s, d, o = pack_ip(src), pack_ip(dst), pack_ip(orig_dst or dst)
         c = Connection(socket.AF_INET, PROTO_TCP, s, o, 40000, dport, d, s, 8080, 40000, start_ns=time.time_ns())
-        return Tracked(c.key, c, 1, c.start_ns, c.start_ns, 0.0)
+        return NewFlow(c)
 
     def endpoints(seed: int) -> dict[str, list[tuple[str, str, str | None, int]]]:
         """(source, backend, dialled address, dialled port) per kind of connection."""

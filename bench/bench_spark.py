@@ -88,7 +88,7 @@ def synthetic_records(
 
     def emit(exports: list[Export], now: float, wall_ms: int) -> None:
         for export in exports:
-            out.append((export.tracked.flow_id.to_bytes(8, "big", signed=True), enc(export, wall_ms)))
+            out.append((export.flow_id.to_bytes(8, "big", signed=True), enc(export, wall_ms)))
             store.acknowledge(export, True, now)
 
     now, wall_ms = 0.0, wall0_ms

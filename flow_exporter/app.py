@@ -19,7 +19,7 @@ import tenacity
 
 from flow_exporter.checkpoint import Checkpoint
 from flow_exporter.connection import Connection
-from flow_exporter.flow import FORCED_END, Export, Restored, Tracked
+from flow_exporter.flow import FORCED_END, Export, NewConnection, Restored
 from flow_exporter.lifecycle import Lifecycle
 from flow_exporter.ports import EventSource, Sink, Source
 from flow_exporter.readings import CheckpointReadings, Readings, Timings
@@ -67,7 +67,7 @@ class Exporter:
         grace: float = DEFAULTS["shutdown.grace"],
         max_connections: int = DEFAULTS["limits.maxConnections"],
         max_in_flight: int = DEFAULTS["limits.maxInFlight"],
-        on_new: Callable[[Tracked], None] | None = None,
+        on_new: Callable[[NewConnection], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_ns: Callable[[], int] = time.time_ns,
         is_fatal: Callable[[BaseException], bool] = lambda e: False,  # the runner knows the real source's errors

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flow_exporter.flow import LACK_OF_RESOURCES, Export, Restored
+from flow_exporter.flow import Export, Restored
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,6 @@ def _record(
     if end > len(buf):
         raise ValueError("record past the end")
     return Export(
-        None,
         0,
         seq,
         tuple(totals),  # type: ignore[arg-type]
@@ -351,22 +350,21 @@ class Checkpoint:
         topics = self._topics
         n = 0
         for e in exports:
-            tr = e.tracked
-            if e.attempts or tr is None:
+            conn_key = e.conn_key
+            if e.attempts or conn_key is None:
                 continue
-            c = tr.conn
-            (zone, proto, src, sport, dst, dport) = tr.key
+            (zone, proto, src, sport, dst, dport) = conn_key
             t = e.totals
             topic = topics.get(e.topic)
             if topic is None:
                 topic = topics[e.topic] = (e.topic or "").encode()
             key = e.key or b""
             value = e.value or b""
-            ended = 1 if tr.end_reason and tr.end_reason != LACK_OF_RESOURCES and e.final else 0
+            ended = 1 if e.ended else 0
             append(
                 _SENT_ROW[len(src)].pack(
-                    len(src), zone & 0xFFFF, proto, sport, dport, src, dst, c.ct_id & 0xFFFFFFFF, c.start_ns,
-                    tr.first_seen_ns, e.flow_id, e.sequence + 1, t[0], t[1], t[2], t[3], tr.flags & 0xFF,
+                    len(src), zone & 0xFFFF, proto, sport, dport, src, dst, e.ct_id & 0xFFFFFFFF, e.start_ns,
+                    e.first_seen_ns, e.flow_id, e.sequence + 1, t[0], t[1], t[2], t[3], e.flags & 0xFF,
                     ended, len(topic), len(key), len(value),
                 )
             )

@@ -1,120 +1,155 @@
 """Expiry priority queue: which tracked connections are due for a record, and when.
 
 Ordered by min(active expiry, idle expiry) like Antrea's queue, but without its
-per-tick cap: ``pop_due`` hands back everything that is due. Updates are lazy
-(a new heap entry, the old one skipped when popped) because most updates only
-move the idle deadline, which rarely changes the minimum; the heap is rebuilt
-when stale entries outnumber live ones.
+per-tick cap: ``pop_due`` hands back everything that is due.
+
+Keyed by the store's slot numbers and held in flat arrays, not one object per
+connection: the deadlines are two float columns, and the heap holds plain ints
+(``millisecond << 32 | slot``), about 40 bytes per entry instead of a tuple, a float
+and an item object (bench/bench_poll.py, memory). The heap is only an index: an
+entry is live while its slot is queued and its millisecond is the slot's current
+deadline's, and a slot is yielded only once its exact float deadline has passed.
+Updates are lazy (a new heap entry, the old one skipped when popped) because most
+updates only move the idle deadline, which rarely changes the minimum; the heap is
+rebuilt when stale entries outnumber live ones.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Hashable, Iterator
-from dataclasses import dataclass
+from array import array
+from collections.abc import Iterator
+from math import floor
+
+_SLOT_BITS = 32
+_SLOT_MASK = (1 << _SLOT_BITS) - 1
 
 
-@dataclass(slots=True)
-class QueueItem:
-    """Deadlines of one queued connection (seconds on the store's monotonic clock)."""
-
-    active_expire: float
-    idle_expire: float
-    version: int = 0
-
-    @property
-    def deadline(self) -> float:
-        return min(self.active_expire, self.idle_expire)
+def _ms(deadline: float) -> int:
+    return floor(deadline * 1000.0)
 
 
 class ExpiryQueue:
-    """Min-heap of deadlines plus a key -> item map."""
+    """Deadlines of queued slots plus a lazy min-heap over them."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Hashable]] = []
-        self._items: dict[Hashable, QueueItem] = {}
-        self._version = 0
+        self.active = array("d")  # per slot: active-timeout deadline (monotonic seconds)
+        self.idle = array("d")  # per slot: idle-timeout deadline
+        self._queued = bytearray()  # per slot: 1 while queued
+        self._heap: list[int] = []
+        self._live = 0
+
+    def grow(self, size: int) -> None:
+        """Make room for slots ``0 .. size - 1`` (the store grows its columns in chunks)."""
+        more = size - len(self._queued)
+        if more > 0:
+            self.active.frombytes(bytes(8 * more))
+            self.idle.frombytes(bytes(8 * more))
+            self._queued.extend(bytes(more))
 
     def __len__(self) -> int:
-        return len(self._items)
+        return self._live
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._items
+    def __contains__(self, slot: int) -> bool:
+        return bool(self._queued[slot])
 
-    def get(self, key: Hashable) -> QueueItem | None:
-        return self._items.get(key)
-
-    def push(self, key: Hashable, active_expire: float, idle_expire: float) -> QueueItem:
-        """Queue ``key`` (or replace its deadlines if already queued)."""
-        self._version += 1
-        version = self._version
-        item = QueueItem(active_expire, idle_expire, version)
-        replaced = self._items.get(key) is not None
-        self._items[key] = item
-        heapq.heappush(self._heap, (active_expire if active_expire < idle_expire else idle_expire, version, key))
-        if replaced:  # only a replaced item leaves a stale heap entry (a new key is the first poll's hot path)
+    def push(self, slot: int, active_expire: float, idle_expire: float) -> None:
+        """Queue ``slot`` (or replace its deadlines if already queued)."""
+        replaced = self._queued[slot]
+        self.active[slot] = active_expire
+        self.idle[slot] = idle_expire
+        if not replaced:
+            self._queued[slot] = 1
+            self._live += 1
+        deadline = active_expire if active_expire < idle_expire else idle_expire
+        heapq.heappush(self._heap, _ms(deadline) << _SLOT_BITS | slot)
+        if replaced:  # only a replaced slot leaves a stale heap entry (a new one is the first poll's hot path)
             self._maybe_compact()
-        return item
 
-    def requeue(self, key: Hashable, item: QueueItem, active_expire: float, idle_expire: float) -> None:
-        """Queue again an item ``pop_due`` just yielded, with new deadlines.
+    def requeue(self, slot: int, active_expire: float, idle_expire: float) -> None:
+        """Queue again a slot ``pop_due`` just yielded: the export hot path, no compaction check needed."""
+        self.active[slot] = active_expire
+        self.idle[slot] = idle_expire
+        self._queued[slot] = 1
+        self._live += 1
+        deadline = active_expire if active_expire < idle_expire else idle_expire
+        heapq.heappush(self._heap, _ms(deadline) << _SLOT_BITS | slot)
 
-        The export hot path: the popped item is reused (no new object) and no stale heap entry
-        can exist for it (its entry was popped), so no compaction check is needed.
-        """
-        self._version += 1
-        item.active_expire = active_expire
-        item.idle_expire = idle_expire
-        item.version = version = self._version
-        self._items[key] = item
-        heapq.heappush(self._heap, (active_expire if active_expire < idle_expire else idle_expire, version, key))
-
-    def update(
-        self, key: Hashable, *, active_expire: float | None = None, idle_expire: float | None = None
-    ) -> None:
-        item = self._items[key]
-        old = item.deadline
+    def update(self, slot: int, *, active_expire: float | None = None, idle_expire: float | None = None) -> None:
+        """Move a queued slot's deadlines; a new heap entry only when its minimum moves to another millisecond."""
+        a = self.active[slot]
+        i = self.idle[slot]
+        old = _ms(a if a < i else i)
         if active_expire is not None:
-            item.active_expire = active_expire
+            self.active[slot] = a = active_expire
         if idle_expire is not None:
-            item.idle_expire = idle_expire
-        if item.deadline != old:
-            self._version += 1
-            item.version = self._version
-            heapq.heappush(self._heap, (item.deadline, self._version, key))
+            self.idle[slot] = i = idle_expire
+        new = _ms(a if a < i else i)
+        if new != old:
+            heapq.heappush(self._heap, new << _SLOT_BITS | slot)
             self._maybe_compact()
 
-    def remove(self, key: Hashable) -> QueueItem | None:
-        return self._items.pop(key, None)
+    def remove(self, slot: int) -> None:
+        if self._queued[slot]:
+            self._queued[slot] = 0
+            self._live -= 1
+
+    def deadline(self, slot: int) -> float:
+        a = self.active[slot]
+        i = self.idle[slot]
+        return a if a < i else i
+
+    def _is_live(self, entry: int) -> bool:
+        slot = entry & _SLOT_MASK
+        return bool(self._queued[slot]) and _ms(self.deadline(slot)) == entry >> _SLOT_BITS
 
     def next_deadline(self) -> float | None:
         """Earliest live deadline, or None when empty."""
         heap = self._heap
         while heap:
-            deadline, version, key = heap[0]
-            item = self._items.get(key)
-            if item is not None and item.version == version:
-                return deadline
+            if self._is_live(heap[0]):
+                return self.deadline(heap[0] & _SLOT_MASK)
             heapq.heappop(heap)
         return None
 
-    def pop_due(self, now: float) -> Iterator[tuple[Hashable, QueueItem]]:
-        """Yield (key, item) for every item due at ``now``, removing each from the queue.
+    def pop_due(self, now: float) -> Iterator[int]:
+        """Yield every slot due at ``now``, earliest first, removing each from the queue.
 
-        The caller re-pushes the ones that stay queued; a re-pushed item whose new
+        The caller re-queues the ones that stay queued; a re-queued slot whose new
         deadline is still <= now is yielded again, so callers must move deadlines forward.
         """
         heap = self._heap
-        items = self._items
-        while heap and heap[0][0] <= now:
-            _, version, key = heapq.heappop(heap)
-            item = items.get(key)
-            if item is None or item.version != version:
-                continue
-            del items[key]
-            yield key, item
+        queued = self._queued
+        active = self.active
+        idle = self.idle
+        limit = (_ms(now) + 1) << _SLOT_BITS
+        early: list[int] = []  # live entries of now's millisecond whose exact deadline is later than now
+        try:
+            while heap and heap[0] < limit:
+                entry = heapq.heappop(heap)
+                slot = entry & _SLOT_MASK
+                if not queued[slot]:
+                    continue
+                a = active[slot]
+                i = idle[slot]
+                deadline = a if a < i else i
+                if _ms(deadline) != entry >> _SLOT_BITS:
+                    continue  # stale: the slot's deadline moved
+                if deadline > now:
+                    early.append(entry)
+                    continue
+                queued[slot] = 0
+                self._live -= 1
+                yield slot
+        finally:
+            for entry in early:
+                heapq.heappush(heap, entry)
 
     def _maybe_compact(self) -> None:
-        if len(self._heap) > 64 and len(self._heap) > 2 * len(self._items):
-            self._heap = [(it.deadline, it.version, k) for k, it in self._items.items()]
+        heap = self._heap
+        if len(heap) > 64 and len(heap) > 2 * self._live:
+            queued = self._queued
+            self._heap = [
+                _ms(self.deadline(s)) << _SLOT_BITS | s for s in range(len(queued)) if queued[s]
+            ]
             heapq.heapify(self._heap)

@@ -1,7 +1,7 @@
-"""The flow vocabulary: record codes, the identity of a connection, and the two objects the loops pass around.
+"""The flow vocabulary: record codes, the identity of a connection, and the objects the loops pass around.
 
 Kept apart from the store so the sink, the encoder, enrichment and the checkpoint can
-speak of tracked connections and records without importing the store's logic.
+speak of connections and records without importing the store's logic.
 
 The accounting contract these types carry (README, "Counting: the contract"):
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from flow_exporter.connection import Connection, ConnectionKey
 
@@ -83,73 +83,53 @@ def next_segment_id(flow_id: int) -> int:
     return int.from_bytes(h.digest(), "big", signed=True)
 
 
-@dataclass(slots=True)
-class Tracked:
-    """A connection in the store plus what the exporter has reported of it.
+class NewConnection(Protocol):
+    """What the store hands its ``on_new`` hook (enrichment) for each connection it starts tracking.
 
-    ``base`` holds the totals of the last record *built*, not the last one acknowledged: a
-    built record is a promise that is kept by resending its bytes until Kafka takes them
-    (or, at shutdown, by the checkpoint for the next process), so the next record's deltas
-    start where it ended.
+    ``meta`` may be assigned at any time (a late enrichment); it reaches the connection's
+    next record. ``settled`` tells a late enricher the connection has nothing left to report.
     """
 
-    key: ConnectionKey
     conn: Connection
-    flow_id: int
-    first_seen_ns: int
-    last_active_ns: int
-    last_export: float  # monotonic time of the last record built
-    seen: int = 0  # generation of the last dump that contained it
-
-    present: bool = True  # in the kernel's table, as far as the last dump or event tells
-    active: bool = True  # False once an idle record went out, until the counters move again
-    destroyed: bool = False  # a DESTROY event gave its final counters: dump rows of it are stale
-    end_reason: int = 0  # why it ended for the exporter (0: it has not)
-    final_due: bool = False  # a record must still go out for the end
-    closed: bool = False  # shutdown: its forced-end record was built
-    orphan: bool = False  # out of the keyed table: replaced, reset or given up; settles on its own
-    next_seq: int = 0
-    base: tuple[int, int, int, int] = ZERO
-    flags: int = 0
-    pending: Export | None = None  # the record in flight: at most one per connection
-    meta: dict[str, Any] | None = None
-    avro_prefix: bytes | None = None  # the record's per-connection prefix (sink.encoder), cached
-    avro_stamp: tuple[Any, ...] | None = None
+    meta: dict[str, Any] | None
 
     @property
-    def totals(self) -> tuple[int, int, int, int]:
-        c = self.conn
-        return (c.orig_packets, c.orig_bytes, c.reply_packets, c.reply_bytes)
-
-    @property
-    def settled(self) -> bool:
-        """Ended, reported to the last byte, nothing in flight: safe to forget."""
-        return (
-            self.end_reason != 0
-            and self.pending is None
-            and not self.final_due
-            and self.next_seq > 0
-            and self.totals == self.base
-        )
+    def settled(self) -> bool: ...
 
 
 @dataclass(slots=True)
 class Export:
     """One record: frozen when built, encoded once, resent as the same bytes until delivered.
 
-    ``tracked`` is None for a record restored from a checkpoint (a previous process built it;
-    only its bytes are left). ``value``, ``topic`` and ``key`` are set by the sink's first
-    encoding and reused by every resend.
+    It carries what the sink, the encoder and the checkpoint need of its connection, so
+    nothing downstream reaches into the store: the store keeps connections in columns,
+    not objects (store.py). ``slot`` is -1 for a record restored from a checkpoint (a
+    previous process built it; only its bytes are left). ``prefix`` is the encoded
+    connection-lifetime part of the record (sink.encoder) when the store has it cached;
+    otherwise ``conn`` holds the static fields to encode it from, and the store keeps
+    the prefix the encoder leaves here once the record is delivered. ``value``, ``topic``
+    and ``key`` are set by the sink's first encoding and reused by every resend.
     """
 
-    tracked: Tracked | None
     reason: int
     sequence: int
-    totals: tuple[int, int, int, int]
-    deltas: tuple[int, int, int, int]
+    totals: Totals
+    deltas: Totals
     final: bool
     flow_end_ns: int
     flow_id: int
+    first_seen_ns: int = 0
+    conn_key: ConnectionKey | None = None
+    ct_id: int = 0
+    start_ns: int = 0
+    flags: int = 0
+    ended: bool = False  # the connection's end (not a give-up at the cap) is reported by this record
+    tcp_state: int | None = None
+    meta: dict[str, Any] | None = None
+    conn: Connection | None = None
+    prefix: bytes | None = None
+    slot: int = -1
+    epoch: int = 0  # the store's prefix-cache stamp of the slot when built
     value: bytes | None = None
     topic: str | None = None
     key: bytes | None = None

@@ -48,7 +48,7 @@ def partition_key(export: Export) -> bytes:
     Two exporters that see the same connection (source node and destination
     node) see the same post-DNAT endpoints, so sorting them gives equal keys.
     """
-    _zone, proto, src, sport, dst, dport = export.tracked.key
+    _zone, proto, src, sport, dst, dport = export.conn_key
     a = (src, sport)
     b = (dst, dport)
     lo, hi = (a, b) if a <= b else (b, a)

@@ -21,6 +21,16 @@ is there to keep the accounting contract (README, "Counting: the contract"):
   went down (``conntrack -Z``) end the old connectionId and start a new one;
 * past ``max_connections`` the store gives connections up, each once, with a
   lack-of-resources record, and does not take them back while they last.
+
+Layout: connections live in slots of flat columns (``array`` and ``bytearray``), not
+in one object each. A Python object per connection, its counters as int objects and
+a fresh row object per poll cost about 1,500 bytes of RSS per connection at 250k;
+columns cost a fixed few bytes per field, a poll writes numbers in place and keeps
+no object of the dump (bench/bench_poll.py, memory). What is left per connection is
+its key tuple (the dict key), one packed ``bytes`` of static fields and the slot
+number. Columns are hand-written because no library keeps dict-keyed, growable,
+mixed-type columns at this cost; numpy would add a large dependency for a few
+element reads per row, where it is slower than ``array``.
 """
 
 from __future__ import annotations
@@ -29,11 +39,15 @@ import heapq
 import itertools
 import logging
 import os
+import socket
+import struct
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
-from flow_exporter.connection import Connection, ConnectionKey
+from flow_exporter.connection import IPS_DYING, PROTO_TCP, Connection, ConnectionKey
 from flow_exporter.expiry import ExpiryQueue
 from flow_exporter.flow import (
     ACTIVE_TIMEOUT,
@@ -43,9 +57,11 @@ from flow_exporter.flow import (
     FORCED_END,
     IDLE_TIMEOUT,
     LACK_OF_RESOURCES,
+    ZERO,
     Export,
+    NewConnection,
     Restored,
-    Tracked,
+    Totals,
     connection_id,
     next_segment_id,
 )
@@ -65,6 +81,20 @@ CAP_LOG_INTERVAL = 60.0
 GIVE_UP_REFUSED = "cap_refused"  # a new connection found the store full
 GIVE_UP_IDLE = "cap_idle"  # an idle, fully reported connection made room for a new one
 
+# Bits of a slot's state column.
+PRESENT = 1  # in the kernel's table, as far as the last dump or event tells
+ACTIVE = 2  # cleared once an idle record went out, until the counters move again
+DESTROYED = 4  # a DESTROY event gave its final counters: dump rows of it are stale
+FINAL_DUE = 8  # a record must still go out for its end
+CLOSED = 16  # shutdown: its forced-end record was built
+ORPHAN = 32  # out of the keyed table (replaced, reset or given up): settles on its own
+
+_TCP_DYING = (7, 8)  # TIME_WAIT, CLOSE
+# Static fields besides the key, packed once per connection: orig_dport, reply_sport,
+# reply_dport and which ICMP fields the kernel gave, after the two destination addresses.
+_STATIC = struct.Struct("!HHHB")
+_MIN_GROW = 1024
+
 
 @dataclass(slots=True)
 class Tombstone:
@@ -75,10 +105,23 @@ class Tombstone:
     start_ns: int
     first_seen_ns: int
     next_seq: int
-    base: tuple[int, int, int, int]
+    base: Totals
     flags: int
     destroyed: bool
     deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class TrackedState:
+    """A copy of what the store holds for one connection (tests, tools); never written back."""
+
+    flow_id: int
+    flags: int
+    active: bool
+    present: bool
+    next_seq: int
+    totals: Totals
+    base: Totals
 
 
 @dataclass
@@ -113,17 +156,49 @@ def _same_incarnation(ct_id: int, start_ns: int, conn: Connection, first_seen_ns
     return not (first_seen_ns and conn.start_ns > first_seen_ns)
 
 
-def _totals(c: Connection) -> tuple[int, int, int, int]:
+def _totals(c: Connection) -> Totals:
     return (c.orig_packets, c.orig_bytes, c.reply_packets, c.reply_bytes)
 
 
-def _went_down(old: Connection, new: Connection) -> bool:
-    return (
-        new.orig_bytes < old.orig_bytes
-        or new.reply_bytes < old.reply_bytes
-        or new.orig_packets < old.orig_packets
-        or new.reply_packets < old.reply_packets
+def _static(conn: Connection) -> bytes:
+    icmp = (
+        (1 if conn.icmp_type is not None else 0)
+        | (2 if conn.icmp_code is not None else 0)
+        | (4 if conn.icmp_id is not None else 0)
     )
+    tail = _STATIC.pack(conn.orig_dport, conn.reply_sport, conn.reply_dport, icmp)
+    return conn.orig_dst + conn.reply_dst + tail
+
+
+class _Newcomer:
+    """The handle ``on_new`` gets: the connection's first row, and its enrichment slot."""
+
+    __slots__ = ("_flow_id", "_slot", "_store", "conn")
+
+    def __init__(self, store: ConnectionStore, slot: int, flow_id: int, conn: Connection) -> None:
+        self._store = store
+        self._slot = slot
+        self._flow_id = flow_id
+        self.conn = conn
+
+    def _owns(self) -> bool:
+        st = self._store
+        return st._keys[self._slot] is not None and st._fid[self._slot] == self._flow_id
+
+    @property
+    def meta(self) -> dict[str, Any] | None:
+        return self._store._meta[self._slot] if self._owns() else None
+
+    @meta.setter
+    def meta(self, meta: dict[str, Any] | None) -> None:
+        if self._owns():
+            st = self._store
+            st._meta[self._slot] = meta
+            st._invalidate(self._slot)
+
+    @property
+    def settled(self) -> bool:
+        return not self._owns() or self._store._settled(self._slot)
 
 
 @dataclass
@@ -131,7 +206,7 @@ class ConnectionStore:
     """Tracked connections keyed by :class:`ConnectionKey`, and their expiry queue."""
 
     timeouts: Timeouts = field(default_factory=Timeouts)
-    on_new: Callable[[Tracked], None] | None = None  # enrichment hook, called once per new connection
+    on_new: Callable[[NewConnection], None] | None = None  # enrichment hook, called once per new connection
     max_connections: int = DEFAULTS["limits.maxConnections"]  # bounded memory: beyond this, connections are given up
     lineage: bytes = b""  # part of every connectionId; random unless the checkpoint gives one
     adopt: bool = True  # no state to continue from: connections found live are flagged ADOPTED
@@ -139,15 +214,15 @@ class ConnectionStore:
     def __post_init__(self) -> None:
         if not self.lineage:
             self.lineage = os.urandom(8)
-        self.connections: dict[ConnectionKey, Tracked] = {}
+        self.connections: dict[ConnectionKey, int] = {}  # key -> slot of the incarnation that holds the tuple
         self.queue = ExpiryQueue()
-        self._orphans: dict[int, Tracked] = {}  # by flow_id: out of the table, final record pending
-        self._orphan_index: dict[tuple[ConnectionKey, int], Tracked] = {}  # by (tuple, ct_id), for DESTROY
-        self._orphan_due: list[Tracked] = []
+        self._orphans: dict[int, int] = {}  # flow_id -> slot: out of the table, final record pending
+        self._orphan_index: dict[tuple[ConnectionKey, int], int] = {}  # (tuple, ct_id) -> slot, for DESTROY
+        self._orphan_due: list[int] = []
         self._tombs: dict[tuple[ConnectionKey, int], Tombstone] = {}
         self._tomb_order: deque[tuple[float, tuple[ConnectionKey, int]]] = deque()
         self._given_up: dict[ConnectionKey, list[int]] = {}  # key -> [ct_id, start_ns, generation seen]
-        self._idle: dict[ConnectionKey, None] = {}  # idle connections, oldest first: eviction candidates
+        self._idle: dict[int, None] = {}  # slots of idle connections, oldest first: eviction candidates
         self._restored: dict[ConnectionKey, list[Restored]] = {}
         self._loose: dict[tuple[int, int], Export] = {}  # restored records in flight: no connection holds them
         self._resend: list[tuple[float, int, Export]] = []  # heap of failed records waiting to go again
@@ -159,9 +234,219 @@ class ConnectionStore:
         self._cap_unlogged: dict[str, int] = {}
         self.stats = StoreStats()
         self.tombstone_ttl = max(2 * self.timeouts.poll_interval, 10.0)
+        # Slot columns (one element per slot; see the module docstring).
+        self._keys: list[ConnectionKey | None] = []  # None: a free slot
+        self._static: list[bytes | None] = []
+        self._meta: list[dict[str, Any] | None] = []
+        self._prefix: list[bytes | None] = []  # the encoder's record prefix, cached while active
+        self._pending: list[Export | None] = []  # the record in flight: at most one per connection
+        self._labels: dict[int, bytes] = {}  # the few slots whose entry has conntrack labels
+        self._ct = array("I")
+        self._status = array("I")
+        self._mark = array("I")
+        self._seen = array("I")  # generation of the last dump that contained it
+        self._start = array("q")
+        self._first = array("q")  # first-seen stamp (the kernel's start when known)
+        self._last_active = array("q")  # the kernel's stop stamp once known, else the last movement seen
+        self._fid = array("q")  # connectionId
+        self._op = array("Q")  # current totals: packets, bytes, reverse packets, reverse bytes
+        self._ob = array("Q")
+        self._rp = array("Q")
+        self._rb = array("Q")
+        self._bp = array("Q")  # base: the totals of the last record built
+        self._bb = array("Q")
+        self._brp = array("Q")
+        self._brb = array("Q")
+        self._seq = array("I")  # next sequence
+        self._epoch = array("I")  # prefix-cache stamp (wrapping): changes whenever the prefix would
+        self._tcp = array("b")  # TCP state, -1 for none
+        self._flags = bytearray()
+        self._reason = bytearray()  # why it ended for the exporter (0: it has not)
+        self._bits = bytearray()
+        self._numeric = (
+            self._ct, self._status, self._mark, self._seen, self._start, self._first,
+            self._last_active, self._fid, self._op, self._ob, self._rp, self._rb, self._bp, self._bb,
+            self._brp, self._brb, self._seq, self._epoch, self._tcp,
+        )  # fmt: skip
+        self._free: list[int] = []
+        self._next_slot = 0
+        self._epochs = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self.connections) + len(self._orphans)
+
+    # ------------------------------------------------------------------- slots
+    def _grow(self) -> None:
+        n = len(self._keys)
+        more = max(_MIN_GROW, n // 2)  # the slack is touched memory: keep it small
+        for col in self._numeric:
+            col.frombytes(bytes(col.itemsize * more))
+        for b in (self._flags, self._reason, self._bits):
+            b.extend(bytes(more))
+        pad: list[Any] = [None] * more
+        for lst in (self._keys, self._static, self._meta, self._prefix, self._pending):
+            lst.extend(pad)
+        self.queue.grow(n + more)
+
+    def _alloc(
+        self,
+        key: ConnectionKey,
+        conn: Connection,
+        flow_id: int,
+        first_seen: int,
+        wall_ns: int,
+        flags: int = 0,
+        next_seq: int = 0,
+        base: Totals = ZERO,
+    ) -> int:
+        """A slot holding ``conn`` as a new connection (not keyed, not queued)."""
+        if self._free:
+            s = self._free.pop()
+        else:
+            s = self._next_slot
+            if s == len(self._keys):
+                self._grow()
+            self._next_slot = s + 1
+        self._keys[s] = key
+        self._static[s] = _static(conn)
+        self._fid[s] = flow_id
+        self._first[s] = first_seen
+        self._last_active[s] = conn.stop_ns or wall_ns
+        self._seen[s] = self._generation
+        self._flags[s] = flags
+        self._reason[s] = 0
+        self._bits[s] = PRESENT | ACTIVE
+        self._seq[s] = next_seq
+        self._bp[s], self._bb[s], self._brp[s], self._brb[s] = base
+        self._epoch[s] = next(self._epochs) & 0xFFFFFFFF
+        self._set_row(s, conn)
+        return s
+
+    def _set_row(self, s: int, conn: Connection) -> None:
+        """Write a row's changing fields (counters, state, ids) into slot ``s``."""
+        self._op[s] = conn.orig_packets
+        self._ob[s] = conn.orig_bytes
+        self._rp[s] = conn.reply_packets
+        self._rb[s] = conn.reply_bytes
+        ts = conn.tcp_state
+        self._tcp[s] = -1 if ts is None else ts
+        self._status[s] = conn.status
+        if conn.stop_ns:
+            self._last_active[s] = conn.stop_ns
+        self._start[s] = conn.start_ns
+        if self._ct[s] != conn.ct_id or self._mark[s] != conn.mark or self._labels.get(s) != conn.labels:
+            self._ct[s] = conn.ct_id
+            self._mark[s] = conn.mark
+            if conn.labels is None:
+                self._labels.pop(s, None)
+            else:
+                self._labels[s] = conn.labels
+            self._invalidate(s)
+
+    def _invalidate(self, s: int) -> None:
+        """Something the record prefix holds changed: the cached one, and any in flight, are stale."""
+        self._prefix[s] = None
+        self._epoch[s] = next(self._epochs) & 0xFFFFFFFF
+
+    def _release(self, s: int) -> None:
+        self._keys[s] = None
+        self._static[s] = None
+        self._meta[s] = None
+        self._prefix[s] = None
+        self._pending[s] = None
+        self._labels.pop(s, None)
+        self._ct[s] = 0
+        self._mark[s] = 0
+        self.queue.remove(s)
+        self._idle.pop(s, None)
+        self._free.append(s)
+
+    def _totals_of(self, s: int) -> Totals:
+        return (self._op[s], self._ob[s], self._rp[s], self._rb[s])
+
+    def _base_of(self, s: int) -> Totals:
+        return (self._bp[s], self._bb[s], self._brp[s], self._brb[s])
+
+    def _dying(self, s: int) -> bool:
+        """Antrea's rule: TIME_WAIT/CLOSE for TCP, the DYING status bit otherwise."""
+        key = self._keys[s]
+        ts = self._tcp[s]
+        if key is not None and key[1] == PROTO_TCP and ts >= 0:
+            return ts in _TCP_DYING
+        return bool(self._status[s] & IPS_DYING)
+
+    def _went_down(self, s: int, new: Connection) -> bool:
+        return (
+            new.orig_bytes < self._ob[s]
+            or new.reply_bytes < self._rb[s]
+            or new.orig_packets < self._op[s]
+            or new.reply_packets < self._rp[s]
+        )
+
+    def _settled(self, s: int) -> bool:
+        """Ended, reported to the last byte, nothing in flight: safe to forget."""
+        return (
+            self._reason[s] != 0
+            and self._pending[s] is None
+            and not self._bits[s] & FINAL_DUE
+            and self._seq[s] > 0
+            and self._totals_of(s) == self._base_of(s)
+        )
+
+    def _view(self, s: int) -> Connection:
+        """The connection as a row again (static fields plus the latest counters), to encode a record prefix."""
+        key = self._keys[s]
+        static = self._static[s]
+        assert key is not None and static is not None
+        zone, proto, src, sport, dst, _ = key
+        n = len(src)
+        orig_dport, reply_sport, reply_dport, icmp = _STATIC.unpack_from(static, 2 * n)
+        ts = self._tcp[s]
+        return Connection(
+            family=socket.AF_INET if n == 4 else socket.AF_INET6,
+            proto=proto,
+            orig_src=src,
+            orig_dst=static[:n],
+            orig_sport=sport,
+            orig_dport=orig_dport,
+            reply_src=dst,
+            reply_dst=static[n : 2 * n],
+            reply_sport=reply_sport,
+            reply_dport=reply_dport,
+            zone=zone,
+            ct_id=self._ct[s],
+            mark=self._mark[s],
+            labels=self._labels.get(s),
+            status=self._status[s],
+            tcp_state=None if ts < 0 else ts,
+            orig_packets=self._op[s],
+            orig_bytes=self._ob[s],
+            reply_packets=self._rp[s],
+            reply_bytes=self._rb[s],
+            start_ns=self._start[s],
+            icmp_type=orig_dport >> 8 if icmp & 1 else None,
+            icmp_code=orig_dport & 0xFF if icmp & 2 else None,
+            icmp_id=sport if icmp & 4 else None,
+        )
+
+    # ------------------------------------------------------------- inspection
+    def lookup(self, key: ConnectionKey) -> TrackedState | None:
+        """What the store holds for the incarnation that has ``key`` (a copy), or None."""
+        s = self.connections.get(key)
+        if s is None:
+            return None
+        b = self._bits[s]
+        return TrackedState(
+            self._fid[s], self._flags[s], bool(b & ACTIVE), bool(b & PRESENT), self._seq[s],
+            self._totals_of(s), self._base_of(s),
+        )  # fmt: skip
+
+    def deadlines(self, key: ConnectionKey) -> tuple[float, float] | None:
+        """(active, idle) expiry of the connection with ``key`` while it is queued, else None."""
+        s = self.connections.get(key)
+        if s is None or s not in self.queue:
+            return None
+        return (self.queue.active[s], self.queue.idle[s])
 
     # ----------------------------------------------------------------- restore
     def restore(self, rows: Iterable[Restored], resends: Iterable[Export]) -> None:
@@ -207,61 +492,99 @@ class ConnectionStore:
                 self._restored.clear()
 
     def update_batch(self, dumped: Iterable[Connection], now: float, wall_ns: int) -> None:
-        """Add or update the connections of one part of the current dump."""
+        """Add or update the connections of one part of the current dump.
+
+        The hot loop of every poll (one pass per entry): columns are bound to locals and
+        a row that did not move writes only its status (and a stop time).
+        """
         gen = self._generation
         t = self.timeouts
         conns = self.connections
         queue = self.queue
+        seen = self._seen
+        ct = self._ct
+        start = self._start
+        first = self._first
+        bits = self._bits
+        op = self._op
+        ob = self._ob
+        rp = self._rp
+        rb = self._rb
+        tcp = self._tcp
+        status = self._status
+        mark = self._mark
+        labels = self._labels
+        last_active = self._last_active
         for conn in dumped:
             key = conn.key
-            tr = conns.get(key)
-            if tr is None:
+            s = conns.get(key)
+            if s is None:
                 self._admit_row(key, conn, now, wall_ns)
                 continue
-            if tr.seen == gen:
+            if seen[s] == gen:
                 continue  # the same tuple twice in one dump (another zone filtered later): keep the first
-            old = tr.conn
+            old_ct = ct[s]
+            cid = conn.ct_id
+            old_start = start[s]
+            cstart = conn.start_ns
             if (
-                (old.ct_id != conn.ct_id and old.ct_id and conn.ct_id)
-                or (old.start_ns != conn.start_ns and old.start_ns and conn.start_ns)
-                or (not old.start_ns and conn.start_ns > tr.first_seen_ns)
+                (old_ct != cid and old_ct and cid)
+                or (old_start != cstart and old_start and cstart)
+                or (not old_start and cstart > first[s])
             ):  # a new incarnation of the 5-tuple (inlined _same_incarnation: hot loop)
-                self._orphan(tr, END_OF_FLOW, now)
+                self._orphan(s, END_OF_FLOW, now)
                 self._admit_row(key, conn, now, wall_ns)
                 continue
-            tr.seen = gen
-            if tr.destroyed:
+            seen[s] = gen
+            b = bits[s]
+            if b & DESTROYED:
                 continue  # a dump older than its DESTROY event: the event's counters are final
-            if _went_down(old, conn):
-                self._reset(tr, conn, now, wall_ns)
+            packets = conn.orig_packets
+            rpackets = conn.reply_packets
+            old_packets = op[s]
+            old_rpackets = rp[s]
+            obytes = conn.orig_bytes
+            rbytes = conn.reply_bytes
+            if obytes < ob[s] or rbytes < rb[s] or packets < old_packets or rpackets < old_rpackets:
+                self._reset(s, conn, now, wall_ns)
                 continue
-            moved = (
-                conn.orig_packets > old.orig_packets
-                or conn.reply_packets > old.reply_packets
-                or conn.tcp_state != old.tcp_state
-            )
-            tr.conn = conn
-            if not tr.present:  # a row the previous dump missed: it never left
-                tr.present = True
-                tr.end_reason = 0
-                tr.final_due = False
+            ts = conn.tcp_state
+            if ts is None:
+                ts = -1
+            moved = packets > old_packets or rpackets > old_rpackets or ts != tcp[s]
+            if moved:
+                op[s] = packets
+                ob[s] = obytes
+                rp[s] = rpackets
+                rb[s] = rbytes
+                tcp[s] = ts
+            status[s] = conn.status
+            if conn.stop_ns:
+                last_active[s] = conn.stop_ns
+            if old_start != cstart:
+                start[s] = cstart
+            lab = conn.labels
+            if old_ct != cid or mark[s] != conn.mark or ((lab is not None or labels) and labels.get(s) != lab):
+                self._set_row(s, conn)  # an id, mark or labels change: the record prefix changes too
+            if not b & PRESENT:  # a row the previous dump missed: it never left
+                bits[s] = b = (b | PRESENT) & ~FINAL_DUE
+                self._reason[s] = 0
                 moved = True
             if moved:
-                tr.active = True
-                tr.last_active_ns = conn.stop_ns or wall_ns
-                item = queue.get(key)
+                bits[s] = b | ACTIVE
+                last_active[s] = conn.stop_ns or wall_ns
                 if conn.dying:
                     # Just ended (TIME_WAIT, CLOSE, DYING): its record need not wait for a timeout.
-                    if item is None:
-                        queue.push(key, now, now)
+                    if s in queue:
+                        queue.update(s, active_expire=now)
                     else:
-                        queue.update(key, active_expire=now)
-                elif item is None:
+                        queue.push(s, now, now)
+                elif s not in queue:
                     # Inactive (left the queue on idle timeout) and active again: back in.
-                    self._idle.pop(key, None)
-                    queue.push(key, now + t.active, now + t.idle)
+                    self._idle.pop(s, None)
+                    queue.push(s, now + t.active, now + t.idle)
                 else:
-                    queue.update(key, idle_expire=now + t.idle)
+                    queue.update(s, idle_expire=now + t.idle)
 
     def apply_events(
         self, new: Iterable[Connection], destroyed: Iterable[Connection], now: float, wall_ns: int
@@ -282,11 +605,11 @@ class ConnectionStore:
             # showed: that one's DESTROY will report it in full.
             key = conn.key
             ct_id = conn.ct_id
-            tr = conns.get(key)
-            if tr is not None:
-                if not tr.destroyed:
+            s = conns.get(key)
+            if s is not None:
+                if not self._bits[s] & DESTROYED:
                     continue
-                self._orphan(tr, END_OF_FLOW, now)
+                self._orphan(s, END_OF_FLOW, now)
             if self._tombs:
                 tomb = self._tombs.get((key, ct_id))
                 if tomb is not None:
@@ -306,15 +629,15 @@ class ConnectionStore:
     def _apply_destroy(self, conn: Connection, now: float, wall_ns: int) -> None:
         key = conn.key
         self.stats.destroyed_events += 1
-        tr = self.connections.get(key)
-        if tr is not None and _same_incarnation(tr.conn.ct_id, tr.conn.start_ns, conn, tr.first_seen_ns):
-            self._destroy(tr, conn, now, wall_ns)
+        s = self.connections.get(key)
+        if s is not None and _same_incarnation(self._ct[s], self._start[s], conn, self._first[s]):
+            self._destroy(s, conn, now, wall_ns)
             return
         o = self._orphan_index.get((key, conn.ct_id))
         if (
             o is not None
-            and o.end_reason == END_OF_FLOW
-            and _same_incarnation(o.conn.ct_id, o.conn.start_ns, conn, o.first_seen_ns)
+            and self._reason[o] == END_OF_FLOW
+            and _same_incarnation(self._ct[o], self._start[o], conn, self._first[o])
         ):
             self._destroy(o, conn, now, wall_ns)  # a replaced incarnation, still awaiting its final record
             return
@@ -322,12 +645,18 @@ class ConnectionStore:
         if tomb is not None and _same_incarnation(tomb.ct_id, tomb.start_ns, conn, tomb.first_seen_ns):
             if tomb.destroyed or conn.orig_packets + conn.reply_packets == 0 or _totals(conn) == tomb.base:
                 self.stats.late_destroys_dropped += 1
+                # Nothing to report, but the entry is gone: a later row or NEW of this tuple and id is
+                # a new incarnation, even one whose start precedes our first sighting of this one
+                # (its NEW event was read late). The event's start stamp pins the incarnation.
+                tomb.destroyed = True
+                if not tomb.start_ns:
+                    tomb.start_ns = conn.start_ns
                 return
             del self._tombs[(key, conn.ct_id)]
-            if tr is not None:
+            if s is not None:
                 return self._late_end_of_replaced(tomb, conn, now, wall_ns)
-            tr = self._from_tomb(key, conn, tomb, now, wall_ns)
-            self._destroy(tr, conn, now, wall_ns)
+            s = self._from_tomb(key, conn, tomb, now, wall_ns)
+            self._destroy(s, conn, now, wall_ns)
             return
         g = self._given_up.get(key)
         if g is not None and _same_incarnation(g[0], g[1], conn):
@@ -336,68 +665,53 @@ class ConnectionStore:
             return
         # An incarnation the store never saw (it lived and died between dumps, and its NEW was
         # not taken): reported in full. If another incarnation holds the tuple, beside it.
-        if tr is not None:
+        if s is not None:
             self._standalone(conn, now, wall_ns)
             return
-        tr = self._admit(key, conn, now, wall_ns, adopted=self.adopt)
-        if tr is not None:
+        s = self._admit(key, conn, now, wall_ns, adopted=self.adopt)
+        if s is not None:
             self.stats.added_from_events += 1
-            self._destroy(tr, conn, now, wall_ns)
+            self._destroy(s, conn, now, wall_ns)
 
     def _standalone(self, conn: Connection, now: float, wall_ns: int) -> None:
         """Report a destroyed entry whose tuple another incarnation holds, outside the keyed table."""
-        tr = self._unkeyed(conn.key, conn, now, wall_ns, self.adopt)
+        s = self._unkeyed(conn.key, conn, wall_ns, self.adopt)
         self.stats.added_from_events += 1
-        tr.destroyed = True
-        self._orphan(tr, END_OF_FLOW, now, keyed=False)
+        self._bits[s] |= DESTROYED
+        self._orphan(s, END_OF_FLOW, now, keyed=False)
 
-    def _unkeyed(self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int, adopted: bool) -> Tracked:
+    def _unkeyed(self, key: ConnectionKey, conn: Connection, wall_ns: int, adopted: bool) -> int:
         """A new connection that will not enter the keyed table (it only owes its one record)."""
         first_seen = conn.start_ns or self._stamp(wall_ns)
-        tr = Tracked(
-            key=key,
-            conn=conn,
-            flow_id=connection_id(self.lineage, key, conn.ct_id, conn.start_ns, first_seen),
-            first_seen_ns=first_seen,
-            last_active_ns=conn.stop_ns or wall_ns,
-            last_export=now,
-            flags=ADOPTED if adopted else 0,
-        )
+        flow_id = connection_id(self.lineage, key, conn.ct_id, conn.start_ns, first_seen)
+        s = self._alloc(key, conn, flow_id, first_seen, wall_ns, ADOPTED if adopted else 0)
         if self.on_new is not None:
-            self.on_new(tr)
-        return tr
+            self.on_new(_Newcomer(self, s, flow_id, conn))
+        return s
 
     def _late_end_of_replaced(self, tomb: Tombstone, conn: Connection, now: float, wall_ns: int) -> None:
         """A late DESTROY of an incarnation whose tuple a newer one holds: report it as an orphan."""
-        tr = Tracked(
-            key=conn.key,
-            conn=conn,
-            flow_id=tomb.flow_id,
-            first_seen_ns=tomb.first_seen_ns,
-            last_active_ns=conn.stop_ns or wall_ns,
-            last_export=now,
-            next_seq=tomb.next_seq,
-            base=tomb.base,
-            flags=tomb.flags,
+        s = self._alloc(
+            conn.key, conn, tomb.flow_id, tomb.first_seen_ns, wall_ns, tomb.flags, tomb.next_seq, tomb.base
         )  # not _continue(): the keyed table holds a newer incarnation
         self.stats.resurrected += 1
-        self._orphan(tr, END_OF_FLOW, now, keyed=False)
-        tr.destroyed = True
+        self._bits[s] |= DESTROYED
+        self._orphan(s, END_OF_FLOW, now, keyed=False)
 
-    def _destroy(self, tr: Tracked, conn: Connection, now: float, wall_ns: int) -> None:
-        """The kernel deleted ``tr``'s entry; ``conn`` is the DESTROY event's view of it."""
-        if conn.orig_packets + conn.reply_packets == 0 and tr.totals != (0, 0, 0, 0):
-            conn = _with_totals(conn, tr.totals)  # no counters in the event: never lower the totals
-        elif _went_down(tr.conn, conn):
-            if tr.orphan:
-                conn = _with_totals(conn, tr.totals)  # a reset we cannot place: keep what was seen
+    def _destroy(self, s: int, conn: Connection, now: float, wall_ns: int) -> None:
+        """The kernel deleted slot ``s``'s entry; ``conn`` is the DESTROY event's view of it."""
+        totals = self._totals_of(s)
+        if conn.orig_packets + conn.reply_packets == 0 and totals != ZERO:
+            conn = _with_totals(conn, totals)  # no counters in the event: never lower the totals
+        elif self._went_down(s, conn):
+            if self._bits[s] & ORPHAN:
+                conn = _with_totals(conn, totals)  # a reset we cannot place: keep what was seen
             else:
-                tr = self._reset(tr, conn, now, wall_ns)
-        tr.conn = conn
-        tr.destroyed = True
-        tr.present = False
-        tr.last_active_ns = conn.stop_ns or wall_ns
-        self._end(tr, tr.end_reason or END_OF_FLOW, now)
+                s = self._reset(s, conn, now, wall_ns)
+        self._set_row(s, conn)
+        self._bits[s] = (self._bits[s] | DESTROYED) & ~PRESENT
+        self._last_active[s] = conn.stop_ns or wall_ns
+        self._end(s, self._reason[s] or END_OF_FLOW, now)
 
     def _admit_row(self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int) -> None:
         """A dump row for a tuple the store does not hold."""
@@ -417,23 +731,19 @@ class ConnectionStore:
                 return
         self._admit(key, conn, now, wall_ns, adopted=self.adopt)
 
-    def _from_tomb(self, key: ConnectionKey, conn: Connection, tomb: Tombstone, now: float, wall_ns: int) -> Tracked:
+    def _from_tomb(self, key: ConnectionKey, conn: Connection, tomb: Tombstone, now: float, wall_ns: int) -> int:
         self.stats.resurrected += 1
         return self._continue(key, conn, tomb, now, wall_ns)
 
     def _continue(
         self, key: ConnectionKey, conn: Connection, known: Tombstone | Restored, now: float, wall_ns: int
-    ) -> Tracked:
+    ) -> int:
         """Track ``conn`` again under the identity and reported state it had (a tombstone or a checkpoint row)."""
-        tr = self._track(key, conn, known.flow_id, known.first_seen_ns, now, wall_ns)
-        tr.next_seq = known.next_seq
-        tr.base = known.base
-        tr.flags = known.flags
-        return tr
+        return self._track(
+            key, conn, known.flow_id, known.first_seen_ns, now, wall_ns, known.flags, known.next_seq, known.base
+        )
 
-    def _admit(
-        self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int, *, adopted: bool
-    ) -> Tracked | None:
+    def _admit(self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int, *, adopted: bool) -> int | None:
         """Track a connection the store does not hold, unless the cap refuses it."""
         if self._restored:
             rows = self._restored.get(key)
@@ -450,10 +760,7 @@ class ConnectionStore:
             return None
         first_seen = conn.start_ns or self._stamp(wall_ns)
         flow_id = connection_id(self.lineage, key, conn.ct_id, conn.start_ns, first_seen)
-        tr = self._track(key, conn, flow_id, first_seen, now, wall_ns)
-        if adopted:
-            tr.flags = ADOPTED
-        return tr
+        return self._track(key, conn, flow_id, first_seen, now, wall_ns, ADOPTED if adopted else 0)
 
     def _stamp(self, wall_ns: int) -> int:
         """First-seen time for an entry without a kernel start time: strictly increasing, so unique."""
@@ -462,17 +769,25 @@ class ConnectionStore:
         return stamp
 
     def _track(
-        self, key: ConnectionKey, conn: Connection, flow_id: int, first_seen: int, now: float, wall_ns: int
-    ) -> Tracked:
-        # Positional: key, conn, flow_id, first_seen_ns, last_active_ns, last_export, seen.
-        tr = Tracked(key, conn, flow_id, first_seen, conn.stop_ns or wall_ns, now, self._generation)
-        self.connections[key] = tr
+        self,
+        key: ConnectionKey,
+        conn: Connection,
+        flow_id: int,
+        first_seen: int,
+        now: float,
+        wall_ns: int,
+        flags: int = 0,
+        next_seq: int = 0,
+        base: Totals = ZERO,
+    ) -> int:
+        s = self._alloc(key, conn, flow_id, first_seen, wall_ns, flags, next_seq, base)
+        self.connections[key] = s
         self.stats.added += 1
         if self.on_new is not None:
-            self.on_new(tr)
+            self.on_new(_Newcomer(self, s, flow_id, conn))
         t = self.timeouts
-        self.queue.push(key, now + t.active, now + t.idle)
-        return tr
+        self.queue.push(s, now + t.active, now + t.idle)
+        return s
 
     # --------------------------------------------------------------------- cap
     def _evict_idle(self, now: float) -> bool:
@@ -480,32 +795,34 @@ class ConnectionStore:
         idle = self._idle
         conns = self.connections
         while idle:
-            key = next(iter(idle))
-            del idle[key]
-            tr = conns.get(key)
+            s = next(iter(idle))
+            del idle[s]
+            key = self._keys[s]
             if (
-                tr is None
-                or tr.active
-                or tr.pending is not None
-                or tr.end_reason
-                or key in self.queue
-                or tr.totals != tr.base
+                key is None
+                or conns.get(key) != s
+                or self._bits[s] & ACTIVE
+                or self._pending[s] is not None
+                or self._reason[s]
+                or s in self.queue
+                or self._totals_of(s) != self._base_of(s)
             ):
                 continue
-            self._give_up(tr, GIVE_UP_IDLE, now)
+            self._give_up(s, GIVE_UP_IDLE, now)
             return True
         return False
 
     def _refuse(self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int, adopted: bool) -> None:
-        self._give_up(self._unkeyed(key, conn, now, wall_ns, adopted), GIVE_UP_REFUSED, now, keyed=False)
+        self._give_up(self._unkeyed(key, conn, wall_ns, adopted), GIVE_UP_REFUSED, now, keyed=False)
 
-    def _give_up(self, tr: Tracked, why: str, now: float, *, keyed: bool = True) -> None:
-        """Stop tracking ``tr``: one lack-of-resources record with its counts, then never again while it lasts."""
-        c = tr.conn
-        self._given_up[tr.key] = [c.ct_id, c.start_ns, self._generation]
+    def _give_up(self, s: int, why: str, now: float, *, keyed: bool = True) -> None:
+        """Stop tracking slot ``s``: one lack-of-resources record with its counts, then never again while it lasts."""
+        key = self._keys[s]
+        assert key is not None
+        self._given_up[key] = [self._ct[s], self._start[s], self._generation]
         self.stats.given_up[why] = self.stats.given_up.get(why, 0) + 1
         self._cap_unlogged[why] = self._cap_unlogged.get(why, 0) + 1
-        self._orphan(tr, LACK_OF_RESOURCES, now, keyed=keyed)
+        self._orphan(s, LACK_OF_RESOURCES, now, keyed=keyed)
         if now - self._cap_logged_at >= CAP_LOG_INTERVAL:
             self._cap_logged_at = now
             counts = ", ".join(f"{n:,} {reason}" for reason, n in sorted(self._cap_unlogged.items()))
@@ -518,91 +835,98 @@ class ConnectionStore:
             self._cap_unlogged.clear()
 
     # ----------------------------------------------------------- ending things
-    def _orphan(self, tr: Tracked, reason: int, now: float, *, keyed: bool = True) -> None:
-        """Take ``tr`` out of the keyed table (its tuple is taken, or it is given up); it ends with ``reason``."""
-        if keyed and self.connections.get(tr.key) is tr:
-            del self.connections[tr.key]
-            self.queue.remove(tr.key)
-            self._idle.pop(tr.key, None)
+    def _orphan(self, s: int, reason: int, now: float, *, keyed: bool = True) -> None:
+        """Take slot ``s`` out of the keyed table (its tuple is taken, or it is given up); it ends with ``reason``."""
+        key = self._keys[s]
+        assert key is not None
+        if keyed and self.connections.get(key) == s:
+            del self.connections[key]
+            self.queue.remove(s)
+            self._idle.pop(s, None)
             if reason == END_OF_FLOW:
                 self.stats.reused_tuples += 1
-        tr.orphan = True
-        tr.present = False
-        self._orphans[tr.flow_id] = tr
-        self._orphan_index[(tr.key, tr.conn.ct_id)] = tr
-        self._end(tr, reason, now, force_record=reason in (FORCED_END, LACK_OF_RESOURCES))
+        self._bits[s] = (self._bits[s] | ORPHAN) & ~PRESENT
+        self._orphans[self._fid[s]] = s
+        self._orphan_index[(key, self._ct[s])] = s
+        self._end(s, reason, now, force_record=reason in (FORCED_END, LACK_OF_RESOURCES))
 
-    def _end(self, tr: Tracked, reason: int, now: float, *, force_record: bool = False) -> None:
-        """``tr`` ended for the exporter: schedule the record that reports it, or forget it if there is none."""
-        tr.end_reason = reason
-        tr.final_due = force_record or tr.totals != tr.base or tr.next_seq == 0
-        if tr.final_due:
-            if tr.orphan:
-                self._orphan_due.append(tr)
-            elif tr.key in self.queue:
-                self.queue.update(tr.key, active_expire=now)
+    def _end(self, s: int, reason: int, now: float, *, force_record: bool = False) -> None:
+        """Slot ``s`` ended for the exporter: schedule the record that reports it, or forget it if there is none."""
+        self._reason[s] = reason
+        b = self._bits[s]
+        if force_record or self._seq[s] == 0 or self._totals_of(s) != self._base_of(s):
+            self._bits[s] = b | FINAL_DUE
+            if b & ORPHAN:
+                self._orphan_due.append(s)
+            elif s in self.queue:
+                self.queue.update(s, active_expire=now)
             else:
-                self.queue.push(tr.key, now, now)
-        elif tr.pending is None:
-            self._forget(tr, now)
+                self.queue.push(s, now, now)
+        else:
+            self._bits[s] = b & ~FINAL_DUE
+            if self._pending[s] is None:
+                self._forget(s, now)
 
-    def _reset(self, tr: Tracked, conn: Connection, now: float, wall_ns: int) -> Tracked:
+    def _reset(self, s: int, conn: Connection, now: float, wall_ns: int) -> int:
         """Counters went down (zeroed): end this connectionId with what it had, continue under a new one."""
         self.stats.counter_resets += 1
-        key = tr.key
-        meta = tr.meta
-        self._orphan(tr, FORCED_END, now)
-        new = Tracked(
-            key=key,
-            conn=conn,
-            flow_id=next_segment_id(tr.flow_id),
-            first_seen_ns=tr.first_seen_ns,
-            last_active_ns=conn.stop_ns or wall_ns,
-            last_export=now,
-            seen=self._generation,
-            flags=(tr.flags & ~ADOPTED) | COUNTERS_RESET,
-            meta=meta,
-        )
+        key = self._keys[s]
+        assert key is not None
+        meta = self._meta[s]
+        flow_id = self._fid[s]
+        first_seen = self._first[s]
+        flags = self._flags[s]
+        self._orphan(s, FORCED_END, now)
+        new = self._alloc(key, conn, next_segment_id(flow_id), first_seen, wall_ns, (flags & ~ADOPTED) | COUNTERS_RESET)
+        self._meta[new] = meta
         self.connections[key] = new
-        self.queue.push(key, now + self.timeouts.active, now + self.timeouts.idle)
+        self.queue.push(new, now + self.timeouts.active, now + self.timeouts.idle)
         return new
 
-    def _forget(self, tr: Tracked, now: float) -> None:
+    def _forget(self, s: int, now: float) -> None:
         """Drop a settled connection, leaving a tombstone for late events and rows."""
-        if tr.orphan:
-            self._orphans.pop(tr.flow_id, None)
-            ikey = (tr.key, tr.conn.ct_id)
-            if self._orphan_index.get(ikey) is tr:
+        key = self._keys[s]
+        assert key is not None
+        ct_id = self._ct[s]
+        if self._bits[s] & ORPHAN:
+            flow_id = self._fid[s]
+            if self._orphans.get(flow_id) == s:
+                del self._orphans[flow_id]
+            ikey = (key, ct_id)
+            if self._orphan_index.get(ikey) == s:
                 del self._orphan_index[ikey]
-            if tr.end_reason != END_OF_FLOW:
+            if self._reason[s] != END_OF_FLOW:
+                self._release(s)
                 return  # given up (the registry remembers it) or reset (its successor holds the tuple)
-        elif self.connections.get(tr.key) is tr:
-            del self.connections[tr.key]
-            self.queue.remove(tr.key)
-            self._idle.pop(tr.key, None)
+        elif self.connections.get(key) == s:
+            del self.connections[key]
             self.stats.deleted += 1
-        c = tr.conn
-        tkey = (tr.key, c.ct_id)
+        tkey = (key, ct_id)
         self._tombs[tkey] = Tombstone(
-            tr.flow_id,
-            c.ct_id,
-            c.start_ns,
-            tr.first_seen_ns,
-            tr.next_seq,
-            tr.base,
-            tr.flags,
-            tr.destroyed,
+            self._fid[s],
+            ct_id,
+            self._start[s],
+            self._first[s],
+            self._seq[s],
+            self._base_of(s),
+            self._flags[s],
+            bool(self._bits[s] & DESTROYED),
             now + self.tombstone_ttl,
         )
         self._tomb_order.append((now + self.tombstone_ttl, tkey))
+        self._release(s)
 
     def _sweep(self, now: float, gen: int) -> None:
         """Connections missing from this dump left the table: report them now, not at a deadline."""
-        gone = [tr for tr in self.connections.values() if tr.seen != gen and tr.present and not tr.destroyed]
-        for tr in gone:
-            tr.present = False
-            if not tr.end_reason:
-                self._end(tr, END_OF_FLOW, now)
+        seen = self._seen
+        bits = self._bits
+        gone = [
+            s for s in self.connections.values() if seen[s] != gen and bits[s] & PRESENT and not bits[s] & DESTROYED
+        ]
+        for s in gone:
+            bits[s] &= ~PRESENT
+            if not self._reason[s]:
+                self._end(s, END_OF_FLOW, now)
         if self._given_up:
             for key in [k for k, g in self._given_up.items() if g[2] != gen]:
                 del self._given_up[key]
@@ -615,7 +939,7 @@ class ConnectionStore:
 
     # ---------------------------------------------------------------- expiring
     def next_deadline(self) -> float | None:
-        if any(tr.pending is None for tr in self._orphan_due):
+        if any(self._pending[s] is None for s in self._orphan_due):
             return float("-inf")
         deadline = self.queue.next_deadline()
         if self._resend:
@@ -633,45 +957,49 @@ class ConnectionStore:
         resend = self._resend
         while resend and resend[0][0] <= now and (limit is None or len(out) < limit):
             out.append(heapq.heappop(resend)[2])
+        pending = self._pending
+        bits = self._bits
+        reason = self._reason
         if self._orphan_due:
             waiting = []
-            for tr in self._orphan_due:
-                if tr.pending is not None or (limit is not None and len(out) >= limit):
-                    waiting.append(tr)  # goes when its record in flight settles
-                elif tr.final_due:
-                    out.append(self._build(tr, tr.end_reason, now))
+            for s in self._orphan_due:
+                if pending[s] is not None or (limit is not None and len(out) >= limit):
+                    waiting.append(s)  # goes when its record in flight settles
+                elif bits[s] & FINAL_DUE and bits[s] & ORPHAN and self._keys[s] is not None:
+                    out.append(self._build(s, reason[s], now))
             self._orphan_due = waiting
         active = self.timeouts.active
         queue = self.queue
         requeue = queue.requeue
-        conns = self.connections
+        idle_expire = queue.idle
         append = out.append
-        retry: list[ConnectionKey] = []
-        for key, item in queue.pop_due(now):
+        build = self._build
+        retry: list[int] = []
+        for s in queue.pop_due(now):
             if limit is not None and len(out) >= limit:
-                queue.push(key, item.active_expire, item.idle_expire)
+                queue.push(s, queue.active[s], idle_expire[s])
                 break
-            tr = conns[key]
-            if tr.pending is not None:
-                retry.append(key)
+            if pending[s] is not None:
+                retry.append(s)
                 continue
-            if tr.end_reason:
-                if tr.final_due:
-                    out.append(self._build(tr, tr.end_reason, now))
+            r = reason[s]
+            if r:
+                if bits[s] & FINAL_DUE:
+                    append(build(s, r, now))
                 continue
-            if tr.conn.dying:
+            if self._dying(s):
                 # TIME_WAIT or CLOSE: still in the table, but over; later movement queues it again.
-                out.append(self._build(tr, END_OF_FLOW, now))
+                append(build(s, END_OF_FLOW, now))
                 continue
-            if item.idle_expire <= now:
-                tr.active = False
-                self._idle[key] = None
-                out.append(self._build(tr, IDLE_TIMEOUT, now))
+            if idle_expire[s] <= now:
+                bits[s] &= ~ACTIVE
+                self._idle[s] = None
+                append(build(s, IDLE_TIMEOUT, now))
                 continue
-            append(self._build(tr, ACTIVE_TIMEOUT, now))
-            requeue(key, item, now + active, item.idle_expire)
-        for key in retry:
-            queue.push(key, now + RETRY_DELAY, now + RETRY_DELAY)
+            append(build(s, ACTIVE_TIMEOUT, now))
+            requeue(s, now + active, idle_expire[s])
+        for s in retry:
+            queue.push(s, now + RETRY_DELAY, now + RETRY_DELAY)
         return out
 
     def export_all(self, now: float, reason: int = FORCED_END) -> list[Export]:
@@ -683,47 +1011,75 @@ class ConnectionStore:
         """
         out = [e for _, _, e in self._resend]
         self._resend.clear()
-        for tr in [*self._orphans.values(), *self.connections.values()]:
-            if tr.pending is not None or tr.closed:
+        bits = self._bits
+        for s in [*self._orphans.values(), *self.connections.values()]:
+            if self._pending[s] is not None or bits[s] & CLOSED:
                 continue
-            if tr.end_reason:
-                if tr.final_due:
-                    out.append(self._build(tr, tr.end_reason, now))
+            r = self._reason[s]
+            if r:
+                if bits[s] & FINAL_DUE:
+                    out.append(self._build(s, r, now))
                 continue
-            tr.closed = True
-            if tr.conn.dying and tr.next_seq and tr.totals == tr.base:
+            bits[s] |= CLOSED
+            if self._dying(s) and self._seq[s] and self._totals_of(s) == self._base_of(s):
                 continue  # its end-of-flow record told it all (TIME_WAIT)
-            self.queue.remove(tr.key)
-            out.append(self._build(tr, reason, now))
+            self.queue.remove(s)
+            out.append(self._build(s, reason, now))
         self._orphan_due = []
         return out
 
     def unfinished(self) -> int:
         """Records built and not delivered, plus connections still owing one (shutdown)."""
         n = len(self._loose)
-        for tr in [*self._orphans.values(), *self.connections.values()]:
-            if tr.pending is not None or (tr.final_due if tr.end_reason else not tr.closed):
+        bits = self._bits
+        for s in [*self._orphans.values(), *self.connections.values()]:
+            if self._pending[s] is not None or (bits[s] & FINAL_DUE if self._reason[s] else not bits[s] & CLOSED):
                 n += 1
         return n
 
-    def _build(self, tr: Tracked, reason: int, now: float) -> Export:
-        # One call per record (bench/bench_app_export.py): attribute reads and conditionals, no max() calls.
-        c = tr.conn
-        totals = (c.orig_packets, c.orig_bytes, c.reply_packets, c.reply_bytes)
-        b = tr.base
-        d0 = totals[0] - b[0]
-        d1 = totals[1] - b[1]
-        d2 = totals[2] - b[2]
-        d3 = totals[3] - b[3]
-        deltas = (d0 if d0 > 0 else 0, d1 if d1 > 0 else 0, d2 if d2 > 0 else 0, d3 if d3 > 0 else 0)
-        final = bool(tr.end_reason)
-        e = Export(tr, reason, tr.next_seq, totals, deltas, final, c.stop_ns or tr.last_active_ns, tr.flow_id)
-        tr.next_seq += 1
-        tr.base = totals
-        tr.pending = e
-        tr.last_export = now
-        if final:
-            tr.final_due = False
+    def _build(self, s: int, reason: int, now: float) -> Export:
+        # One call per record (bench/bench_app_export.py): column reads and conditionals, no max() calls.
+        o0 = self._op[s]
+        o1 = self._ob[s]
+        o2 = self._rp[s]
+        o3 = self._rb[s]
+        d0 = o0 - self._bp[s]
+        d1 = o1 - self._bb[s]
+        d2 = o2 - self._brp[s]
+        d3 = o3 - self._brb[s]
+        end_reason = self._reason[s]
+        prefix = self._prefix[s]
+        seq = self._seq[s]
+        ts = self._tcp[s]
+        e = Export(
+            reason,
+            seq,
+            (o0, o1, o2, o3),
+            (d0 if d0 > 0 else 0, d1 if d1 > 0 else 0, d2 if d2 > 0 else 0, d3 if d3 > 0 else 0),
+            end_reason != 0,
+            self._last_active[s],
+            self._fid[s],
+            self._first[s],
+            self._keys[s],
+            self._ct[s],
+            self._start[s],
+            self._flags[s],
+            end_reason != 0 and end_reason != LACK_OF_RESOURCES,
+            None if ts < 0 else ts,
+            self._meta[s],
+            None if prefix is not None else self._view(s),
+            prefix,
+            s,
+            self._epoch[s],
+        )
+        self._seq[s] = seq + 1
+        self._bp[s] = o0
+        self._bb[s] = o1
+        self._brp[s] = o2
+        self._brb[s] = o3
+        self._pending[s] = e
+        if end_reason:
+            self._bits[s] &= ~FINAL_DUE
         self.stats.records_built += 1
         return e
 
@@ -742,55 +1098,61 @@ class ConnectionStore:
             export.attempts += 1
             heapq.heappush(self._resend, (now + delay, next(self._resend_seq), export))
             return
-        tr = export.tracked
-        if tr is None:
+        s = export.slot
+        if s < 0:
             self._loose.pop((export.flow_id, export.sequence), None)
             return
-        if tr.pending is not export:
+        if self._pending[s] is not export:
             return
-        tr.pending = None
-        if tr.end_reason:
-            if tr.final_due or tr.totals != tr.base:
-                tr.final_due = True  # more counts arrived (a late DESTROY) after its record was built
-                if tr.orphan:
-                    self._orphan_due.append(tr)
-                elif tr.key not in self.queue:
-                    self.queue.push(tr.key, now, now)
-            elif tr.settled:
-                self._forget(tr, now)
-        elif not tr.active:
-            tr.avro_prefix = None  # idle: free the cached record prefix until it is needed again
+        self._pending[s] = None
+        b = self._bits[s]
+        if self._reason[s]:
+            if b & FINAL_DUE or self._totals_of(s) != self._base_of(s):
+                self._bits[s] = b | FINAL_DUE  # more counts arrived (a late DESTROY) after its record was built
+                if b & ORPHAN:
+                    self._orphan_due.append(s)
+                elif s not in self.queue:
+                    self.queue.push(s, now, now)
+            elif self._settled(s):
+                self._forget(s, now)
+        elif b & ACTIVE:
+            if export.prefix is not None and export.epoch == self._epoch[s]:
+                self._prefix[s] = export.prefix  # the encoder's work, kept for the next record
+        else:
+            self._prefix[s] = None  # idle: free the cached record prefix until it is needed again
 
     # -------------------------------------------------------------- checkpoint
+    def _restored_row(self, s: int) -> Restored:
+        # A NamedTuple without its __new__'s overhead: 250k of them per snapshot.
+        return tuple.__new__(Restored, (self._keys[s], self._ct[s], self._start[s], self._first[s], self._fid[s],
+                                        self._seq[s], self._base_of(s), self._flags[s]))  # fmt: skip
+
     def reported(self) -> Iterator[Restored]:
         """What a checkpoint keeps: every connection a restarted exporter may meet again with a record built.
 
         Tracked connections, connections given up at the cap, and rows restored from the
         last checkpoint that no dump has matched yet; not the orphans that ended.
         """
-        new = tuple.__new__  # a NamedTuple without its __new__'s overhead: 250k of them per snapshot
-        for tr in self.connections.values():
-            if tr.next_seq:
-                c = tr.conn
-                yield new(Restored, (tr.key, c.ct_id, c.start_ns, tr.first_seen_ns, tr.flow_id, tr.next_seq, tr.base,
-                                     tr.flags))  # fmt: skip
-        for tr in self._orphans.values():
-            if tr.next_seq and tr.end_reason == LACK_OF_RESOURCES:
-                c = tr.conn
-                yield new(Restored, (tr.key, c.ct_id, c.start_ns, tr.first_seen_ns, tr.flow_id, tr.next_seq, tr.base,
-                                     tr.flags))  # fmt: skip
+        seq = self._seq
+        for s in self.connections.values():
+            if seq[s]:
+                yield self._restored_row(s)
+        for s in self._orphans.values():
+            if seq[s] and self._reason[s] == LACK_OF_RESOURCES:
+                yield self._restored_row(s)
         for rows in self._restored.values():
             yield from rows
 
     def in_flight(self) -> Iterator[Export]:
         """Every record built and not known to be delivered (in flight or waiting to be resent)."""
         yield from self._loose.values()  # restored from a checkpoint: no connection holds them
-        for tr in [*self.connections.values(), *self._orphans.values()]:
-            if tr.pending is not None:
-                yield tr.pending
+        for s in [*self.connections.values(), *self._orphans.values()]:
+            e = self._pending[s]
+            if e is not None:
+                yield e
 
 
-def _with_totals(conn: Connection, totals: tuple[int, int, int, int]) -> Connection:
+def _with_totals(conn: Connection, totals: Totals) -> Connection:
     return replace(
         conn, orig_packets=totals[0], orig_bytes=totals[1], reply_packets=totals[2], reply_bytes=totals[3]
     )

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from flow_exporter.flow import Tracked
+from flow_exporter.connection import Connection
+from flow_exporter.flow import NewConnection
 from flow_exporter.k8s.index import NodeIndex, PodIndex, PodInfo, ServiceIndex
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class EnrichStats:
 
 
 class Enricher:
-    """Callable ``enricher(tracked)``: sets ``tracked.meta`` to the dict of K8S fields and flowType.
+    """Callable ``enricher(new)``: sets ``new.meta`` to the dict of K8S fields and flowType.
 
     ``label_keys`` are the pod labels copied into records, at most ``max_labels`` of them, each
     value cut to ``max_value_len``. Connections seen before the caches' first full sync are kept
@@ -74,7 +75,7 @@ class Enricher:
 
     Connections with the same ends (same pod objects, nodes, Service, flowType) share one meta
     dict, never mutated: it saves building an 11-key dict per connection (the larger part of the
-    cost) and ~650 bytes per tracked connection. Each connection still gets ``tracked.meta``
+    cost) and ~650 bytes per tracked connection. Each connection still gets its ``meta``
     assigned, and a changed pod is a new PodInfo, hence a new dict.
     """
 
@@ -97,7 +98,7 @@ class Enricher:
         self.label_keys = tuple(keys[:max_labels])
         self.max_value_len = max_value_len
         self.stats = EnrichStats()
-        self._pending: deque[Tracked] = deque()
+        self._pending: deque[NewConnection] = deque()
         self._pending_limit = pending_limit
         self._synced = False
         self._label_dicts: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
@@ -105,17 +106,17 @@ class Enricher:
         self._shared: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._shared_limit = shared_limit
 
-    def __call__(self, tr: Tracked) -> None:
+    def __call__(self, tr: NewConnection) -> None:
         try:
             if not self._synced:
                 self._before_sync(tr)
-            tr.meta = self.meta_for(tr)
+            tr.meta = self.meta_for(tr.conn)
         except Exception:
             self.stats.errors += 1
             if self.stats.errors == 1:
                 log.exception("k8s enrichment failed (counted, logged once)")
 
-    def _before_sync(self, tr: Tracked) -> None:
+    def _before_sync(self, tr: NewConnection) -> None:
         if not self.caches.ready.is_set():
             if len(self._pending) < self._pending_limit:
                 self._pending.append(tr)
@@ -126,12 +127,11 @@ class Enricher:
         while self._pending:
             old = self._pending.popleft()
             if not old.settled:
-                old.meta = self.meta_for(old)
+                old.meta = self.meta_for(old.conn)
                 self.stats.reenriched += 1
 
-    def meta_for(self, tr: Tracked) -> dict[str, Any] | None:
+    def meta_for(self, c: Connection) -> dict[str, Any] | None:
         """The K8S fields of a connection (None when nothing about either end is known)."""
-        c = tr.conn
         caches = self.caches
         pods = caches.pods
         services = caches.services

@@ -23,7 +23,7 @@ from functools import lru_cache
 from typing import Any
 
 from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, TCP_STATE_NAMES
-from flow_exporter.flow import Export, Tracked
+from flow_exporter.flow import Export
 from flow_exporter.record import K8S_FIELDS
 
 
@@ -114,19 +114,23 @@ class RecordEncoder:
         self._ms = -1
         self._ms_bytes = b""
 
-    def static(self, tr: Tracked) -> bytes:
-        """The connection-lifetime prefix (connectionId .. flags), cached on ``tr``."""
-        c = tr.conn
-        stamp = (c.mark, c.labels, id(tr.meta), tr.flags)
-        if tr.avro_prefix is not None and tr.avro_stamp == stamp:
-            return tr.avro_prefix
+    def static(self, export: Export) -> bytes:
+        """The connection-lifetime prefix (connectionId .. flags), left on ``export``.
+
+        The store keeps it for the connection's next records once this one is delivered
+        (store.acknowledge) and drops it when the mark, labels or metadata change.
+        """
+        if export.prefix is not None:
+            return export.prefix
+        c = export.conn
+        assert c is not None, "an export without a prefix carries its connection's fields"
         fam = c.family
         icmp = c.proto in (PROTO_ICMP, PROTO_ICMPV6)
         labels = c.labels
         parts = [
-            zigzag_varint(tr.flow_id),
+            zigzag_varint(export.flow_id),
             self._node,
-            zigzag_varint(tr.first_seen_ns // 1_000_000),
+            zigzag_varint(export.first_seen_ns // 1_000_000),
             _SMALL[8] if fam == socket.AF_INET else _SMALL[12],  # ipVersion 4 / 6
             _U16[c.proto],
             _address(fam, c.orig_src),
@@ -141,33 +145,29 @@ class RecordEncoder:
             zigzag_varint(c.ct_id),
             zigzag_varint(c.mark),
             _NULL if labels is None else _SOME + zigzag_varint(len(labels)) + labels,
-            _k8s(tr.meta),
-            zigzag_varint(tr.flags),
+            _k8s(export.meta),
+            zigzag_varint(export.flags),
         ]
-        prefix = b"".join(parts)
-        tr.avro_prefix = prefix
-        tr.avro_stamp = stamp
+        prefix = export.prefix = b"".join(parts)
         return prefix
 
     def encode(self, export: Export, export_ms: int) -> bytes:
-        tr = export.tracked
-        c = tr.conn
         t = export.totals
         d = export.deltas
         z = zigzag_varint
-        state = c.tcp_state
+        state = export.tcp_state
         if export_ms != self._ms:  # one export time per batch: encode it once
             self._ms = export_ms
             self._ms_bytes = z(export_ms)
         return b"".join(
             (
-                self.static(tr),
+                self.static(export),
                 z(export.sequence),
                 self._ms_bytes,
-                z(max(export.flow_end_ns, tr.first_seen_ns) // 1_000_000),
+                z(max(export.flow_end_ns, export.first_seen_ns) // 1_000_000),
                 _SMALL[export.reason << 1],
                 _TCP_STATES[state]
-                if c.proto == PROTO_TCP and state is not None and 0 <= state < len(_TCP_STATES)
+                if state is not None and export.conn_key[1] == PROTO_TCP and 0 <= state < len(_TCP_STATES)
                 else _NULL,
                 z(t[0]),
                 z(t[1]),

@@ -165,7 +165,7 @@ class KafkaSink:
     # --------------------------------------------------------------- produce
     def route(self, export: Export) -> str:
         if self.routes:
-            meta = export.tracked.meta
+            meta = export.meta
             flow_type = meta.get("flowType", 0) if meta else 0
             for r in self.routes:
                 if r.matches(flow_type, export.reason):

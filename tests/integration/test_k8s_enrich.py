@@ -26,12 +26,12 @@ from kubernetes.client.rest import ApiException
 from devtools.apiserver import ApiServer
 from devtools.lab import Lab
 from flow_exporter.connection import PROTO_TCP, Connection
-from flow_exporter.flow import Tracked
 from flow_exporter.k8s.cache import RESOURCES, K8sCaches, load_configuration
 from flow_exporter.k8s.enrich import INTER_NODE, INTRA_NODE, Enricher
 from flow_exporter.k8s.index import pack_ip
 from flow_exporter.record import K8S_FIELDS
 from tests.support.exporter_process import start_exporter, stop_exporter
+from tests.support.fakes import NewFlow
 from tests.support.paths import REPO
 from tests.support.records import by_connection, read_records
 
@@ -152,12 +152,12 @@ def until_next_poll(log: Path, interval: float) -> float:
     return interval - (time.time() - first) % interval
 
 
-def conn_to(src: str, dst: str, start_ns: int) -> Tracked:
+def conn_to(src: str, dst: str, start_ns: int) -> NewFlow:
     fam = socket.AF_INET6 if ":" in src else socket.AF_INET
     s, d = pack_ip(src), pack_ip(dst)
     assert s is not None and d is not None
     c = Connection(fam, PROTO_TCP, s, d, 40000, 80, d, s, 80, 40000, start_ns=start_ns)
-    return Tracked(c.key, c, 1, start_ns, start_ns, 0.0)
+    return NewFlow(c)
 
 
 def subnet() -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 from flow_exporter.connection import Connection
 from flow_exporter.flow import Export
@@ -117,3 +118,12 @@ class FakeBroker:
     def take_reports(self) -> list[DeliveryReport]:
         taken, self._reports = self._reports, []
         return taken
+
+
+@dataclass
+class NewFlow:
+    """What the store hands enrichment for a new connection (``flow.NewConnection``), held by a test."""
+
+    conn: Connection
+    meta: dict[str, Any] | None = None
+    settled: bool = False

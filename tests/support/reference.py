@@ -28,13 +28,14 @@ def _ip(family: int, packed: bytes) -> str:
 
 def build_record(export: Export, node: str, export_ms: int) -> dict[str, Any]:
     """The record dict for one export (what the Avro writer serializes)."""
-    tr = export.tracked
-    c = tr.conn
+    c = export.conn
+    assert c is not None, "a connection's first record carries its fields"
     fam = c.family
     icmp = c.proto in (PROTO_ICMP, PROTO_ICMPV6)
     tcp_state = None
-    if c.proto == PROTO_TCP and c.tcp_state is not None and 0 <= c.tcp_state < len(TCP_STATE_NAMES):
-        tcp_state = TCP_STATE_NAMES[c.tcp_state]
+    state = export.tcp_state
+    if c.proto == PROTO_TCP and state is not None and 0 <= state < len(TCP_STATE_NAMES):
+        tcp_state = TCP_STATE_NAMES[state]
     totals = export.totals
     deltas = export.deltas
     rec: dict[str, Any] = {
@@ -42,8 +43,8 @@ def build_record(export: Export, node: str, export_ms: int) -> dict[str, Any]:
         "sequence": export.sequence,
         "exporterNode": node,
         "exportTime": export_ms,
-        "flowStart": tr.first_seen_ns // 1_000_000,
-        "flowEnd": max(export.flow_end_ns, tr.first_seen_ns) // 1_000_000,
+        "flowStart": export.first_seen_ns // 1_000_000,
+        "flowEnd": max(export.flow_end_ns, export.first_seen_ns) // 1_000_000,
         "flowEndReason": export.reason,
         "ipVersion": 4 if fam == socket.AF_INET else 6,
         "protocol": c.proto,
@@ -69,9 +70,9 @@ def build_record(export: Export, node: str, export_ms: int) -> dict[str, Any]:
         "reversePacketDeltaCount": deltas[2],
         "reverseOctetDeltaCount": deltas[3],
         "flowType": 0,
-        "flags": tr.flags,
+        "flags": export.flags,
     }
-    meta = tr.meta
+    meta = export.meta
     for name in K8S_FIELDS:
         rec[name] = meta.get(name) if meta else None
     if meta:

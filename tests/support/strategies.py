@@ -7,8 +7,8 @@ import socket
 from hypothesis import strategies as st
 
 from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP, Connection
+from flow_exporter.flow import Export
 from flow_exporter.record import K8S_FIELDS
-from flow_exporter.store import Export, Tracked
 
 u16 = st.integers(0, 0xFFFF)
 u32 = st.integers(0, 0xFFFFFFFF)
@@ -61,23 +61,20 @@ def exports(draw: st.DrawFn) -> Export:
         }
         meta["flowType"] = draw(st.integers(0, 4))
     first = draw(st.integers(1, 2**62))
-    tr = Tracked(
-        key=c.key,
-        conn=c,
-        flow_id=draw(st.integers(-(2**63), 2**63 - 1)),
-        first_seen_ns=first,
-        last_active_ns=draw(st.integers(0, 2**62)),
-        last_export=0.0,
-        meta=meta,
-        flags=draw(st.integers(0, 3)),
-    )
     return Export(
-        tracked=tr,
         reason=draw(st.integers(1, 5)),
         sequence=draw(st.integers(0, 2**40)),
         totals=(draw(u64), draw(u64), draw(u64), draw(u64)),
         deltas=(draw(u64), draw(u64), draw(u64), draw(u64)),
         final=draw(st.booleans()),
         flow_end_ns=draw(st.integers(0, 2**62)),
-        flow_id=tr.flow_id,
+        flow_id=draw(st.integers(-(2**63), 2**63 - 1)),
+        first_seen_ns=first,
+        conn_key=c.key,
+        ct_id=c.ct_id,
+        start_ns=c.start_ns,
+        flags=draw(st.integers(0, 3)),
+        tcp_state=c.tcp_state,
+        meta=meta,
+        conn=c,
     )

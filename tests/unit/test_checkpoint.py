@@ -29,7 +29,7 @@ def store_with_records(clock: Clock, lineage: bytes, n: int = 3) -> tuple[Connec
     poll(store, clock, *(tcp(1000 + i, packets=3) for i in range(n)))
     out = store.expire(clock.now, clock.wall())
     for e in out:  # as the sink prepares them
-        e.value, e.topic, e.key = f"value-{e.flow_id}".encode(), "flows", b"k" + bytes([e.tracked.key[3] & 0xFF])
+        e.value, e.topic, e.key = f"value-{e.flow_id}".encode(), "flows", b"k" + bytes([e.conn_key[3] & 0xFF])  # type: ignore[index]
     return store, out
 
 
@@ -67,9 +67,9 @@ def test_journal_replay_gives_rows_and_undelivered_records(tmp_path: Path) -> No
         assert (r.next_seq, r.base, r.key, r.ct_id, r.start_ns) == (
             e.sequence + 1,
             e.totals,
-            e.tracked.key,
-            e.tracked.conn.ct_id,
-            e.tracked.conn.start_ns,
+            e.conn_key,
+            e.ct_id,
+            e.start_ns,
         )
     assert sorted((e.flow_id, e.sequence, e.value, e.topic, e.key, e.totals) for e in got.resends) == sorted(
         (e.flow_id, e.sequence, e.value, e.topic, e.key, e.totals) for e in out[1:]

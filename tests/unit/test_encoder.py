@@ -5,9 +5,12 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flow_exporter.flow import Export, NewConnection
 from flow_exporter.sink.encoder import RecordEncoder, zigzag_varint
-from flow_exporter.store import Export
+from flow_exporter.store import ConnectionStore
+from flow_exporter.timeouts import Timeouts
 from tests.support.reference import AvroSerializer, build_record
+from tests.support.store_builders import Clock, poll, tcp
 from tests.support.strategies import exports
 
 SER = AvroSerializer()
@@ -20,20 +23,38 @@ def test_encoder_is_byte_identical_to_fastavro(export: Export, node: str, export
     enc = RecordEncoder(node)
     assert enc.encode(export, export_ms) == expected
     assert enc.encode(export, export_ms) == expected  # from the cached prefix
-    assert SER.decode(expected)["connectionId"] == export.tracked.flow_id
+    assert SER.decode(expected)["connectionId"] == export.flow_id
 
 
-@settings(max_examples=300, deadline=None)
-@given(exports())
-def test_cached_prefix_follows_mark_and_metadata_changes(export: Export) -> None:
+def test_store_keeps_the_prefix_while_active_and_drops_it_when_it_would_change() -> None:
+    """The encoded prefix is cached by the store; a mark, labels or metadata change must not reuse it."""
+    clock = Clock()
+    handles: list[NewConnection] = []
+    store = ConnectionStore(Timeouts(poll_interval=5, active=5, idle=15, stale=300), on_new=handles.append)
     enc = RecordEncoder("n")
-    enc.encode(export, 1)
-    tr = export.tracked
-    tr.conn.mark = (tr.conn.mark + 1) & 0xFFFFFFFF
-    tr.meta = {"sourcePodName": "p", "flowType": 1}
-    assert enc.encode(export, 1) == SER(build_record(export, "n", 1))
-    tr.flags ^= 1
-    assert enc.encode(export, 1) == SER(build_record(export, "n", 1))
+
+    cached: list[bool] = []
+
+    def export_one(**kw: object) -> dict[str, object]:
+        poll(store, clock, tcp(**kw))
+        clock.tick(5)
+        (e,) = store.expire(clock.now, clock.wall())
+        cached.append(e.prefix is not None)
+        rec = SER.decode(enc.encode(e, 1))
+        store.acknowledge(e, True, clock.now)
+        return rec
+
+    assert export_one(packets=2, mark=1)["ctMark"] == 1
+    rec = export_one(packets=3, mark=1)
+    assert rec["sequence"] == 1 and rec["ctMark"] == 1 and rec["sourcePodName"] is None
+    assert export_one(packets=4, mark=2)["ctMark"] == 2
+    assert export_one(packets=5, mark=2, labels=bytes(range(16)))["ctLabels"] == bytes(range(16))
+    (h,) = handles
+    h.meta = {"sourcePodName": "p", "flowType": 1}  # a late enrichment
+    rec = export_one(packets=6, mark=2, labels=bytes(range(16)))
+    assert rec["sourcePodName"] == "p" and rec["flowType"] == 1 and rec["sequence"] == 4
+    assert export_one(packets=7, mark=2, labels=bytes(range(16)))["sourcePodName"] == "p"
+    assert cached == [False, True, False, False, False, True]
 
 
 @given(st.integers(-(2**63), 2**63 - 1))

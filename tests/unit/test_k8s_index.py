@@ -23,11 +23,11 @@ from kubernetes.client.rest import ApiException
 
 from flow_exporter.config import ConfigError, load
 from flow_exporter.connection import PROTO_TCP, PROTO_UDP, Connection
-from flow_exporter.flow import Tracked, connection_id
 from flow_exporter.k8s.cache import K8sCaches
 from flow_exporter.k8s.enrich import FROM_EXTERNAL, INTER_NODE, INTRA_NODE, TO_EXTERNAL, Enricher
 from flow_exporter.k8s.index import Indexes, PodIndex, ServiceIndex, pack_ip, parse_time_ns
 from flow_exporter.record import K8S_FIELDS
+from tests.support.fakes import NewFlow
 
 S = 1_000_000_000  # ns per second
 T0 = parse_time_ns("2026-01-01T00:00:00Z")
@@ -93,7 +93,7 @@ def tracked(
     backend_port: int | None = None,
     proto: int = PROTO_TCP,
     start_ns: int = 0,
-) -> Tracked:
+) -> NewFlow:
     fam = socket.AF_INET6 if ":" in src else socket.AF_INET
     c = Connection(
         family=fam,
@@ -108,7 +108,7 @@ def tracked(
         reply_dport=40000,
         start_ns=start_ns,
     )
-    return Tracked(c.key, c, connection_id(b"lineage!", c.key, 0, start_ns), start_ns, start_ns, 0.0)
+    return NewFlow(c)
 
 
 # ------------------------------------------------------------------------------ pods

@@ -60,9 +60,8 @@ def expire(store: ConnectionStore, clock: Clock, ack: bool = True) -> list[Expor
 
 def record(e: Export) -> dict[str, Any]:
     """What a consumer decodes from an export (the fields the contract is about)."""
-    tr = e.tracked
     return {
-        "_incarnation": (tr.key[3], tr.conn.mark) if tr is not None else None,  # test-only (mark: the model's serial)
+        "_incarnation": (e.conn_key[3], e.conn.mark) if e.conn is not None and e.conn_key else None,  # test-only
         "connectionId": e.flow_id,
         "sequence": e.sequence,
         "flowEndReason": e.reason,
@@ -145,12 +144,12 @@ def test_idle_connection_leaves_queue_and_returns_when_active() -> None:
         out = expire(store, clock)
     assert [e.reason for e in out] == [IDLE_TIMEOUT]
     key = tcp().key
-    assert key not in store.queue and store.connections[key].active is False
+    assert store.deadlines(key) is None and store.lookup(key).active is False  # type: ignore[union-attr]
     clock.tick(5)
     poll(store, clock, tcp(packets=2))
     assert expire(store, clock) == []
     poll(store, clock, tcp(packets=5))  # active again: back in the queue
-    assert key in store.queue and store.connections[key].active
+    assert store.deadlines(key) is not None and store.lookup(key).active  # type: ignore[union-attr]
     clock.tick(5)
     (e,) = expire(store, clock)
     assert e.reason == ACTIVE_TIMEOUT and e.deltas[0] == 3
@@ -166,11 +165,11 @@ def test_tcp_state_change_counts_as_activity() -> None:
     clock.tick(5)
     poll(store, clock, tcp(packets=2))
     expire(store, clock)
-    item = store.queue.get(tcp().key)
-    assert item is not None
-    idle_before = item.idle_expire
+    deadlines = store.deadlines(tcp().key)
+    assert deadlines is not None
+    idle_before = deadlines[1]
     poll(store, clock, tcp(packets=2, state=CLOSE_WAIT))
-    assert store.queue.get(tcp().key).idle_expire > idle_before  # type: ignore[union-attr]
+    assert store.deadlines(tcp().key)[1] > idle_before  # type: ignore[index]
 
 
 @pytest.mark.parametrize("state", [TIME_WAIT, CLOSE])
@@ -183,7 +182,7 @@ def test_dying_tcp_gets_end_of_flow_and_later_counts_too(state: int) -> None:
     poll(store, clock, tcp(packets=6, state=state))
     (e,) = kafka.run()
     assert e.reason == END_OF_FLOW and e.totals[0] == 6 and not e.final  # still in the table
-    assert tcp().key not in store.queue
+    assert store.deadlines(tcp().key) is None
     poll(store, clock, tcp(packets=6, state=state))  # nothing new: no record
     assert kafka.run() == []
     poll(store, clock, tcp(packets=7, state=state))  # a last ACK in TIME_WAIT still counts
@@ -236,7 +235,7 @@ def test_vanished_idle_connection_with_nothing_unreported_is_deleted_at_once() -
         clock.tick(5)
         poll(store, clock, udp(packets=1))
         expire(store, clock)
-    assert udp().key not in store.queue
+    assert store.deadlines(udp().key) is None
     poll(store, clock)
     assert len(store) == 0 and expire(store, clock) == []
 
@@ -249,15 +248,19 @@ def test_timeouts_raised_like_antrea() -> None:
 
 def test_queue_orders_by_min_deadline_and_updates_lazily() -> None:
     q = ExpiryQueue()
-    q.push("a", 10, 30)
-    q.push("b", 20, 5)
-    q.push("c", 7, 8)
-    q.update("a", active_expire=1)
+    q.grow(4)
+    q.push(0, 10, 30)
+    q.push(1, 20, 5)
+    q.push(2, 7, 8)
+    q.update(0, active_expire=1)
     assert q.next_deadline() == 1
-    assert [k for k, _ in q.pop_due(9)] == ["a", "b", "c"]
+    assert list(q.pop_due(9)) == [0, 1, 2]
     assert len(q) == 0 and q.next_deadline() is None
+    q.push(3, 5.0004, 9)  # the heap orders by millisecond; a slot is due only at its exact deadline
+    assert list(q.pop_due(5.0003)) == [] and q.next_deadline() == 5.0004
+    assert list(q.pop_due(5.0004)) == [3]
     for i in range(1000):
-        q.push("x", i, i)  # repeated updates of one key stay bounded
+        q.push(3, i, i)  # repeated updates of one slot stay bounded
     assert len(q._heap) < 200
 
 
@@ -315,7 +318,7 @@ def test_reused_tuple_ends_old_connection() -> None:
     poll(store, clock, tcp(packets=1, ct_id=99, start_ns=1001 * NS))
     out = expire(store, clock)
     assert [(e.reason, e.totals[0]) for e in out] == [(END_OF_FLOW, 3)]
-    assert out[0].flow_id != store.connections[tcp().key].flow_id
+    assert out[0].flow_id != store.lookup(tcp().key).flow_id  # type: ignore[union-attr]
 
 
 def test_reused_conntrack_id_is_a_new_connection() -> None:
@@ -419,7 +422,7 @@ def test_shutdown_waits_for_records_in_flight_and_resends_failed_ones() -> None:
     store.acknowledge(a, False, clock.now)  # failed: waits for its resend
     poll(store, clock, tcp(1, packets=4), tcp(2, packets=4))
     out = store.export_all(clock.now)
-    assert a in out and all(e.tracked is not b.tracked for e in out)  # b is in flight: its turn comes later
+    assert a in out and all(e.slot != b.slot for e in out)  # b is in flight: its turn comes later
     for e in out:
         store.acknowledge(e, True, clock.now)
     assert store.unfinished() == 2
@@ -579,7 +582,7 @@ def test_counters_going_down_start_a_new_connection_id() -> None:
     old, new = sorted(groups.values(), key=len, reverse=True)
     assert contract.consumer_sum(old) == (8, 800, 8, 1600) and old[-1]["flowEndReason"] == FORCED_END
     assert contract.consumer_sum(new) == (3, 300, 3, 600)
-    assert store.connections[tcp().key].flags & COUNTERS_RESET and store.stats.counter_resets == 1
+    assert store.lookup(tcp().key).flags & COUNTERS_RESET  # type: ignore[union-attr] and store.stats.counter_resets == 1
 
 
 # --------------------------------------------------------------------------- the cap
@@ -638,7 +641,7 @@ def test_restart_continues_from_the_checkpoint_rows_and_resends() -> None:
     kafka.log.append(record(out[0]))
     kafka.log.append(record(out[1]))  # ... and it did reach Kafka
     rows = [Restored(*r) for r in old.reported()]
-    resends = [replace(e, tracked=None) for e in old.in_flight()]  # as the checkpoint gives them back
+    resends = [replace(e, slot=-1) for e in old.in_flight()]  # as the checkpoint gives them back
     assert [e.flow_id for e in resends] == [out[1].flow_id]
 
     new = ConnectionStore(Timeouts(), lineage=b"L" * 8)
@@ -652,7 +655,7 @@ def test_restart_continues_from_the_checkpoint_rows_and_resends() -> None:
     groups = kafka.groups()
     assert {contract.consumer_sum(rs)[0] for rs in groups.values()} == {9, 1}
     assert all(r["sequence"] in (0, 1) for r in kafka.log)
-    assert not any(tr.flags & ADOPTED for tr in new.connections.values())
+    assert not any(new.lookup(k).flags & ADOPTED for k in new.connections)  # type: ignore[union-attr]
     assert new.stats.restored == 2 and new.unfinished() == 3  # nothing in flight; three live connections
 
 
@@ -662,7 +665,7 @@ def test_without_state_connections_found_live_are_flagged_adopted() -> None:
     store.apply_events([udp(7, packets=0)], [], clock.now, clock.wall())  # new while we watch
     poll(store, clock, tcp(1, packets=4), udp(7, packets=1))
     poll(store, clock, tcp(1, packets=4), tcp(2, packets=1), udp(7, packets=1))
-    flags = {k[3]: tr.flags for k, tr in store.connections.items()}
+    flags = {k[3]: store.lookup(k).flags for k in store.connections}  # type: ignore[union-attr]
     assert flags == {1: ADOPTED, 2: 0, 7: 0}
 
 
@@ -732,6 +735,9 @@ RACE = [  # the sweep misses a flow whose DESTROY is read only after its final r
 )
 @example(RACE)
 @example([("create", 1, 1), ("traffic", 1, 2), ("poll", 0, 0), ("destroy", 1, 0), ("create", 1, 1), ("poll", 0, 0)])
+@example(  # found by a 20,000-example search: NEW read, DESTROY read late, the id reused by a new entry
+    [("create", 2, 1), ("destroy", 2, 0), ("events", 1, 0), ("poll", 0, 0), ("create", 2, 1), ("export", "ok", 0)]
+)
 @given(
     st.lists(
         st.one_of(
