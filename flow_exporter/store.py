@@ -94,6 +94,10 @@ _TCP_DYING = (7, 8)  # TIME_WAIT, CLOSE
 # reply_dport and which ICMP fields the kernel gave, after the two destination addresses.
 _STATIC = struct.Struct("!HHHB")
 _MIN_GROW = 1024
+# Addresses and ports of keys are shared between connections (a node's pods talk to a few
+# peers and Services): one object per distinct value saves ~100 B per connection at 250k.
+# The table is dropped when it grows past this, so a scan of many addresses cannot grow it.
+_INTERN_MAX = 1 << 17
 
 
 @dataclass(slots=True)
@@ -269,6 +273,7 @@ class ConnectionStore:
             self._brp, self._brb, self._seq, self._epoch, self._tcp,
         )  # fmt: skip
         self._free: list[int] = []
+        self._intern: dict[bytes | int, Any] = {}
         self._next_slot = 0
         self._epochs = itertools.count(1)
 
@@ -299,7 +304,11 @@ class ConnectionStore:
         next_seq: int = 0,
         base: Totals = ZERO,
     ) -> int:
-        """A slot holding ``conn`` as a new connection (not keyed, not queued)."""
+        """A slot holding ``conn`` as a new connection (not keyed, not queued).
+
+        A slot comes back from ``_release`` with its sequence, base, reason and flags zero, as
+        a fresh one is: only other values are written (the first poll's hot path).
+        """
         if self._free:
             s = self._free.pop()
         else:
@@ -307,19 +316,37 @@ class ConnectionStore:
             if s == len(self._keys):
                 self._grow()
             self._next_slot = s + 1
-        self._keys[s] = key
+        zone, proto, src, sport, dst, dport = key
+        iv = self._intern
+        if len(iv) > _INTERN_MAX:
+            iv.clear()
+        get = iv.setdefault
+        self._keys[s] = (zone, proto, get(src, src), get(sport, sport), get(dst, dst), get(dport, dport))
         self._static[s] = _static(conn)
         self._fid[s] = flow_id
         self._first[s] = first_seen
         self._last_active[s] = conn.stop_ns or wall_ns
         self._seen[s] = self._generation
-        self._flags[s] = flags
-        self._reason[s] = 0
         self._bits[s] = PRESENT | ACTIVE
-        self._seq[s] = next_seq
-        self._bp[s], self._bb[s], self._brp[s], self._brb[s] = base
-        self._epoch[s] = next(self._epochs) & 0xFFFFFFFF
-        self._set_row(s, conn)
+        if flags:
+            self._flags[s] = flags
+        if next_seq:
+            self._seq[s] = next_seq
+        if base is not ZERO:
+            self._bp[s], self._bb[s], self._brp[s], self._brb[s] = base
+        # The row's fields, as _set_row writes them; a fresh or released slot has no cached prefix.
+        self._op[s] = conn.orig_packets
+        self._ob[s] = conn.orig_bytes
+        self._rp[s] = conn.reply_packets
+        self._rb[s] = conn.reply_bytes
+        ts = conn.tcp_state
+        self._tcp[s] = -1 if ts is None else ts
+        self._status[s] = conn.status
+        self._start[s] = conn.start_ns
+        self._ct[s] = conn.ct_id
+        self._mark[s] = conn.mark
+        if conn.labels is not None:
+            self._labels[s] = conn.labels
         return s
 
     def _set_row(self, s: int, conn: Connection) -> None:
@@ -357,6 +384,10 @@ class ConnectionStore:
         self._labels.pop(s, None)
         self._ct[s] = 0
         self._mark[s] = 0
+        self._seq[s] = 0
+        self._bp[s] = self._bb[s] = self._brp[s] = self._brb[s] = 0
+        self._reason[s] = 0
+        self._flags[s] = 0
         self.queue.remove(s)
         self._idle.pop(s, None)
         self._free.append(s)
@@ -519,7 +550,10 @@ class ConnectionStore:
             key = conn.key
             s = conns.get(key)
             if s is None:
-                self._admit_row(key, conn, now, wall_ns)
+                if self._given_up or self._tombs:
+                    self._admit_row(key, conn, now, wall_ns)
+                else:  # nothing to match it against: a new connection (the first poll's path)
+                    self._admit(key, conn, now, wall_ns, adopted=self.adopt)
                 continue
             if seen[s] == gen:
                 continue  # the same tuple twice in one dump (another zone filtered later): keep the first
@@ -781,7 +815,7 @@ class ConnectionStore:
         base: Totals = ZERO,
     ) -> int:
         s = self._alloc(key, conn, flow_id, first_seen, wall_ns, flags, next_seq, base)
-        self.connections[key] = s
+        self.connections[self._keys[s]] = s  # the interned key: one tuple per connection
         self.stats.added += 1
         if self.on_new is not None:
             self.on_new(_Newcomer(self, s, flow_id, conn))
@@ -879,7 +913,7 @@ class ConnectionStore:
         self._orphan(s, FORCED_END, now)
         new = self._alloc(key, conn, next_segment_id(flow_id), first_seen, wall_ns, (flags & ~ADOPTED) | COUNTERS_RESET)
         self._meta[new] = meta
-        self.connections[key] = new
+        self.connections[self._keys[new]] = new
         self.queue.push(new, now + self.timeouts.active, now + self.timeouts.idle)
         return new
 
