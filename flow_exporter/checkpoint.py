@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import gc
 import logging
 import os
 import struct
@@ -48,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flow_exporter import gc_policy
 from flow_exporter.flow import Export, Restored
 
 log = logging.getLogger(__name__)
@@ -211,13 +211,8 @@ class Checkpoint:
         """Read the snapshot and replay the journal; start a new lineage when there is nothing to continue."""
         # Hundreds of thousands of small tuples and no cycles among them: the cyclic collector would
         # scan the growing heap again and again (it doubled the load time at 250k rows).
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with gc_policy.paused():
             loaded = self._read()
-        finally:
-            if enabled:
-                gc.enable()
         if not loaded.valid:
             loaded.lineage = os.urandom(8)
             loaded.rows = []
@@ -411,14 +406,9 @@ class Checkpoint:
         if self.broken:
             return
         t0 = time.perf_counter()
-        enabled = gc.isenabled()
-        gc.disable()  # see load(): no cycles here, and the collector would rescan the heap repeatedly
-        try:
+        with gc_policy.paused():  # see load(): no cycles here, and the collector would rescan the heap repeatedly
             rows = [_pack_row(r) for r in reported]
             records = [_pack_record(e) for e in in_flight]
-        finally:
-            if enabled:
-                gc.enable()
         snap_id = time.time_ns()
         table = self.table.encode()
         body = b"".join(
