@@ -40,6 +40,7 @@ class LoopStats:
     records_given_up: int = 0  # deliveries Kafka refused for good (e.g. too large): counts lost
     resyncs: int = 0
     barrier_timeouts: int = 0  # polls whose sweep ran before the event listener caught up
+    expire_errors: int = 0  # turns of the expire loop that raised (logged, retried after a backoff)
 
 
 @dataclass
@@ -238,7 +239,7 @@ class Exporter:
         if now - self._given_up_logged_at >= 60.0:
             self._given_up_logged_at = now
             log.error(
-                "kafka refused a record for good (%s): connectionId %d sequence %d is lost "
+                "a record was given up for good (%s): connectionId %d sequence %d is lost "
                 "(counted in flow_exporter_records_given_up_total; logged at most once a minute)",
                 error,
                 export.flow_id,
@@ -246,17 +247,43 @@ class Exporter:
             )
 
     def _send(self, exports: list[Export]) -> None:
-        """Encode, journal, then produce: a record reaches Kafka only after the checkpoint knows it."""
+        """Encode, journal, then produce: a record reaches Kafka only after the checkpoint knows it.
+
+        Every record the store built is settled one way or another, so no connection waits
+        forever on a record that never left: one that cannot be encoded is given up (counted,
+        like a record Kafka refuses for good); if producing raises, the rest go again later.
+        """
         export_ms = self.wall_ns() // 1_000_000
         sink = self.sink
         prepare = sink.prepare
-        for e in exports:
-            prepare(e, export_ms)
+        ready = exports
+        for i, e in enumerate(exports):
+            try:
+                prepare(e, export_ms)
+            except Exception as exc:
+                if ready is exports:
+                    ready = exports[:i]
+                self._unencodable(e, exc)
+                continue
+            if ready is not exports:
+                ready.append(e)
         if self.checkpoint is not None:
-            self.checkpoint.sent(exports)
+            self.checkpoint.sent(ready)
         produce = sink.produce
-        for e in exports:
-            produce(e)
+        for i, e in enumerate(ready):
+            try:
+                produce(e)
+            except Exception:
+                now = self.clock()
+                with self.lock:
+                    for rest in ready[i:]:
+                        self.store.acknowledge(rest, False, now)  # resent as the same bytes after a backoff
+                raise
+
+    def _unencodable(self, export: Export, exc: Exception) -> None:
+        self._given_up(export, f"cannot encode: {exc!r}")
+        with self.lock:
+            self.store.acknowledge(export, False, self.clock(), permanent=True)
 
     def snapshot(self) -> None:
         """Write the checkpoint (from the expire thread, which is also the journal's only writer)."""
@@ -283,16 +310,36 @@ class Exporter:
         return len(exports)
 
     def expire_loop(self) -> None:
+        """Export, snapshot and serve deliveries until stopped.
+
+        Guarded: an unexpected error in one turn (a bug in encoding, say) is logged, counted and
+        retried after a growing backoff, so export does not silently die while polling goes on;
+        the records already built stay in the store and go out once a turn succeeds. A fatal
+        producer error ends the loop: nothing could be delivered again, so the exporter turns
+        not ready, flushes, keeps its state and exits non-zero for the DaemonSet to restart it.
+        """
         cp = self.checkpoint
+        backoff = 0.0
         while not self.stop_event.is_set():
             self.lifecycle.beat("expire")
-            self.expire_once()
-            if cp is not None and cp.due():
-                self.snapshot()
-            with self.lock:
-                deadline = self.store.next_deadline()
-            wait = 0.2 if deadline is None else min(max(deadline - self.clock(), 0.0), 0.2)
-            self.sink.poll(wait)  # serves delivery callbacks while waiting
+            try:
+                self.expire_once()
+                if cp is not None and cp.due():
+                    self.snapshot()
+                with self.lock:
+                    deadline = self.store.next_deadline()
+                wait = 0.2 if deadline is None else min(max(deadline - self.clock(), 0.0), 0.2)
+                self.sink.poll(wait)  # serves delivery callbacks while waiting
+                backoff = 0.0
+            except Exception:
+                self.stats.expire_errors += 1
+                backoff = min(max(backoff * 2, self._retry_initial), self._retry_max)
+                log.exception("expire loop failed (%d so far); retrying in %.1f s", self.stats.expire_errors, backoff)
+                self.stop_event.wait(backoff)
+            fatal = self.sink.counters.fatal
+            if fatal is not None and self.fatal is None:
+                self.fatal = RuntimeError(f"kafka producer fatal error, exiting (state kept for the restart): {fatal}")
+                self.stop_event.set()
 
     # ------------------------------------------------------------- readings
     def readings(self, extra: dict[str, float] | None = None) -> Readings:
@@ -307,6 +354,7 @@ class Exporter:
             table_max=s.table_max,
             polls=s.polls,
             poll_errors=s.poll_errors,
+            expire_errors=s.expire_errors,
             resyncs=s.resyncs,
             barrier_timeouts=s.barrier_timeouts,
             decode_skipped=self.source.skipped + (ev.skipped if ev is not None else 0),

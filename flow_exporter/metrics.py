@@ -8,10 +8,7 @@ Only the per-poll and per-batch durations are observed directly, in histograms.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -33,6 +30,7 @@ _FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     ("records_in_flight", "records_in_flight", "Records handed to the producer, not yet acknowledged.", "gauge"),
     ("polls", "polls", "Conntrack polls completed.", "counter"),
     ("poll_errors", "poll_errors", "Conntrack dumps that failed and were retried.", "counter"),
+    ("expire_errors", "expire_errors", "Expire-loop turns that raised (logged, retried after a backoff).", "counter"),
     ("resyncs", "conntrack_resyncs", "Full dumps run at once because events were lost.", "counter"),
     (
         "barrier_timeouts",
@@ -153,52 +151,24 @@ class _ReadingsCollector(Collector):
             yield CounterMetricFamily(f"flow_exporter_{name}", name.replace("_", " "), value=value)
 
 
-class HealthServer:
-    """Serves /metrics, /healthz (the loops are alive) and /readyz (ready to export)."""
+def routes(
+    metrics: Metrics, alive: Callable[[], tuple[bool, str]], ready: Callable[[], tuple[bool, str]]
+) -> dict[str, Callable[[], tuple[int, bytes, str]]]:
+    """What the listener (flow_exporter.listener) serves: /metrics, /healthz (the loops are alive), /readyz."""
+    registry = metrics.registry
 
-    def __init__(
-        self,
-        metrics: Metrics,
-        host: str,
-        port: int,
-        alive: Callable[[], tuple[bool, str]],
-        ready: Callable[[], tuple[bool, str]],
-    ) -> None:
-        registry = metrics.registry
+    def probe(check: Callable[[], tuple[bool, str]]) -> Callable[[], tuple[int, bytes, str]]:
+        def answer() -> tuple[int, bytes, str]:
+            ok, why = check()
+            return (200 if ok else 503, (why + "\n").encode(), "text/plain; charset=utf-8")
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
-                elif path in ("/healthz", "/readyz"):
-                    ok, why = (alive if path == "/healthz" else ready)()
-                    self._send(200 if ok else 503, (why + "\n").encode(), "text/plain; charset=utf-8")
-                else:
-                    self._send(404, b"not found\n", "text/plain")
+        return answer
 
-            def _send(self, code: int, body: bytes, ctype: str) -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                pass  # probes every few seconds would flood the log
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        self._thread = threading.Thread(target=self.server.serve_forever, name="http", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-        log.info("metrics and health on port %d (/metrics, /healthz, /readyz)", self.port)
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    return {
+        "/metrics": lambda: (200, generate_latest(registry), CONTENT_TYPE_LATEST),
+        "/healthz": probe(alive),
+        "/readyz": probe(ready),
+    }
 
 
 def liveness(lifecycle: Lifecycle, max_silence: float) -> Callable[[], tuple[bool, str]]:
@@ -212,11 +182,18 @@ def liveness(lifecycle: Lifecycle, max_silence: float) -> Callable[[], tuple[boo
 
 
 def readiness(
-    lifecycle: Lifecycle, kafka_reached: Callable[[], bool], caches_ready: Callable[[], bool] | None = None
+    lifecycle: Lifecycle,
+    kafka_reached: Callable[[], bool],
+    caches_ready: Callable[[], bool] | None = None,
+    kafka_failed: Callable[[], str | None] = lambda: None,
 ) -> Callable[[], tuple[bool, str]]:
-    """Ready once the first poll is done, the caches synced and the producer reached the broker."""
+    """Ready once the first poll is done, the caches synced and the producer reached the broker;
+    never again after a fatal producer error (the process is about to exit)."""
 
     def check() -> tuple[bool, str]:
+        failed = kafka_failed()
+        if failed is not None:
+            return (False, "kafka producer failed: " + failed)
         missing = []
         if not lifecycle.first_poll_done.is_set():
             missing.append("first poll")

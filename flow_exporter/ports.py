@@ -69,6 +69,7 @@ class SinkCounters:
     failed: int = 0
     bytes_produced: int = 0
     connected: bool = False  # the broker answered at least once (readiness)
+    fatal: str | None = None  # a fatal producer error: nothing can be delivered any more (exit and restart)
 
 
 class Sink(Protocol):

@@ -38,6 +38,7 @@ class Readings:
     table_max: int
     polls: int
     poll_errors: int
+    expire_errors: int
     resyncs: int
     barrier_timeouts: int
     decode_skipped: int

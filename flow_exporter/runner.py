@@ -19,7 +19,8 @@ from flow_exporter.checkpoint import Checkpoint, CheckpointError, Loaded
 from flow_exporter.config import Config
 from flow_exporter.conntrack.events import ConntrackEvents
 from flow_exporter.lifecycle import Lifecycle
-from flow_exporter.metrics import HealthServer, Metrics, liveness, readiness
+from flow_exporter.listener import Listener
+from flow_exporter.metrics import Metrics, liveness, readiness, routes
 from flow_exporter.readings import Readings
 from flow_exporter.sink import KafkaSink, Route
 from flow_exporter.sink.encoder import RecordEncoder
@@ -85,7 +86,7 @@ def check_topics(sink: KafkaSink, stop: threading.Event, initial: float, maximum
 
 def start_health_server(
     cfg: Config, metrics: Metrics | None, exporter: Exporter, enricher: Any = None
-) -> HealthServer | None:
+) -> Listener | None:
     """/metrics, /healthz and /readyz, unless metrics.port is 0 (then ``metrics`` is None)."""
     if metrics is None:
         return None
@@ -111,17 +112,27 @@ def start_health_server(
     # A poll may wait out the longest retry backoff; only silence beyond that is a hang.
     silence = max(3 * cfg["conntrack.pollInterval"], 60.0) + cfg["retry.maxBackoff"]
     try:
-        server = HealthServer(
-            metrics,
+        server = Listener(
+            routes(
+                metrics,
+                liveness(exporter.lifecycle, silence),
+                readiness(
+                    exporter.lifecycle, lambda: sink.counters.connected, caches_ready, lambda: sink.counters.fatal
+                ),
+            ),
             cfg["metrics.address"],
             cfg["metrics.port"],
-            liveness(exporter.lifecycle, silence),
-            readiness(exporter.lifecycle, lambda: sink.counters.connected, caches_ready),
         )
     except OSError as exc:
-        log.error("metrics listener %s:%d: %s", cfg["metrics.address"], cfg["metrics.port"], exc.strerror)
-        raise SystemExit(1) from None
+        log.error(
+            "config metrics.address=%s metrics.port=%d: cannot listen: %s",
+            cfg["metrics.address"], cfg["metrics.port"], exc.strerror or exc,
+        )  # fmt: skip
+        raise SystemExit(2) from None
     server.start()
+    log.info(
+        "metrics and health on %s:%d (/metrics, /healthz, /readyz)", cfg["metrics.address"], server.port
+    )
     return server
 
 

@@ -338,7 +338,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("retry.initialBackoff", positive_duration, 0.2, "First wait after a failed dump or produce."),
     Setting("retry.maxBackoff", positive_duration, 30.0, "Longest wait between retries."),
     Setting("shutdown.grace", parse_duration, 30.0, "On SIGTERM: how long to keep delivering final records."),
-    Setting("metrics.address", parse_str, "0.0.0.0", "Address of the /metrics, /healthz, /readyz listener."),
+    Setting(
+        "metrics.address",
+        parse_str,
+        "127.0.0.1",
+        "Address of the /metrics, /healthz, /readyz listener (the DaemonSet sets the pod's IP).",
+    ),
     Setting("metrics.port", parse_port, 9690, "Port of that listener; 0 turns it off."),
     Setting("log.level", parse_level, "info", "debug, info, warning or error."),
     Setting("log.format", parse_log_format, "text", "text or json."),

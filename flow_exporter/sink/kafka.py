@@ -258,7 +258,10 @@ class KafkaSink:
     def _on_error(self, err: KafkaError) -> None:
         # librdkafka's error strings name the broker and the reason, never the configured secrets.
         if err.fatal():
+            # E.g. an idempotence epoch error: every later record would fail. The expire loop
+            # sees this, the exporter turns not ready, flushes, keeps its state and exits.
             log.error("kafka producer fatal error: %s", err.str())
+            self.counters.fatal = err.str()
             return
         kind = _security_failure(err)  # its own rate limit: not drowned out by "brokers are down"
         now = time.monotonic()

@@ -268,6 +268,10 @@ def test_daemonset_probes_env_and_scraping(
         assert ports.get(get["port"], get["port"]) == port
     [node] = [v for v in container["env"] if v["name"] == "NODE_NAME"]
     assert node["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    [address] = [v for v in container["env"] if v["name"] == "FLOW_EXPORTER_METRICS_ADDRESS"]
+    assert address["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}  # not every node interface
+    file_metrics = yaml.safe_load(find(docs, "ConfigMap")["data"]["config.yaml"])["metrics"]
+    assert "address" not in file_metrics and file_metrics["port"] == port
     annotations = find(docs, "DaemonSet")["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/port"] == str(port)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import threading
 import time
 
 import fastavro
@@ -18,9 +19,9 @@ import pytest
 from prometheus_client import generate_latest
 
 from flow_exporter.app import Exporter
-from flow_exporter.flow import ACTIVE_TIMEOUT, END_OF_FLOW, FORCED_END, IDLE_TIMEOUT
+from flow_exporter.flow import ACTIVE_TIMEOUT, END_OF_FLOW, FORCED_END, IDLE_TIMEOUT, Export
 from flow_exporter.lifecycle import Lifecycle
-from flow_exporter.metrics import _CHECKPOINT_FAMILIES, _FAMILIES, Metrics
+from flow_exporter.metrics import _CHECKPOINT_FAMILIES, _FAMILIES, Metrics, readiness
 from flow_exporter.readings import CheckpointReadings, Readings
 from flow_exporter.record import load_schema
 from flow_exporter.sink.encoder import RecordEncoder
@@ -169,6 +170,77 @@ def test_a_fatal_source_error_stops_the_poll_loop() -> None:
     table.fail = [PermissionError(1, "Operation not permitted")]
     exp.poll_loop()
     assert isinstance(exp.fatal, PermissionError) and exp.stop_event.is_set()
+
+
+def test_a_fatal_producer_error_means_not_ready_then_flush_and_exit_1() -> None:
+    exp, table, broker, clock = rig()
+    ready = readiness(exp.lifecycle, lambda: broker.counters.connected, None, lambda: broker.counters.fatal)
+    table.entries = [tcp(45000, packets=3)]
+    step(exp, broker, clock)
+    clock.tick(TIMEOUTS.active)
+    exp.poll_once()  # its first record is due
+    broker.counters.fatal = "Local: Fatal error: producer epoch fenced"  # as the sink's error_cb sets it
+    assert exp.run() == 1
+    assert ready() == (False, "kafka producer failed: Local: Fatal error: producer epoch fenced")
+    assert "fatal" in str(exp.fatal) and broker.in_flight() == 0  # what was produced was flushed
+    assert [(r["sourcePort"], r["sequence"]) for r in records(broker)] == [(45000, 0)]
+
+
+class FlakyBroker(FakeBroker):
+    """A sink whose ``poll`` raises ``fail_polls`` times first: an unexpected error in the expire loop."""
+
+    fail_polls = 2
+
+    def poll(self, timeout: float) -> int:
+        if self.fail_polls:
+            self.fail_polls -= 1
+            raise RuntimeError("unexpected")
+        return super().poll(timeout)
+
+
+def test_the_expire_loop_survives_an_unexpected_error_and_goes_on() -> None:
+    clock = Clock()
+    table = FakeTable()
+    broker = FlakyBroker(RecordEncoder("node-a").encode)
+    exp = Exporter(table, broker, timeouts=TIMEOUTS, node_name="node-a", clock=lambda: clock.now,
+                   wall_ns=clock.wall, retry_initial=0.01, retry_max=0.02)  # fmt: skip
+    table.entries = [tcp(46000, packets=2)]
+    exp.poll_once()
+    clock.tick(TIMEOUTS.active)
+    loop = threading.Thread(target=exp.expire_loop)
+    loop.start()
+    deadline = time.monotonic() + 10
+    while not broker.accepted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    exp.stop()
+    loop.join(5)
+    assert exp.stats.expire_errors == 2 and not loop.is_alive()
+    assert [(r["sourcePort"], r["sequence"], r["packetDeltaCount"]) for r in records(broker)] == [(46000, 0, 2)]
+
+
+def test_a_record_that_cannot_be_encoded_is_given_up_and_the_connection_goes_on() -> None:
+    encode = RecordEncoder("node-a").encode
+    calls = [0]
+
+    def flaky_encode(e: Export, ms: int) -> bytes:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise ValueError("cannot encode this one")
+        return encode(e, ms)
+
+    clock = Clock()
+    table = FakeTable()
+    broker = FakeBroker(flaky_encode)
+    exp = Exporter(table, broker, timeouts=TIMEOUTS, node_name="node-a", clock=lambda: clock.now,
+                   wall_ns=clock.wall)  # fmt: skip
+    table.entries = [tcp(47000, packets=2)]
+    for _ in range(TIMEOUTS.active.__ceil__() + 1):
+        step(exp, broker, clock)
+    table.entries = [tcp(47000, packets=5)]
+    for _ in range(TIMEOUTS.active.__ceil__() + 1):
+        step(exp, broker, clock)
+    assert exp.stats.records_given_up == 1
+    assert [(r["sequence"], r["packetTotalCount"], r["packetDeltaCount"]) for r in records(broker)] == [(1, 5, 3)]
 
 
 def test_lifecycle_stopping_follows_the_stop_signal_then_the_deadline() -> None:
