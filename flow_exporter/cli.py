@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -106,11 +107,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"flow-exporter: {exc}", file=sys.stderr)
         return 2
     if args.command == "config":
-        if args.print:
-            shown = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.masked().items()}
-            print(json.dumps(shown, indent=2, default=str))
-        else:
-            print(defaults_text(), end="")
+        try:
+            if args.print:
+                shown = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.masked().items()}
+                print(json.dumps(shown, indent=2, default=str), flush=True)
+            else:
+                print(defaults_text(), end="", flush=True)
+        except BrokenPipeError:
+            # The reader went away (``| head``): stop quietly, and keep Python's exit flush quiet too.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     setup_logging(cfg["log.level"], cfg["log.format"])
     from flow_exporter.runner import run_exporter

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from flow_exporter.settings import BY_KEY, ENV_PREFIX, SASL_MECHANISMS, SETTINGS, ConfigError, is_secret
+from flow_exporter.settings import BY_KEY, ENV_PREFIX, SASL_MECHANISMS, SETTINGS, ConfigError, shown
 
 __all__ = ["Config", "ConfigError", "from_env", "load", "parse_overrides", "read_file"]
 
@@ -46,9 +46,7 @@ class Config:
 
     def masked(self) -> dict[str, Any]:
         """The values with every secret (also inside kafka.producer) shown as ``***``, for printing."""
-        out = {k: ("***" if v is not None and is_secret(k) else v) for k, v in self.values.items()}
-        out["kafka.producer"] = {k: ("***" if is_secret(k) else v) for k, v in self.values["kafka.producer"].items()}
-        return out
+        return {k: shown(k, v) for k, v in self.values.items()}
 
     def producer_config(self) -> dict[str, Any]:
         """librdkafka settings; ``kafka.producer`` entries win over the ones derived here."""
@@ -255,4 +253,9 @@ def load(
         values[key] = BY_KEY[key].parse(key, value)
     if values["retry.maxBackoff"] < values["retry.initialBackoff"]:
         raise ConfigError("retry.maxBackoff", values["retry.maxBackoff"], "must be >= retry.initialBackoff")
-    return Config(values, _kafka_security(values))
+    secrets = _kafka_security(values)
+    # librdkafka judges its own settings (imported here: loading a config builds no client otherwise).
+    from flow_exporter.sink.kafka import check_producer_settings
+
+    check_producer_settings(values["kafka.producer"], allow_unsafe=values["kafka.allowUnsafeProducer"])
+    return Config(values, secrets)

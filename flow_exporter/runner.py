@@ -16,7 +16,7 @@ from confluent_kafka import KafkaException
 from flow_exporter import gc_policy
 from flow_exporter.app import Exporter
 from flow_exporter.checkpoint import Checkpoint, CheckpointError, Loaded
-from flow_exporter.config import Config
+from flow_exporter.config import Config, ConfigError
 from flow_exporter.conntrack.events import ConntrackEvents
 from flow_exporter.lifecycle import Lifecycle
 from flow_exporter.listener import Listener
@@ -190,6 +190,15 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
     from flow_exporter.conntrack.sysctl import enable_accounting
 
     gc_policy.tune()
+    api = None
+    if cfg["k8s.enabled"]:  # before anything starts: no API server configuration is a config error
+        from flow_exporter.k8s import api_configuration
+
+        try:
+            api = api_configuration(cfg)
+        except ConfigError as exc:
+            log.error("%s", exc)
+            return 2
     netns = cfg["conntrack.netns"]
     log.info(
         "flow-exporter starting: node=%s netns=%s kafka=%s (%s) topic=%s",
@@ -223,10 +232,10 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
     sink = build_sink(cfg, lifecycle)
     metrics = Metrics() if cfg["metrics.port"] else None
     enricher = None
-    if cfg["k8s.enabled"]:  # caches fill in the background; records go out meanwhile
+    if api is not None:  # caches fill in the background; records go out meanwhile
         from flow_exporter.k8s import start_enricher
 
-        enricher = start_enricher(cfg)
+        enricher = start_enricher(cfg, api)
     exporter = Exporter(
         source,
         sink,

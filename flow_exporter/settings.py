@@ -8,6 +8,8 @@ in one place only. Pure: no file, environment or network access (that is :mod:`.
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -20,8 +22,7 @@ class ConfigError(ValueError):
     """A setting that cannot be used; the message names the key and the value."""
 
     def __init__(self, key: str, value: object, reason: str) -> None:
-        shown = "***" if is_secret(key) and value is not None else repr(value)
-        super().__init__(f"config {key}={shown}: {reason}")
+        super().__init__(f"config {key}={shown(key, value)!r}: {reason}")
         self.key = key
 
 
@@ -35,16 +36,32 @@ def parse_duration(key: str, value: object) -> float:
     if isinstance(value, bool):
         raise ConfigError(key, value, "expected a duration like 5s, 1m or 250ms")
     if isinstance(value, int | float):
-        if value < 0:
+        try:
+            seconds = float(value)
+        except OverflowError:
+            seconds = math.inf
+        if not math.isfinite(seconds):  # YAML .inf and .nan are floats too
+            raise ConfigError(key, value, "expected a finite duration like 5s, 1m or 250ms")
+        if seconds < 0:
             raise ConfigError(key, value, "must not be negative")
-        return float(value)
+        return _at_most_a_year(key, value, seconds)
     if isinstance(value, str):
         if value.strip().startswith("-"):
             raise ConfigError(key, value, "must not be negative")
         m = _DURATION.match(value)
         if m:
-            return float(m.group(1)) * _UNITS[m.group(2)]
+            return _at_most_a_year(key, value, float(m.group(1)) * _UNITS[m.group(2)])
     raise ConfigError(key, value, "expected a duration like 5s, 1m or 250ms")
+
+
+_YEAR = 365 * 86400.0
+
+
+def _at_most_a_year(key: str, value: object, seconds: float) -> float:
+    """No timeout or interval here means anything past a year; beyond, time arithmetic only overflows."""
+    if seconds > _YEAR:
+        raise ConfigError(key, value, "more than a year (365 days): not a meaningful duration here")
+    return seconds
 
 
 def positive_duration(key: str, value: object) -> float:
@@ -315,7 +332,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("schemaRegistry.subject", parse_subject, "io.flowexporter.FlowRecord", "Subject for the schema."),
     Setting("schemaRegistry.compatibility", parse_compatibility, "BACKWARD_TRANSITIVE", "Set at start; empty: keep."),
     Setting("schemaRegistry.basicAuthUserInfo", parse_user_info, None, "user:password for the registry (a secret)."),
-    Setting("kafka.producer", parse_map, {}, "librdkafka producer settings passed through as they are."),
+    Setting("kafka.producer", parse_map, {}, "librdkafka producer settings, checked by librdkafka at start."),
+    Setting(
+        "kafka.allowUnsafeProducer",
+        parse_bool,
+        False,
+        "Accept kafka.producer settings that void the accounting (acks not all, idempotence off).",
+    ),
     Setting("kafka.securityProtocol", parse_security_protocol, "PLAINTEXT", "PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL"),
     Setting("kafka.sasl.mechanism", parse_sasl_mechanism, None, "PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (SASL_*)."),
     Setting("kafka.sasl.username", parse_opt_str, None, "SASL user name."),
@@ -353,20 +376,73 @@ DEFAULTS: Mapping[str, Any] = {s.key: s.default for s in SETTINGS}
 
 
 def defaults_text() -> str:
-    """Every setting with its default, environment variable and meaning."""
-    lines = []
-    for s in SETTINGS:
-        default = s.default
-        if isinstance(default, float) and s.parse in (parse_duration, positive_duration):
-            default = f"{default:g}s"
-        elif isinstance(default, tuple):
-            default = list(default)
-        lines.append(f"{s.key} = {default!r}\n    {s.doc}\n    env: {s.env}")
+    """Every setting at its default, as a YAML config file to start from (``config --print-defaults``).
+
+    Nested like the config file; each setting's comment says what it means and its environment
+    variable. Written by hand (this module is pure, no YAML library): strings and lists in JSON
+    form, which YAML reads as they are.
+    """
+    tree: dict[str, Any] = {}
+    for st in SETTINGS:
+        *path, leaf = st.key.split(".")
+        node = tree
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = st
+    lines = [
+        "# flow-exporter configuration: every setting at its default.",
+        "# Each can also be set by the environment variable in its comment, or with --set key=value.",
+    ]
+
+    def emit(node: dict[str, Any], depth: int) -> None:
+        pad = "  " * depth
+        for name, item in node.items():
+            if isinstance(item, Setting):
+                lines.append(f"{pad}# {item.doc} (env {item.env})")
+                lines.append(f"{pad}{name}: {_yaml_value(item)}")
+            else:
+                lines.append(f"{pad}{name}:")
+                emit(item, depth + 1)
+
+    emit(tree, 0)
     return "\n".join(lines) + "\n"
 
 
+def _yaml_value(st: Setting) -> str:
+    value = st.default
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and st.parse in (parse_duration, positive_duration):
+        return f"{value:g}s"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(list(value) if isinstance(value, tuple) else value)
+
+
+# Words in a setting's key (ours or librdkafka's) that make its value secret: passwords, inline
+# PEM keys (ssl.key.pem, ssl_key), OAUTHBEARER and SASL/OIDC client secrets, tokens.
+_SECRET_WORDS = ("password", "secret", "userinfo", "key.pem", "ssl_key", "oauthbearer.config", "token", "credential")
+_URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+
+
 def is_secret(key: str) -> bool:
+    """Whether a setting's value must never be shown: the one rule for printing, errors and logs."""
     k = key.lower()
     if k.endswith(("file", ".location")):  # the path to a secret, which helps to show
         return False
-    return "password" in k or "secret" in k or "userinfo" in k
+    return any(word in k for word in _SECRET_WORDS)
+
+
+def shown(key: str, value: object) -> object:
+    """``value`` as it may be printed or logged: secrets as ``***``, a URL's ``user:password@`` as ``***@``."""
+    if value is None:
+        return None
+    if is_secret(key):
+        return "***"
+    if isinstance(value, str) and "@" in value:
+        return _URL_USERINFO.sub("***@", value)
+    if isinstance(value, dict):
+        return {k: shown(f"{key}.{k}", v) for k, v in value.items()}
+    return value

@@ -12,34 +12,48 @@ records keep flowing, enriched from the last known state.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from flow_exporter.k8s.enrich import Enricher
 
 if TYPE_CHECKING:
     from flow_exporter.config import Config
 
-__all__ = ["Enricher", "start_enricher"]
+__all__ = ["Enricher", "api_configuration", "start_enricher"]
 
 log = logging.getLogger(__name__)
 
 
-def start_enricher(cfg: Config) -> Enricher | None:
-    """An enricher over caches started in the background (``enricher.caches``), per ``k8s.*``.
+def api_configuration(cfg: Config) -> Any:
+    """The API server client settings ``k8s.*`` name; a ConfigError (exit code 2) when there are none.
 
-    None (after an error naming the reason) when no API server configuration can be loaded:
-    flows are then exported unenriched rather than not at all.
+    Asked for enrichment and given no usable configuration, the exporter stops at start rather
+    than run for weeks without the pod names its users expect (the API server being down later
+    is different: records keep flowing, enriched from the last known state).
     """
     from kubernetes.config import ConfigException
 
-    from flow_exporter.k8s.cache import K8sCaches, load_configuration
+    from flow_exporter.k8s.cache import load_configuration
+    from flow_exporter.settings import ConfigError
+
+    path = cfg["k8s.kubeconfig"]
+    try:
+        return load_configuration(path)
+    except (ConfigException, OSError) as exc:
+        where = "k8s.kubeconfig" if path else "k8s.enabled"
+        raise ConfigError(
+            where,
+            path if path else True,
+            f"no usable API server configuration ({'that file' if path else 'in-cluster or ~/.kube/config'}: "
+            f"{getattr(exc, 'strerror', None) or exc})",
+        ) from None
+
+
+def start_enricher(cfg: Config, api: Any) -> Enricher:
+    """An enricher over caches started in the background (``enricher.caches``), per ``k8s.*``."""
+    from flow_exporter.k8s.cache import K8sCaches
     from flow_exporter.settings import MAX_POD_LABEL_KEYS
 
-    try:
-        api = load_configuration(cfg["k8s.kubeconfig"])
-    except (ConfigException, OSError) as exc:
-        log.error("k8s enrichment disabled: no API server configuration (%s)", exc)
-        return None
     labels = cfg["k8s.podLabels"]
     caches = K8sCaches(
         api,

@@ -21,7 +21,7 @@ from confluent_kafka.admin import AdminClient
 from flow_exporter.flow import Export
 from flow_exporter.ports import DeliveryReport, SinkCounters
 from flow_exporter.record import partition_key
-from flow_exporter.settings import DEFAULTS
+from flow_exporter.settings import DEFAULTS, ConfigError, shown
 
 log = logging.getLogger(__name__)
 _rdkafka_log = logging.getLogger(__name__ + ".rdkafka")
@@ -45,6 +45,59 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
     "reconnect.backoff.max.ms": 10_000,
 }
 _RECONNECT_KEYS = ("reconnect.backoff.ms", "reconnect.backoff.max.ms")
+
+
+def _is_true(value: object) -> bool:
+    return str(value).strip().lower() in ("true", "1")
+
+
+# kafka.producer settings that void the accounting contract (README, "Counting: the contract"):
+# a record acknowledged before every in-sync replica has it can be lost after it was counted;
+# without idempotence a retry can duplicate or reorder a record; without success reports a
+# delivered record is never settled. Refused unless kafka.allowUnsafeProducer says otherwise.
+UNSAFE_PRODUCER: dict[str, tuple[Callable[[object], bool], str]] = {
+    "acks": (lambda v: str(v).strip().lower() not in ("all", "-1"), "acknowledged before every in-sync replica has it"),
+    "request.required.acks": (lambda v: str(v).strip().lower() not in ("all", "-1"), "the same as acks"),
+    "enable.idempotence": (lambda v: not _is_true(v), "retries may duplicate or reorder records"),
+    "delivery.report.only.error": (_is_true, "delivered records would never be settled"),
+}
+# librdkafka names some settings by their alias in its errors.
+_ALIASES = {
+    "queue.buffering.max.ms": "linger.ms",
+    "compression.codec": "compression.type",
+    "batch.num.messages": "batch.num.messages",
+    "queue.buffering.max.messages": "queue.buffering.max.messages",
+    "request.required.acks": "acks",
+}
+
+
+def check_producer_settings(settings: dict[str, Any], *, allow_unsafe: bool) -> None:
+    """Validate ``kafka.producer`` at startup, naming the setting (a ConfigError, exit code 2).
+
+    librdkafka is the only complete judge of its settings (names, types, ranges, combinations),
+    so a throwaway producer is built from them, with no bootstrap servers so nothing connects.
+    Settings that would void the accounting are refused first, unless ``allow_unsafe``.
+    """
+    for name, value in settings.items():
+        rule = UNSAFE_PRODUCER.get(name)
+        if rule is not None and rule[0](value) and not allow_unsafe:
+            raise ConfigError(
+                f"kafka.producer.{name}",
+                value,
+                f"voids the delivery accounting ({rule[1]}); set kafka.allowUnsafeProducer: true to accept that",
+            )
+    conf = {k: v for k, v in {**PRODUCER_DEFAULTS, **settings}.items() if k != "bootstrap.servers"}
+    try:
+        Producer({**conf, "log_level": 0})
+    except KafkaException as exc:
+        err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+        text = (err.str() if err is not None else str(exc)).strip()
+        named = [k for k in settings if f'"{k}"' in text or f"`{k}`" in text]
+        named += [_ALIASES[a] for a in _ALIASES if f'"{a}"' in text and _ALIASES[a] in settings]
+        key = f"kafka.producer.{named[0]}" if named else "kafka.producer"
+        raise ConfigError(key, settings.get(named[0]) if named else settings, f"librdkafka: {text}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError("kafka.producer", settings, f"librdkafka: {exc}") from None
 ERROR_LOG_INTERVAL = 10.0  # seconds between two log lines for the same kind of client error
 # Errors no retry fixes without the operator: logged as errors with what to check.
 _SECURITY_HINTS = {
@@ -90,10 +143,8 @@ PERMANENT_ERRORS = frozenset(
 
 
 def redact(config: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a client config that is safe to log."""
-    return {
-        k: ("***" if any(s in k for s in ("password", "secret", ".pem")) else v) for k, v in config.items()
-    }
+    """A copy of a client config that is safe to log (settings.shown: the one masking rule)."""
+    return {k: shown(k, v) for k, v in config.items()}
 
 
 class _LibrdkafkaLog:

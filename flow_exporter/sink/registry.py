@@ -21,13 +21,12 @@ import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit, urlunsplit
 
 import tenacity
 
 from flow_exporter.flow import Export
 from flow_exporter.record import schema_path
-from flow_exporter.settings import DEFAULTS
+from flow_exporter.settings import DEFAULTS, shown
 
 if TYPE_CHECKING:
     from confluent_kafka.schema_registry import SchemaRegistryClient
@@ -77,16 +76,8 @@ def framed(encode: Encode, schema_id: int) -> Encode:
 
 
 def safe_url(url: str) -> str:
-    """The registry URL(s) without any ``user:password@`` part, for logs and errors."""
-    out = []
-    for one in url.split(","):
-        parts = urlsplit(one.strip())
-        if parts.username is not None or parts.password is not None:
-            host = parts.hostname or ""
-            netloc = f"***@{host}" + (f":{parts.port}" if parts.port else "")
-            parts = parts._replace(netloc=netloc)
-        out.append(urlunsplit(parts))
-    return ",".join(out)
+    """The registry URL(s) without any ``user:password@`` part, for logs and errors (settings.shown)."""
+    return str(shown("schemaRegistry.url", url))
 
 
 def make_client(url: str, basic_auth_user_info: str | None = None) -> SchemaRegistryClient:
