@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "rss_bytes": rss_med,
         "rss_per_connection": rss_med / n,
         "records_given_up": metric(m1, "flow_exporter_records_given_up_total"),
-        "checkpoint_snapshot_seconds": metric(m1, "flow_exporter_checkpoint_snapshot_seconds"),
+        "checkpoint_snapshot_seconds": metric(m1, "flow_exporter_checkpoint_last_snapshot_seconds"),
     }
     write_json("node", result)
     print(result)

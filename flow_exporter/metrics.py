@@ -3,6 +3,10 @@
 Counters kept by the loops and the sink are plain ints, read at scrape time by a
 collector: the hot path (one call per record) never touches a metric object.
 Only the per-poll and per-batch durations are observed directly, in histograms.
+Names follow Prometheus conventions (``flow_exporter_`` prefix, base units, ``_total``
+for counters, labels instead of name variants); the process's own metrics
+(``process_*``, ``python_info``) and ``flow_exporter_build_info`` come with them.
+:func:`catalogue` lists every family, so the README's table is generated, never written.
 """
 
 from __future__ import annotations
@@ -10,7 +14,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -83,16 +95,23 @@ _FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     ("records_acknowledged", "records_acknowledged", "Records whose delivery Kafka acknowledged.", "counter"),
     ("records_failed", "records_failed", "Deliveries that failed (the same record is sent again).", "counter"),
     ("records_given_up", "records_given_up", "Records Kafka refused for good (their counts are lost).", "counter"),
-    ("bytes_produced", "bytes_produced", "Avro bytes handed to the producer.", "counter"),
+    ("bytes_produced", "produced_bytes", "Avro bytes handed to the producer.", "counter"),
 )
 _CHECKPOINT_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     ("snapshots", "checkpoint_snapshots", "Checkpoint snapshots written.", "counter"),
     ("errors", "checkpoint_errors", "Checkpoint writes that failed (state then dropped).", "counter"),
-    ("last_snapshot_bytes", "checkpoint_snapshot_bytes", "Size of the last checkpoint snapshot.", "gauge"),
-    ("last_snapshot_seconds", "checkpoint_snapshot_seconds", "Time to write the last snapshot.", "gauge"),
+    ("last_snapshot_bytes", "checkpoint_last_snapshot_bytes", "Size of the last checkpoint snapshot.", "gauge"),
+    ("last_snapshot_seconds", "checkpoint_last_snapshot_seconds", "Time to write the last snapshot.", "gauge"),
     ("journal_bytes", "checkpoint_journal_bytes", "Size of the journal since the last snapshot.", "gauge"),
 )
 GIVEN_UP_REASONS = ("cap_refused", "cap_idle")
+# Counters other parts hand in through Readings.extra (the runner: Kubernetes enrichment), with their help.
+EXTRA_FAMILIES = {
+    "enrichment_lookups": "Connections looked up in the Kubernetes caches.",
+    "enrichment_misses": "Lookups that found neither end known (records with null Kubernetes fields).",
+    "enrichment_errors": "Enrichment calls that failed (the record goes out unenriched).",
+    "labels_truncated": "Pod label values cut to the maximum length.",
+}
 
 
 def _families(values: object, table: tuple[tuple[str, str, str, str], ...]) -> Iterator[Metric]:
@@ -101,11 +120,31 @@ def _families(values: object, table: tuple[tuple[str, str, str, str], ...]) -> I
         yield family(f"flow_exporter_{name}", doc, value=getattr(values, attr))
 
 
+def build_labels() -> dict[str, str]:
+    """flow_exporter_build_info's labels: what a record's bytes and the delivery behaviour depend on."""
+    import platform
+
+    import confluent_kafka
+
+    from flow_exporter import __version__
+
+    return {
+        "version": __version__,
+        "python": platform.python_version(),
+        "librdkafka": confluent_kafka.libversion()[0],
+        "confluent_kafka": confluent_kafka.version()[0],
+    }
+
+
 class Metrics:
     """The exporter's metrics registry (one per process; tests make their own); also its :class:`Timings`."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, resident memory, open fds
+        PlatformCollector(registry=self.registry)  # python_info
+        Info("flow_exporter_build", "Version of the exporter and of the libraries that shape its output.",
+             registry=self.registry).info(build_labels())  # fmt: skip
         self.poll_seconds = Histogram(
             "flow_exporter_poll_duration_seconds",
             "Time of one conntrack dump plus store update.",
@@ -148,7 +187,7 @@ class _ReadingsCollector(Collector):
         if r.checkpoint is not None:
             yield from _families(r.checkpoint, _CHECKPOINT_FAMILIES)
         for name, value in r.extra.items():
-            yield CounterMetricFamily(f"flow_exporter_{name}", name.replace("_", " "), value=value)
+            yield CounterMetricFamily(f"flow_exporter_{name}", EXTRA_FAMILIES.get(name, name), value=value)
 
 
 def routes(
@@ -204,3 +243,31 @@ def readiness(
         return (False, "waiting for: " + ", ".join(missing)) if missing else (True, "ok")
 
     return check
+
+
+def catalogue() -> list[tuple[str, str, str, tuple[str, ...]]]:
+    """(name as scraped, type, help, label names) of every family this exporter serves, in order.
+
+    Read from a registry fed all-zero readings (with a checkpoint and enrichment), so it is
+    exactly what ``/metrics`` shows; the README's metrics table is made from it.
+    """
+    import dataclasses
+
+    from flow_exporter.readings import CheckpointReadings
+
+    zero: dict[str, object] = {}
+    for f in dataclasses.fields(Readings):
+        zero[f.name] = {} if f.name in ("given_up", "extra") else 0
+    zero["checkpoint"] = CheckpointReadings(**{f.name: 0 for f in dataclasses.fields(CheckpointReadings)})
+    zero["extra"] = dict.fromkeys(EXTRA_FAMILIES, 0)
+    metrics = Metrics()
+    metrics.bind(lambda: Readings(**zero))  # type: ignore[arg-type]
+    out = []
+    for family in metrics.registry.collect():
+        labels: set[str] = set()
+        for sample in family.samples:
+            labels.update(k for k in sample.labels if k not in ("le",))
+        name = family.name + ("_total" if family.type == "counter" else "")
+        name = name + "_info" if family.type == "info" else name
+        out.append((name, family.type, family.documentation, tuple(sorted(labels))))
+    return out

@@ -95,7 +95,7 @@ def test_lab_traffic_reaches_kafka_with_exact_counters(
         assert metric(text, "flow_exporter_conntrack_max") > 0
         assert metric(text, "flow_exporter_records_acknowledged") >= 6
         assert metric(text, "flow_exporter_records_failed") == 0
-        assert metric(text, "flow_exporter_bytes_produced") > 0
+        assert metric(text, "flow_exporter_produced_bytes") > 0
         assert metric(text, "flow_exporter_poll_duration_seconds_count") >= 5
         table = lab.conntrack_entries()
         cts = {

@@ -272,7 +272,7 @@ def test_every_reading_reaches_the_metrics_endpoint() -> None:
     assert {attr for attr, *_ in _CHECKPOINT_FAMILIES} == {f.name for f in dataclasses.fields(CheckpointReadings)}
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
     assert values["flow_exporter_records_acknowledged_total"] == 1
-    assert values["flow_exporter_bytes_produced_total"] == len(broker.accepted[0].value)
+    assert values["flow_exporter_produced_bytes_total"] == len(broker.accepted[0].value)
     assert values["flow_exporter_polls_total"] == 6
     assert values["flow_exporter_connections_tracked"] == 1
     assert values["flow_exporter_enrichment_lookups_total"] == 3
