@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "flow_exporter", "run", "--netns", ns, "--bootstrap-servers", broker.bootstrap,
                "--topic", "node", "--node-name", "bench-node", "--set", f"state.dir={tmp}/state",
                "--set", f"metrics.port={port}", "--set", "metrics.address=127.0.0.1",
-               # the DaemonSet's limits (k8s/configmap.yaml)
+               # the DaemonSet's limits (k8s/config.yaml)
                "--set", "limits.maxConnections=250000", "--set", "limits.maxInFlight=50000"]  # fmt: skip
         with open(log, "wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

@@ -240,7 +240,7 @@ def test_cluster_role_grants_exactly_what_the_caches_read() -> None:
     assert set(rule) == {"apiGroups", "resources", "verbs"}  # no resourceNames, no nonResourceURLs
     assert rule["apiGroups"] == [""]
     assert sorted(rule["resources"]) == sorted(name for name, _ in RESOURCES)
-    assert sorted(rule["verbs"]) == ["get", "list", "watch"]
+    assert sorted(rule["verbs"]) == ["list", "watch"]  # list+watch caches never get one object
     binding = docs[("ClusterRoleBinding", "flow-exporter")]
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",

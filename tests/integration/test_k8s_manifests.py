@@ -25,7 +25,11 @@ K8S = REPO / "k8s"
 NAMESPACE = "flow-exporter"
 # Not applied by the kustomization: an example the operator replaces with a real Secret.
 EXAMPLES = {"secret-example.yaml"}
-REQUIRED = {"namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "configmap.yaml", "daemonset.yaml"}
+REQUIRED = {"namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "daemonset.yaml"}
+# kustomize names a generated ConfigMap <name>-<10-character hash of its content>; render() writes this
+# in its place, and the comparison with kustomize's own output puts it back (the hash is kustomize's).
+HASH = "hhhhhhhhhh"
+_HASHED = re.compile(r"\b(flow-exporter)-[a-z0-9]{10}\b")
 KUSTOMIZE_VERSION = "v5.8.2"  # the newest that builds with the Go toolchain here (v5.8.3 needs Go 1.27)
 # BENCHMARKS.md: RSS per tracked connection and at start (used if its line cannot be parsed).
 BYTES_PER_CONNECTION = 1300
@@ -62,9 +66,22 @@ def _pod_spec(doc: dict[str, Any]) -> dict[str, Any] | None:
 def render() -> list[dict[str, Any]]:
     """What ``kustomize build k8s/`` yields, for the features the kustomization uses."""
     k = kustomization()
-    unsupported = set(k) - {"apiVersion", "kind", "resources", "labels", "images"}
+    unsupported = set(k) - {"apiVersion", "kind", "resources", "labels", "images", "configMapGenerator"}
     assert not unsupported, f"render() does not implement kustomization fields {sorted(unsupported)}"
     docs = [doc for name in k["resources"] for doc in _load_docs(name)]
+    for gen in k.get("configMapGenerator", []):
+        name = f"{gen['name']}-{HASH}"
+        docs.append({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": gen["namespace"], "labels": dict(gen["options"]["labels"])},
+            "data": {f: (K8S / f).read_text() for f in gen["files"]},
+        })  # fmt: skip
+        for doc in docs:
+            for volume in (_pod_spec(doc) or {}).get("volumes", []):
+                sources = [volume, *volume.get("projected", {}).get("sources", [])]
+                for ref in [s["configMap"] for s in sources if "configMap" in s]:
+                    if ref.get("name") == gen["name"]:
+                        ref["name"] = name
     for entry in k.get("labels", []):
         assert not entry.get("includeSelectors", False), "selectors are immutable: keep includeSelectors false"
         for doc in docs:
@@ -82,6 +99,8 @@ def render() -> list[dict[str, Any]]:
 
 
 def find(docs: list[dict[str, Any]], kind: str, name: str = "flow-exporter") -> dict[str, Any]:
+    if kind == "ConfigMap":
+        name = f"{name}-{HASH}"
     [doc] = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
     return doc
 
@@ -148,8 +167,11 @@ def bytes_per_connection() -> int:
 
 
 def test_kustomization_lists_every_manifest() -> None:
-    listed = kustomization()["resources"]
-    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"} - EXAMPLES
+    k = kustomization()
+    listed = k["resources"]
+    generated = {f for gen in k["configMapGenerator"] for f in gen["files"]}
+    assert generated == {"config.yaml"}
+    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"} - EXAMPLES - generated
     assert len(listed) == len(set(listed))
     assert set(listed) == on_disk
     assert set(listed) >= REQUIRED
@@ -179,8 +201,7 @@ def test_manifests_pass_server_side_dry_run(apiserver: ApiServer, docs: list[dic
     assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN"]}
 
 
-@pytest.mark.skipif(shutil.which("go") is None, reason="no Go toolchain to build kustomize with")
-def test_kustomize_build_renders_the_same(docs: list[dict[str, Any]]) -> None:
+def kustomize_build(directory: Path) -> str:
     gobin = REPO / ".cache" / "kustomize" / KUSTOMIZE_VERSION / "bin"
     binary = gobin / "kustomize"
     if not binary.is_file():
@@ -191,13 +212,43 @@ def test_kustomize_build_renders_the_same(docs: list[dict[str, Any]]) -> None:
             capture_output=True,
             timeout=900,
         )
-    out = subprocess.run([str(binary), "build", str(K8S)], check=True, capture_output=True, text=True, timeout=120)
-    built = [d for d in yaml.safe_load_all(out.stdout) if d]
+    return subprocess.run(
+        [str(binary), "build", str(directory)], check=True, capture_output=True, text=True, timeout=120
+    ).stdout
+
+
+@pytest.mark.skipif(shutil.which("go") is None, reason="no Go toolchain to build kustomize with")
+def test_kustomize_build_renders_the_same(docs: list[dict[str, Any]]) -> None:
+    out = _HASHED.sub(rf"\1-{HASH}", kustomize_build(K8S))
+    built = [d for d in yaml.safe_load_all(out) if d]
 
     def key(d: dict[str, Any]) -> tuple[str, str]:
         return d["kind"], d["metadata"]["name"]
 
     assert sorted(built, key=key) == sorted(docs, key=key)
+
+
+@pytest.mark.skipif(shutil.which("go") is None, reason="no Go toolchain to build kustomize with")
+def test_a_config_change_rolls_the_pods(tmp_path: Path) -> None:
+    """kubectl apply -k after an edit of config.yaml changes the pod template, so the DaemonSet rolls."""
+
+    def pod_template(directory: Path) -> dict[str, Any]:
+        docs = [d for d in yaml.safe_load_all(kustomize_build(directory)) if d]
+        return next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]
+
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    before = pod_template(copy)
+    assert before == pod_template(copy)  # the same content, the same template: no needless rollout
+    config_file = copy / "config.yaml"
+    config_file.write_text(config_file.read_text().replace("pollInterval: 5s", "pollInterval: 10s"))
+    after = pod_template(copy)
+    assert after != before
+    def config_map(template: dict[str, Any]) -> str:
+        [name] = re.findall(r"'name': '(flow-exporter-[a-z0-9]{10})'", repr(template["spec"]["volumes"]))
+        return name
+
+    assert config_map(before) != config_map(after)
 
 
 # ------------------------------------------------------------------------------ the DaemonSet
@@ -228,6 +279,7 @@ def test_daemonset_container_security(pod: dict[str, Any], container: dict[str, 
 def test_only_the_sysctl_init_container_is_privileged(pod: dict[str, Any]) -> None:
     """The privileged init container writes the two conntrack sysctls and nothing else."""
     for init in pod.get("initContainers", []):
+        assert "flow-exporter" not in init["image"]  # a minimal image: the privileged step runs no Python
         assert not init.get("volumeMounts") and not init.get("env") and not init.get("envFrom")
         assert init["securityContext"]["readOnlyRootFilesystem"] is True
         script = " ".join(init["command"])
@@ -238,6 +290,7 @@ def test_only_the_sysctl_init_container_is_privileged(pod: dict[str, Any]) -> No
 def test_daemonset_scheduling_and_lifecycle(docs: list[dict[str, Any]], pod: dict[str, Any], config: Config) -> None:
     ds = find(docs, "DaemonSet")
     assert {"operator": "Exists"} in pod["tolerations"]
+    assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}  # tolerating everything, but only Linux nodes
     assert pod["priorityClassName"] == "system-node-critical"
     strategy = ds["spec"]["updateStrategy"]
     assert strategy["type"] == "RollingUpdate"
@@ -358,7 +411,7 @@ def test_clusterrole_grants_only_reads(docs: list[dict[str, Any]]) -> None:
     roles = [d for d in docs if d["kind"] in ("Role", "ClusterRole")]
     assert [r["metadata"]["name"] for r in roles] == ["flow-exporter"]
     for rule in roles[0]["rules"]:
-        assert set(rule["verbs"]) <= {"get", "list", "watch"}
+        assert set(rule["verbs"]) <= {"list", "watch"}
         assert rule["apiGroups"] == [""]
         assert set(rule["resources"]) <= {"pods", "services", "nodes"}
         assert "resourceNames" not in rule and "nonResourceURLs" not in rule
