@@ -490,6 +490,10 @@ class ApiServer:
             self._dynamic = DynamicClient(self.api_client())
         return self._dynamic
 
+    def forget_discovery(self) -> None:
+        """Drop the dynamic client's discovery cache (after a CRD was created, to see its kind)."""
+        self._dynamic = None
+
     def apply(self, manifest_docs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         """Create or update each object as admin, in order, and return what the server stored.
 

@@ -1,0 +1,156 @@
+"""The Helm chart: `helm lint`, `helm template` validated by a real kube-apiserver (server-side dry-run),
+the Prometheus Operator's own PodMonitor CRD, config changes that roll the pods, and no drift from k8s/.
+
+Helm is built from the Go module proxy (helm.sh/helm/v4) into .cache/helm on first use; the PodMonitor
+CRD comes from the prometheus-operator module (the newest version served here), through `go mod download`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from devtools.apiserver import ApiServer
+from flow_exporter.config import load
+from tests.support.paths import REPO
+
+pytestmark = pytest.mark.skipif(shutil.which("go") is None, reason="no Go toolchain to build helm with")
+
+CHART = REPO / "charts" / "flow-exporter"
+HELM_VERSION = "v4.3.2"
+PROMETHEUS_OPERATOR = "github.com/prometheus-operator/prometheus-operator@v0.85.0"
+NAMESPACE = "flow-exporter-helm"
+
+
+@pytest.fixture(scope="module")
+def helm() -> Path:
+    gobin = REPO / ".cache" / "helm" / HELM_VERSION / "bin"
+    binary = gobin / "helm"
+    if not binary.is_file():
+        subprocess.run(
+            ["go", "install", f"helm.sh/helm/v4/cmd/helm@{HELM_VERSION}"],
+            env={**os.environ, "GOBIN": str(gobin)},
+            check=True,
+            capture_output=True,
+            timeout=1500,
+        )
+    return binary
+
+
+def template(helm: Path, *sets: str, release: str = "flow-exporter") -> list[dict[str, Any]]:
+    args = [str(helm), "template", release, str(CHART), "--namespace", NAMESPACE]
+    for s in sets:
+        args += ["--set", s]
+    out = subprocess.run(args, check=True, capture_output=True, text=True, timeout=120).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def find(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    [doc] = [d for d in docs if d["kind"] == kind]
+    return doc
+
+
+def pod_spec(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    spec: dict[str, Any] = find(docs, "DaemonSet")["spec"]["template"]["spec"]
+    return spec
+
+
+def test_helm_lint_is_clean(helm: Path) -> None:
+    r = subprocess.run([str(helm), "lint", "--strict", str(CHART)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_rendered_chart_passes_server_side_dry_run(helm: Path, apiserver: ApiServer) -> None:
+    docs = template(helm)
+    assert sorted(d["kind"] for d in docs) == [
+        "ClusterRole", "ClusterRoleBinding", "ConfigMap", "DaemonSet", "ServiceAccount"]  # fmt: skip
+    results = apiserver.dry_run_apply(docs)
+    assert [(r["kind"], r["metadata"]["name"]) for r in results] == [(d["kind"], d["metadata"]["name"]) for d in docs]
+
+
+def test_podmonitor_against_the_prometheus_operator_crd(helm: Path, apiserver: ApiServer) -> None:
+    info = subprocess.run(
+        ["go", "mod", "download", "-json", PROMETHEUS_OPERATOR], check=True, capture_output=True, text=True,
+        timeout=600, cwd=REPO / "tools" / "k8s" / "apiserver",
+    )  # fmt: skip
+    crds = Path(json.loads(info.stdout)["Dir"]) / "example" / "prometheus-operator-crd"
+    crd_file = crds / "monitoring.coreos.com_podmonitors.yaml"
+    apiserver.apply([yaml.safe_load(crd_file.read_text())])
+    docs = template(helm, "podMonitor.enabled=true", "podMonitor.interval=15s", "podMonitor.labels.release=prom")
+    monitor = find(docs, "PodMonitor")
+    deadline = time.monotonic() + 30
+    while True:  # the CRD is established a moment after it is created
+        try:
+            [served] = apiserver.dry_run_apply([monitor])
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            apiserver.forget_discovery()  # the new kind is not in the cached discovery yet
+            time.sleep(0.5)
+    assert served["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    selector = served["spec"]["selector"]["matchLabels"]
+    assert find(docs, "DaemonSet")["spec"]["template"]["metadata"]["labels"].items() >= selector.items()
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+
+
+def test_a_config_change_rolls_the_pods(helm: Path) -> None:
+    def annotations(*sets: str) -> dict[str, str]:
+        return dict(find(template(helm, *sets), "DaemonSet")["spec"]["template"]["metadata"]["annotations"])
+
+    base = annotations()
+    assert base == annotations()  # the same values, the same pod template: no needless rollout
+    changed = annotations("config.conntrack.pollInterval=10s")
+    assert changed["checksum/config"] != base["checksum/config"]
+    assert annotations("resources.limits.cpu=2")["checksum/config"] == base["checksum/config"]
+
+
+def test_values_reach_the_daemonset(helm: Path) -> None:
+    docs = template(
+        helm,
+        "image.repository=registry.example/fe", "image.tag=9.9.9",
+        "nodeSelector.pool=net", "tolerations[0].key=dedicated", "tolerations[0].operator=Exists",
+        "resources.limits.memory=2Gi", "sysctlInit.enabled=false", "config.metrics.port=9777",
+        release="prod",
+    )  # fmt: skip
+    spec = pod_spec(docs)
+    [c] = spec["containers"]
+    assert c["image"] == "registry.example/fe:9.9.9"
+    assert spec["nodeSelector"] == {"kubernetes.io/os": "linux", "pool": "net"}
+    assert spec["tolerations"] == [{"key": "dedicated", "operator": "Exists"}]
+    assert c["resources"]["limits"]["memory"] == "2Gi" and "initContainers" not in spec
+    assert c["ports"] == [{"name": "metrics", "containerPort": 9777, "protocol": "TCP"}]
+    annotations = find(docs, "DaemonSet")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == "9777"
+    assert find(docs, "DaemonSet")["metadata"]["name"] == "prod-flow-exporter"
+    assert find(docs, "ClusterRoleBinding")["subjects"][0]["name"] == spec["serviceAccountName"]
+
+
+def test_chart_and_kustomize_manifests_agree(helm: Path, tmp_path: Path) -> None:
+    """The chart's defaults are the kustomize manifests' settings: one config, one security context."""
+    docs = template(helm)
+    chart_config = yaml.safe_load(find(docs, "ConfigMap")["data"]["config.yaml"])
+    assert chart_config == yaml.safe_load((REPO / "k8s" / "config.yaml").read_text())
+    path = tmp_path / "config.yaml"
+    path.write_text(find(docs, "ConfigMap")["data"]["config.yaml"])
+    assert load(path, environ={})["kafka.topic"] == "flows"  # the exporter loads it (bad input would raise)
+    [ours] = [d for d in yaml.safe_load_all((REPO / "k8s" / "daemonset.yaml").read_text()) if d]
+    [kc] = ours["spec"]["template"]["spec"]["containers"]
+    [hc] = pod_spec(docs)["containers"]
+    for field in ("securityContext", "livenessProbe", "readinessProbe", "resources", "args", "volumeMounts"):
+        assert hc[field] == kc[field], field
+    assert [e["name"] for e in hc["env"]] == [e["name"] for e in kc["env"]]
+    k_init = ours["spec"]["template"]["spec"]["initContainers"][0]
+    h_init = pod_spec(docs)["initContainers"][0]
+    assert (h_init["image"], h_init["command"], h_init["securityContext"]) == (
+        k_init["image"], k_init["command"], k_init["securityContext"])  # fmt: skip
+    rules = find(docs, "ClusterRole")["rules"]
+    assert rules == [{"apiGroups": [""], "resources": ["pods", "services", "nodes"], "verbs": ["list", "watch"]}]
