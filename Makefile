@@ -14,6 +14,7 @@ lint: setup
 
 setup-k8s: setup
 	@bash tools/k8s/build.sh
+	@bash tools/k8s/tools.sh
 
 test: setup setup-k8s lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

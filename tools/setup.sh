@@ -24,12 +24,14 @@ fi
 PY=${PYTHON:-python3}
 "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || die "Python >= 3.11 is required (found: $("$PY" --version 2>&1))"
 if [ ! -x .venv/bin/python ]; then
+    echo "setup: creating the virtualenv .venv"
     "$PY" -m venv .venv || die "cannot create .venv (python3-venv missing?)"
 fi
 # The dependencies come from the lock (exact versions, hashes checked), the project itself is then
 # installed editable without resolving anything; `make lock` rewrites the lock from pyproject.toml.
 stamp=.venv/.installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/dev.lock -nt "$stamp" ]; then
+    echo "setup: installing the Python dependencies from requirements/dev.lock (a minute or two on a fresh machine)"
     .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
     .venv/bin/python -m pip install -q --require-hashes -r requirements/dev.lock >/tmp/flow-exporter-pip.log 2>&1 \
         || die "pip could not install requirements/dev.lock (is PyPI reachable? is the lock stale? try: make lock); log: /tmp/flow-exporter-pip.log"
@@ -40,5 +42,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/dev.lo
     touch "$stamp"
 fi
 
+kafka_jars=$(.venv/bin/python -c 'from devtools.kafka import cache_dir; print(cache_dir())' 2>/dev/null || true)
+if [ -z "$kafka_jars" ] || [ ! -d "$kafka_jars" ]; then
+    echo "setup: fetching the Kafka broker jars with Maven (first run only, about a minute)"
+fi
 .venv/bin/python -m devtools.kafka fetch >/dev/null \
     || die "cannot fetch the Kafka broker jars with Maven (is Maven Central reachable?)"
