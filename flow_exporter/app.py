@@ -390,6 +390,7 @@ class Exporter:
                 cp.stats.last_snapshot_seconds,
                 cp.stats.journal_bytes,
             ),
+            kafka_client=sc.client,
             extra=extra or {},
         )
 

@@ -27,6 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from flow_exporter.lifecycle import Lifecycle
+from flow_exporter.ports import BrokerStats, ClientStats
 from flow_exporter.readings import Readings
 
 log = logging.getLogger(__name__)
@@ -186,6 +187,8 @@ class _ReadingsCollector(Collector):
         yield given_up
         if r.checkpoint is not None:
             yield from _families(r.checkpoint, _CHECKPOINT_FAMILIES)
+        if r.kafka_client is not None:
+            yield from _client_families(r.kafka_client)
         for name, value in r.extra.items():
             yield CounterMetricFamily(f"flow_exporter_{name}", EXTRA_FAMILIES.get(name, name), value=value)
 
@@ -245,6 +248,33 @@ def readiness(
     return check
 
 
+# Per-broker families from the Kafka client's statistics: (field of BrokerStats, name, help, type).
+_BROKER_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
+    ("rtt_seconds", "kafka_broker_rtt_seconds", "Average round-trip time to the broker (last interval).", "gauge"),
+    ("requests", "kafka_broker_requests", "Requests sent to the broker.", "counter"),
+    ("request_errors", "kafka_broker_request_errors", "Requests to the broker that failed.", "counter"),
+    ("retries", "kafka_broker_request_retries", "Requests to the broker sent again.", "counter"),
+    ("timeouts", "kafka_broker_request_timeouts", "Requests to the broker that timed out.", "counter"),
+    ("disconnects", "kafka_broker_disconnects", "Connections to the broker that were lost.", "counter"),
+)
+
+
+def _client_families(c: ClientStats) -> Iterator[Metric]:
+    """The Kafka client's statistics (librdkafka, every statistics.interval.ms)."""
+    yield GaugeMetricFamily(
+        "flow_exporter_kafka_queue_messages", "Messages waiting in the Kafka client.", value=c.queue_messages
+    )
+    yield GaugeMetricFamily(
+        "flow_exporter_kafka_queue_bytes", "Bytes of messages waiting in the Kafka client.", value=c.queue_bytes
+    )
+    for attr, name, doc, kind in _BROKER_FAMILIES:
+        family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+        f = family(f"flow_exporter_{name}", doc, labels=["broker"])
+        for b in c.brokers:
+            f.add_metric([b.name], getattr(b, attr))
+        yield f
+
+
 def catalogue() -> list[tuple[str, str, str, tuple[str, ...]]]:
     """(name as scraped, type, help, label names) of every family this exporter serves, in order.
 
@@ -260,6 +290,7 @@ def catalogue() -> list[tuple[str, str, str, tuple[str, ...]]]:
         zero[f.name] = {} if f.name in ("given_up", "extra") else 0
     zero["checkpoint"] = CheckpointReadings(**{f.name: 0 for f in dataclasses.fields(CheckpointReadings)})
     zero["extra"] = dict.fromkeys(EXTRA_FAMILIES, 0)
+    zero["kafka_client"] = ClientStats(0, 0, (BrokerStats("broker:9092", 0.0, 0, 0, 0, 0, 0),))
     metrics = Metrics()
     metrics.bind(lambda: Readings(**zero))  # type: ignore[arg-type]
     out = []

@@ -70,6 +70,29 @@ class SinkCounters:
     bytes_produced: int = 0
     connected: bool = False  # the broker answered at least once (readiness)
     fatal: str | None = None  # a fatal producer error: nothing can be delivered any more (exit and restart)
+    client: ClientStats | None = None  # the Kafka client's own statistics, when it reports them
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerStats:
+    """One broker connection, as the Kafka client last reported it."""
+
+    name: str
+    rtt_seconds: float  # average request round-trip time over the last statistics interval
+    requests: int  # requests sent (cumulative)
+    request_errors: int
+    retries: int
+    timeouts: int
+    disconnects: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClientStats:
+    """The Kafka client's view of its queue and brokers (librdkafka statistics), for metrics."""
+
+    queue_messages: int  # messages waiting in the client (not yet acknowledged)
+    queue_bytes: int
+    brokers: tuple[BrokerStats, ...] = ()
 
 
 class Sink(Protocol):

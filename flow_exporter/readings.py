@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from flow_exporter.ports import ClientStats
+
 
 class Timings(Protocol):
     """Durations the loops observe as they happen (histograms in :class:`~flow_exporter.metrics.Metrics`)."""
@@ -69,4 +71,5 @@ class Readings:
     records_given_up: int
     bytes_produced: int
     checkpoint: CheckpointReadings | None = None
+    kafka_client: ClientStats | None = None
     extra: dict[str, float] = field(default_factory=dict)  # from other parts (Kubernetes enrichment)

@@ -7,6 +7,7 @@ store from whatever thread happened to call ``poll()``.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
@@ -19,7 +20,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
 from flow_exporter.flow import Export
-from flow_exporter.ports import DeliveryReport, SinkCounters
+from flow_exporter.ports import BrokerStats, ClientStats, DeliveryReport, SinkCounters
 from flow_exporter.record import partition_key
 from flow_exporter.settings import DEFAULTS, ConfigError, shown
 
@@ -43,8 +44,31 @@ PRODUCER_DEFAULTS: dict[str, Any] = {
     # (at most 1 s), so the cap mostly applies once some broker has been reached.
     "reconnect.backoff.ms": 500,
     "reconnect.backoff.max.ms": 10_000,
+    # The client's own statistics (queue depth, broker round-trip times and errors) every 15 s,
+    # for metrics; parsed on the expire thread in poll(), a few hundred microseconds each time.
+    "statistics.interval.ms": 15_000,
 }
 _RECONNECT_KEYS = ("reconnect.backoff.ms", "reconnect.backoff.max.ms")
+
+
+def client_stats(doc: dict[str, Any]) -> ClientStats:
+    """The parts of a librdkafka statistics document (STATISTICS.md) the metrics show."""
+    brokers = []
+    for b in doc.get("brokers", {}).values():
+        if b.get("nodeid", -1) < 0:
+            continue  # bootstrap and coordinator placeholders: the same brokers again
+        brokers.append(
+            BrokerStats(
+                name=str(b.get("nodename") or b.get("name")),
+                rtt_seconds=b.get("rtt", {}).get("avg", 0) / 1e6,
+                requests=int(b.get("tx", 0)),
+                request_errors=int(b.get("txerrs", 0)),
+                retries=int(b.get("txretries", 0)),
+                timeouts=int(b.get("req_timeouts", 0)),
+                disconnects=int(b.get("disconnects", 0)),
+            )
+        )
+    return ClientStats(int(doc["msg_cnt"]), int(doc["msg_size"]), tuple(sorted(brokers, key=lambda b: b.name)))
 
 
 def _is_true(value: object) -> bool:
@@ -185,6 +209,7 @@ class KafkaSink:
         self.encode = encode
         self.config = {**PRODUCER_DEFAULTS, **producer_config}
         self.config.setdefault("error_cb", self._on_error)
+        self.config.setdefault("stats_cb", self._on_stats)
         self.config["logger"] = _LibrdkafkaLog(self.config.get("logger") or _rdkafka_log)
         self._producer = Producer(self.config)
         self._reports: deque[DeliveryReport] = deque()
@@ -305,6 +330,12 @@ class KafkaSink:
     def _serve_while_waiting(self, seconds: float) -> None:
         self._on_wait()
         self._producer.poll(seconds)
+
+    def _on_stats(self, text: str) -> None:
+        try:
+            self.counters.client = client_stats(json.loads(text))
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            log.debug("kafka statistics not understood: %s", exc)
 
     def _on_error(self, err: KafkaError) -> None:
         # librdkafka's error strings name the broker and the reason, never the configured secrets.

@@ -11,15 +11,20 @@ from typing import Any
 
 import pytest
 from confluent_kafka import Consumer
+from prometheus_client import generate_latest
 
 from flow_exporter.app import Exporter
 from flow_exporter.connection import PROTO_TCP, Connection
 from flow_exporter.flow import END_OF_FLOW
+from flow_exporter.metrics import Metrics
+from flow_exporter.ports import BrokerStats
 from flow_exporter.record import partition_key
 from flow_exporter.sink import KafkaSink, Route
 from flow_exporter.sink.encoder import RecordEncoder
+from flow_exporter.sink.kafka import client_stats
 from flow_exporter.store import ConnectionStore
 from flow_exporter.timeouts import Timeouts
+from tests.support.fakes import FakeTable
 from tests.support.reference import AvroSerializer
 
 pytestmark = pytest.mark.kafka
@@ -116,6 +121,50 @@ def test_routes_and_delivery_reports(kafka_broker: Any) -> None:
     assert [ser.decode(m.value())["flowEndReason"] for m in ended] == [END_OF_FLOW]
     assert len(main) == 2
     assert {m.key() for m in main} == {partition_key(e) for e in exports if e.reason != END_OF_FLOW}
+
+
+def test_client_statistics_reach_the_metrics(kafka_broker: Any) -> None:
+    topic = f"stats-{time.time_ns()}"
+    kafka_broker.create_topic(topic)
+    sink = KafkaSink(
+        {"bootstrap.servers": kafka_broker.bootstrap, "statistics.interval.ms": 100}, topic, RecordEncoder("n1").encode
+    )
+    store = ConnectionStore()
+    store.update([conn(1)], 0.0, time.time_ns())
+    for e in store.expire(100.0, time.time_ns()):
+        sink.send(e, 0)
+    assert sink.flush(20) == 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the next statistics after the delivery
+        sink.poll(0.2)
+        client = sink.counters.client
+        if client is not None and client.brokers and client.queue_messages == 0:
+            break
+    client = sink.counters.client
+    assert client is not None and client.queue_messages == 0 and client.queue_bytes == 0
+    [broker] = client.brokers  # the one broker of the test cluster, under its advertised name
+    assert broker.name.startswith("127.0.0.1:") and broker.request_errors == 0 and broker.disconnects == 0
+    assert broker.requests > 0 and 0 < broker.rtt_seconds < 5  # a produce and metadata requests: not a count we set
+    metrics = Metrics()
+    exp = Exporter(FakeTable(), sink, timeouts=Timeouts(), node_name="n1")
+    metrics.bind(exp.readings)
+    text = generate_latest(metrics.registry).decode()
+    assert f'flow_exporter_kafka_broker_requests_total{{broker="{broker.name}"}}' in text
+    assert "flow_exporter_kafka_queue_messages 0.0" in text
+
+
+def test_client_statistics_parse_librdkafka_documents() -> None:
+    doc = {
+        "msg_cnt": 7, "msg_size": 900,
+        "brokers": {
+            "b1:9092/1": {"nodeid": 1, "nodename": "b1:9092", "rtt": {"avg": 2500}, "tx": 40, "txerrs": 1,
+                          "txretries": 2, "req_timeouts": 3, "disconnects": 4},
+            "GroupCoordinator": {"nodeid": -1, "nodename": "b1:9092", "tx": 99},
+        },
+    }  # fmt: skip
+    c = client_stats(doc)
+    assert (c.queue_messages, c.queue_bytes) == (7, 900)
+    assert c.brokers == (BrokerStats("b1:9092", 0.0025, 40, 1, 2, 3, 4),)
 
 
 def test_missing_topic_is_reported(kafka_broker: Any) -> None:
