@@ -267,7 +267,7 @@ def test_every_reading_reaches_the_metrics_endpoint() -> None:
     metrics = Metrics()
     metrics.bind(lambda: exp.readings({"enrichment_lookups": 3}))
     text = generate_latest(metrics.registry).decode()
-    exported = {attr for attr, *_ in _FAMILIES} | {"given_up", "checkpoint", "extra"}
+    exported = {attr for attr, *_ in _FAMILIES} | {"given_up", "checkpoint", "kafka_client", "extra"}
     assert {f.name for f in dataclasses.fields(Readings)} == exported
     assert {attr for attr, *_ in _CHECKPOINT_FAMILIES} == {f.name for f in dataclasses.fields(CheckpointReadings)}
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
