@@ -23,7 +23,7 @@ test: setup setup-k8s lint
 unit: setup
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
-demo: setup
+demo: setup setup-k8s
 	$(PY) -m devtools.demo
 
 bench: setup

@@ -1,8 +1,12 @@
-"""``make demo``: a real broker, a namespace lab, a minute of traffic, the exporter, the records.
+"""``make demo``: a real broker, a real API server, a namespace lab, a minute of traffic, the exporter, the records.
 
 Everything is real: the Kafka broker is the Apache one started from the cached
-jars, the traffic crosses a routed "node" namespace whose kernel conntrack the
-exporter reads, and the records shown are decoded from the topic.
+jars, the kube-apiserver (built from the Go module proxy) holds Pods and a Service
+whose addresses are the lab's, the exporter reads it with the ServiceAccount and
+ClusterRole of k8s/ (list and watch only), the traffic crosses a routed "node"
+namespace whose kernel conntrack the exporter reads, and the records shown are
+decoded from the topic, one row per connection in the columns of
+``flow-exporter tail``.
 """
 
 from __future__ import annotations
@@ -18,18 +22,18 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import fastavro
+import yaml
 from confluent_kafka import Consumer
 
+from devtools.apiserver import ApiServer
 from devtools.kafka import KafkaBroker
 from devtools.lab import Lab, LabError, Pod
-from flow_exporter.connection import PROTO_NAMES
-from flow_exporter.flow import REASON_NAMES
 from flow_exporter.record import load_schema
+from flow_exporter.tools import table_header, table_row
 
 TOPIC = "flows"
 
@@ -41,7 +45,7 @@ def _say(msg: str) -> None:
 def _traffic(lab: Lab, duration: float, errors: list[str]) -> int:
     """Mixed real traffic for ``duration`` seconds; returns the number of exchanges."""
     pods = lab.pods
-    svc = lab.add_service(lab.vip4(), 80, pods[2], 8080, vip6=lab.vip6())
+    svc = lab.add_service(SERVICE_VIPS[0], 80, pods[2], 8080, vip6=SERVICE_VIPS[1])  # the Service shop/web
     rnd = random.Random(7)
     end = time.monotonic() + duration
     long_conn = lab.open_tcp(pods[0], pods[1], 7000)
@@ -96,27 +100,60 @@ def _read_back(bootstrap: str, min_records: int, timeout: float = 30.0) -> list[
     return out
 
 
-def _endpoint(addr: str, port: int) -> str:
-    return f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+def _connections(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per connection, as a consumer counts it: duplicates dropped, deltas summed, the last reason."""
+    by_id: dict[int, dict[int, dict[str, Any]]] = {}
+    for r in records:
+        by_id.setdefault(r["connectionId"], {})[r["sequence"]] = r
+    rows = []
+    for seqs in by_id.values():
+        ordered = [seqs[k] for k in sorted(seqs)]
+        row = dict(ordered[-1])
+        row["exportTime"] = ordered[0]["exportTime"]
+        row["octetDeltaCount"] = sum(r["octetDeltaCount"] for r in ordered)
+        row["reverseOctetDeltaCount"] = sum(r["reverseOctetDeltaCount"] for r in ordered)
+        rows.append(row)
+    return sorted(rows, key=lambda r: (r["exportTime"], r["connectionId"]))
 
 
 def _print_table(records: list[dict[str, Any]]) -> None:
-    header = f"{'time':<12} {'proto':<5} {'source':<28} {'destination':<28} {'service':<24} "
-    header += f"{'bytes ->':>9} {'bytes <-':>9} {'reason':<8}"
-    print(header)
-    print("-" * len(header))
-    for r in sorted(records, key=lambda r: (r["exportTime"], r["connectionId"], r["sequence"])):
-        t = r["exportTime"]
-        ts = t.strftime("%H:%M:%S.%f")[:12] if isinstance(t, datetime) else str(t)
-        proto = PROTO_NAMES.get(r["protocol"], str(r["protocol"])).lower()
-        dst = _endpoint(r["destinationAddress"], r["destinationPort"])
-        orig = _endpoint(r["originalDestinationAddress"], r["originalDestinationPort"])
-        service = r["destinationService"] or (orig if orig != dst else "")
-        print(
-            f"{ts:<12} {proto:<5} {_endpoint(r['sourceAddress'], r['sourcePort']):<28} {dst:<28} "
-            f"{service:<24} {r['octetDeltaCount']:>9} {r['reverseOctetDeltaCount']:>9} "
-            f"{REASON_NAMES.get(r['flowEndReason'], '?'):<8}"
-        )
+    print(table_header())
+    for row in _connections(records):
+        print(table_row(row))
+
+
+# The demo cluster: three pods of a "shop" on the demo node, and a Service in front of one of them.
+POD_NAMES = ("frontend", "cart", "web")
+SERVICE_VIPS = ("10.96.0.80", "fd10:96::80")  # in the API server's default Service ranges
+
+
+def _cluster(api: ApiServer, lab: Lab) -> Path:
+    """Pods with the lab pods' addresses, the Service ``shop/web``, and the exporter's RBAC from k8s/.
+
+    Returns a kubeconfig of the exporter's ServiceAccount (so the demo also shows the ClusterRole suffices).
+    """
+    from kubernetes import client
+
+    manifests = Path(__file__).resolve().parent.parent / "k8s"
+    api.apply(
+        d for name in ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml")
+        for d in yaml.safe_load_all((manifests / name).read_text())
+    )  # fmt: skip
+    core = client.CoreV1Api(api.api_client())
+    core.create_namespace({"metadata": {"name": "shop"}})
+    core.create_node({"metadata": {"name": "demo-node"}})
+    core.patch_node_status("demo-node", {"status": {"addresses": [{"type": "InternalIP", "address": "192.0.2.10"}]}})
+    for name, pod in zip(POD_NAMES, lab.pods, strict=True):
+        spec = {"nodeName": "demo-node", "containers": [{"name": "app", "image": "registry.example/shop:1"}]}
+        core.create_namespaced_pod("shop", {"metadata": {"name": name, "labels": {"app": name}}, "spec": spec})
+        status = {"phase": "Running", "podIP": pod.ipv4, "podIPs": [{"ip": pod.ipv4}, {"ip": pod.ipv6}]}
+        core.patch_namespaced_pod_status(name, "shop", {"status": status})
+    core.create_namespaced_service("shop", {
+        "metadata": {"name": "web"},
+        "spec": {"ipFamilyPolicy": "RequireDualStack", "clusterIP": SERVICE_VIPS[0], "clusterIPs": list(SERVICE_VIPS),
+                 "selector": {"app": "web"}, "ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
+    })  # fmt: skip
+    return api.service_account_kubeconfig("flow-exporter", "flow-exporter")
 
 
 def run_demo(duration: float = 60.0) -> int:
@@ -126,8 +163,11 @@ def run_demo(duration: float = 60.0) -> int:
     with KafkaBroker(work / "kafka") as broker:
         _say(f"broker up at {broker.bootstrap} in {time.monotonic() - t0:.1f}s; log: {broker.log_path}")
         broker.create_topic(TOPIC, partitions=3)
-        with Lab(pods=3) as lab:
+        _say("starting the Kubernetes API server (etcd + kube-apiserver)")
+        with Lab(pods=3) as lab, ApiServer(work / "kube-apiserver") as api:
             _say(f"lab up: node namespace {lab.node_ns}, pods " + ", ".join(p.ipv4 for p in lab.pods))
+            kubeconfig = _cluster(api, lab)
+            _say("cluster: pods shop/" + ", shop/".join(POD_NAMES) + ", Service shop/web on " + SERVICE_VIPS[0])
             log_path = work / "exporter.log"
             cmd = [
                 sys.executable, "-m", "flow_exporter", "run",
@@ -139,6 +179,8 @@ def run_demo(duration: float = 60.0) -> int:
                 "--set", "expiry.activeTimeout=5s",
                 "--set", "expiry.idleTimeout=10s",
                 "--set", "metrics.port=0",
+                "--set", "k8s.enabled=true",
+                "--set", f"k8s.kubeconfig={kubeconfig}",
             ]  # fmt: skip
             with log_path.open("wb") as log:
                 proc = subprocess.Popen(
@@ -146,6 +188,7 @@ def run_demo(duration: float = 60.0) -> int:
                 )
             try:
                 _wait_for(log_path, "first poll", proc, 30.0)
+                _wait_for(log_path, "API server synced", proc, 30.0)
                 _say(f"exporter running (log: {log_path}); generating {duration:.0f}s of traffic")
                 errors: list[str] = []
                 result: list[int] = []
@@ -164,12 +207,15 @@ def run_demo(duration: float = 60.0) -> int:
                 _say(f"exporter exited with {rc}")
                 return 1
         records = _read_back(broker.bootstrap, 1)
+        _say("one row per connection: its records' deltas summed as a consumer does (SENT/RECEIVED: bytes "
+             "from the source's view; REASON: its last record's)")  # fmt: skip
         _print_table(records)
         conns = {r["connectionId"] for r in records}
         total = sum(r["octetDeltaCount"] + r["reverseOctetDeltaCount"] for r in records)
+        named = sum(1 for r in records if r.get("sourcePodName") or r.get("destinationPodName"))
         print(
-            f"\n{len(conns)} connections seen, {len(records)} records, {total:,} bytes "
-            f"(both directions); broker log: {broker.log_path}; exporter log: {log_path}"
+            f"\n{len(conns)} connections, {len(records)} records ({named} with pod names), {total:,} bytes "
+            f"(both directions); exporter log: {log_path}"
         )
         return 0 if records else 1
 

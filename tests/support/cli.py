@@ -65,3 +65,20 @@ def from_json(line: str) -> dict[str, Any]:
     if rec["ctLabels"] is not None:
         rec["ctLabels"] = bytes.fromhex(rec["ctLabels"])
     return rec
+
+
+def settings_missing_from(defaults_yaml: str) -> list[str]:
+    """The settings ``config --print-defaults`` output (a YAML config file) does not hold."""
+    import yaml
+
+    from flow_exporter.settings import SETTINGS
+
+    doc = yaml.safe_load(defaults_yaml)
+    missing = []
+    for setting in SETTINGS:
+        node = doc
+        for part in setting.key.split("."):
+            node = node.get(part, KeyError) if isinstance(node, dict) else KeyError
+        if node is KeyError:
+            missing.append(setting.key)
+    return missing
