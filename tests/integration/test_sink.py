@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from confluent_kafka import Consumer
+from confluent_kafka import Consumer, KafkaError
 from prometheus_client import generate_latest
 
 from flow_exporter.app import Exporter
@@ -151,6 +151,16 @@ def test_client_statistics_reach_the_metrics(kafka_broker: Any) -> None:
     text = generate_latest(metrics.registry).decode()
     assert f'flow_exporter_kafka_broker_requests_total{{broker="{broker.name}"}}' in text
     assert "flow_exporter_kafka_queue_messages 0.0" in text
+
+
+def test_a_fatal_producer_error_is_kept_for_the_loops() -> None:
+    """librdkafka's error_cb with a fatal error (e.g. an idempotence epoch error) marks the sink failed."""
+    sink = KafkaSink({"bootstrap.servers": "127.0.0.1:9", "log_level": 0}, "t", RecordEncoder("n1").encode)
+    on_error = sink.config["error_cb"]  # the callback librdkafka calls
+    on_error(KafkaError(KafkaError._TRANSPORT, "brokers down"))
+    assert sink.counters.fatal is None  # transient: retried, still ready once the broker answers
+    on_error(KafkaError(KafkaError._FENCED, "producer fenced", fatal=True))
+    assert sink.counters.fatal == "producer fenced"
 
 
 def test_client_statistics_parse_librdkafka_documents() -> None:
