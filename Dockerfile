@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 #
-# flow-exporter image: docker build -t flow-exporter:0.1.0 .
+# flow-exporter image: docker build -t localhost/flow-exporter:0.1.0 .
 #
 # Two stages. "build" turns the project and its dependencies into wheels; the final stage
 # installs those wheels into a virtual environment and keeps nothing else: no build tree, no
@@ -10,6 +10,12 @@
 # tests/integration/test_dockerfile.py replays this file's COPY and RUN steps, in order, in a
 # temporary directory, and checks the result; keep RUN steps free of steps that only make sense in
 # a container (creating users, apt-get), or teach that test about them.
+
+# Base image: pinned by tag. To pin it by digest (recommended for production builds), resolve the
+# tag where a registry is reachable and write the digest into both FROM lines, e.g.
+#   docker buildx imagetools inspect python:3.11.14-slim-bookworm --format '{{json .Manifest.Digest}}'
+#   FROM python:3.11.14-slim-bookworm@sha256:<that digest> AS build
+# and repeat when moving to a new tag (Python patch releases, Debian security updates).
 
 # ----------------------------------------------------------------------------- build
 FROM python:3.11.14-slim-bookworm AS build
