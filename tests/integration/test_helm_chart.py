@@ -8,7 +8,6 @@ CRD comes from the prometheus-operator module (the newest version served here), 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -20,6 +19,7 @@ import yaml
 
 from devtools.apiserver import ApiServer
 from flow_exporter.config import load
+from tests.support.go_tools import go_tool
 from tests.support.paths import REPO
 
 pytestmark = pytest.mark.skipif(shutil.which("go") is None, reason="no Go toolchain to build helm with")
@@ -32,17 +32,7 @@ NAMESPACE = "flow-exporter-helm"
 
 @pytest.fixture(scope="module")
 def helm() -> Path:
-    gobin = REPO / ".cache" / "helm" / HELM_VERSION / "bin"
-    binary = gobin / "helm"
-    if not binary.is_file():
-        subprocess.run(
-            ["go", "install", f"helm.sh/helm/v4/cmd/helm@{HELM_VERSION}"],
-            env={**os.environ, "GOBIN": str(gobin)},
-            check=True,
-            capture_output=True,
-            timeout=1500,
-        )
-    return binary
+    return go_tool("helm", HELM_VERSION, "helm.sh/helm/v4/cmd/helm")
 
 
 def template(helm: Path, *sets: str, release: str = "flow-exporter") -> list[dict[str, Any]]:

@@ -7,7 +7,6 @@ too and must render the same objects.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ import yaml
 
 from devtools.apiserver import ApiServer
 from flow_exporter.config import BY_KEY, ENV_PREFIX, SETTINGS, Config, load
+from tests.support.go_tools import go_tool
 from tests.support.paths import REPO
 
 K8S = REPO / "k8s"
@@ -202,16 +202,7 @@ def test_manifests_pass_server_side_dry_run(apiserver: ApiServer, docs: list[dic
 
 
 def kustomize_build(directory: Path) -> str:
-    gobin = REPO / ".cache" / "kustomize" / KUSTOMIZE_VERSION / "bin"
-    binary = gobin / "kustomize"
-    if not binary.is_file():
-        subprocess.run(
-            ["go", "install", f"sigs.k8s.io/kustomize/kustomize/v5@{KUSTOMIZE_VERSION}"],
-            env={**os.environ, "GOBIN": str(gobin)},
-            check=True,
-            capture_output=True,
-            timeout=900,
-        )
+    binary = go_tool("kustomize", KUSTOMIZE_VERSION, "sigs.k8s.io/kustomize/kustomize/v5")
     return subprocess.run(
         [str(binary), "build", str(directory)], check=True, capture_output=True, text=True, timeout=120
     ).stdout
