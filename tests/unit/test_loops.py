@@ -110,6 +110,33 @@ def test_a_failed_delivery_is_resent_as_the_same_bytes() -> None:
     assert exp.readings().records_resent == 1
 
 
+def test_a_failing_final_record_goes_again_only_after_its_backoff() -> None:
+    """A gone connection's final record that keeps failing is offered once per backoff, not in a tight loop."""
+    exp, table, broker, clock = rig()
+    table.entries = [udp(40003, packets=2)]
+    step(exp, broker, clock)
+    table.entries = []  # gone: its end-of-flow record is due at once
+    broker.mode = "down"
+    exp.poll_once()
+    for _ in range(50):  # the expire loop's turns within one instant: no resend before the backoff
+        exp.expire_once()
+        broker.poll(0)
+    assert broker.counters.produced == 1 and broker.counters.failed == 1
+    clock.tick(1.0)  # the first backoff (store.RETRY_DELAY)
+    for _ in range(50):
+        exp.expire_once()
+        broker.poll(0)
+    assert broker.counters.produced == 2  # once more, the same bytes
+    broker.mode = "up"
+    clock.tick(2.0)  # the second backoff doubles
+    for _ in range(5):
+        exp.expire_once()
+        broker.poll(0)
+    assert [(r["sourcePort"], r["flowEndReason"], r["packetTotalCount"]) for r in records(broker)] == [
+        (40003, END_OF_FLOW, 2)]  # fmt: skip
+    assert broker.counters.produced == 3 and len(exp.store) == 0
+
+
 def test_a_refused_record_is_given_up_once_and_counted() -> None:
     exp, table, broker, clock = rig()
     table.entries = [tcp(40002)]
