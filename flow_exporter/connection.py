@@ -97,8 +97,12 @@ class Connection:
 
     @property
     def dying(self) -> bool:
-        """Antrea's rule: TIME_WAIT/CLOSE for TCP, the DYING status bit otherwise."""
-        if self.proto == PROTO_TCP and self.tcp_state is not None:
-            return self.tcp_state in (TCP_TIME_WAIT, TCP_CLOSE)
-        return bool(self.status & IPS_DYING)
+        return is_dying(self.proto, self.tcp_state, self.status)
+
+
+def is_dying(proto: int, tcp_state: int | None, status: int) -> bool:
+    """Antrea's rule: TIME_WAIT/CLOSE for TCP, the DYING status bit otherwise (rows and the store's columns)."""
+    if proto == PROTO_TCP and tcp_state is not None:
+        return tcp_state in (TCP_TIME_WAIT, TCP_CLOSE)
+    return bool(status & IPS_DYING)
 

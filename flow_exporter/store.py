@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from flow_exporter.connection import IPS_DYING, PROTO_TCP, Connection, ConnectionKey
+from flow_exporter.connection import Connection, ConnectionKey, is_dying
 from flow_exporter.expiry import ExpiryQueue
 from flow_exporter.flow import (
     ACTIVE_TIMEOUT,
@@ -89,7 +89,6 @@ FINAL_DUE = 8  # a record must still go out for its end
 CLOSED = 16  # shutdown: its forced-end record was built
 ORPHAN = 32  # out of the keyed table (replaced, reset or given up): settles on its own
 
-_TCP_DYING = (7, 8)  # TIME_WAIT, CLOSE
 # Static fields besides the key, packed once per connection: orig_dport, reply_sport,
 # reply_dport and which ICMP fields the kernel gave, after the two destination addresses.
 _STATIC = struct.Struct("!HHHB")
@@ -399,12 +398,9 @@ class ConnectionStore:
         return (self._bp[s], self._bb[s], self._brp[s], self._brb[s])
 
     def _dying(self, s: int) -> bool:
-        """Antrea's rule: TIME_WAIT/CLOSE for TCP, the DYING status bit otherwise."""
         key = self._keys[s]
         ts = self._tcp[s]
-        if key is not None and key[1] == PROTO_TCP and ts >= 0:
-            return ts in _TCP_DYING
-        return bool(self._status[s] & IPS_DYING)
+        return key is not None and is_dying(key[1], None if ts < 0 else ts, self._status[s])
 
     def _went_down(self, s: int, new: Connection) -> bool:
         return (
