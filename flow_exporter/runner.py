@@ -40,7 +40,8 @@ def build_sink(cfg: Config, lifecycle: Lifecycle | None = None) -> KafkaSink:
         # librdkafka's own log lines through Python logging, so --log-format json holds for them too.
         {"logger": logging.getLogger("flow_exporter.rdkafka"), **cfg.producer_config()},
         cfg["kafka.topic"],
-        with_registry(cfg, RecordEncoder(cfg.node_name).encode),  # Confluent framing if a registry is set
+        # Confluent framing if a registry is set, a subject per topic.
+        with_registry(cfg, RecordEncoder(cfg.node_name).encode, [cfg["kafka.topic"], *(r.topic for r in routes)]),
         routes,
         retry_initial=cfg["retry.initialBackoff"],
         retry_max=cfg["retry.maxBackoff"],

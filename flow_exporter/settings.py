@@ -266,7 +266,13 @@ def parse_k8s_scope(key: str, value: object) -> str:
 
 # Schema Registry (flow_exporter.sink.registry); kept here so loading a config imports no registry client.
 REGISTRY_COMPATIBILITY = (
-    "BACKWARD", "BACKWARD_TRANSITIVE", "FORWARD", "FORWARD_TRANSITIVE", "FULL", "FULL_TRANSITIVE", "NONE"
+    "BACKWARD",
+    "BACKWARD_TRANSITIVE",
+    "FORWARD",
+    "FORWARD_TRANSITIVE",
+    "FULL",
+    "FULL_TRANSITIVE",
+    "NONE",
 )
 
 
@@ -288,10 +294,20 @@ def parse_compatibility(key: str, value: object) -> str | None:
     return s.strip().upper()
 
 
-def parse_subject(key: str, value: object) -> str:
+def parse_opt_subject(key: str, value: object) -> str | None:
+    """A fixed subject name, or empty/none to let ``schemaRegistry.subjectNameStrategy`` name it."""
+    if value is None:
+        return None
     s = parse_str(key, value).strip()
-    if not s:
-        raise ConfigError(key, value, "must not be empty")
+    if not s and value != "":
+        raise ConfigError(key, value, "a subject name, or empty for the strategy's")
+    return s or None
+
+
+def parse_subject_strategy(key: str, value: object) -> str:
+    s = parse_str(key, value).strip().lower()
+    if s not in ("topic", "record"):
+        raise ConfigError(key, value, "topic (<topic>-value, the default) or record (io.flowexporter.FlowRecord)")
     return s
 
 
@@ -329,7 +345,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("kafka.topic", parse_topic, "flows", "Topic for flow records (unless a route matches)."),
     Setting("kafka.routes", parse_routes, (), "Other topics by flowType or endReason; first match wins."),
     Setting("schemaRegistry.url", parse_registry_url, None, "Schema Registry URL; set: Confluent-framed values."),
-    Setting("schemaRegistry.subject", parse_subject, "io.flowexporter.FlowRecord", "Subject for the schema."),
+    Setting(
+        "schemaRegistry.subjectNameStrategy",
+        parse_subject_strategy,
+        "topic",
+        "topic: subject <topic>-value per topic; record: io.flowexporter.FlowRecord.",
+    ),
+    Setting("schemaRegistry.subject", parse_opt_subject, None, "One subject for every topic (overrides the strategy)."),
     Setting("schemaRegistry.compatibility", parse_compatibility, "BACKWARD_TRANSITIVE", "Set at start; empty: keep."),
     Setting("schemaRegistry.basicAuthUserInfo", parse_user_info, None, "user:password for the registry (a secret)."),
     Setting("kafka.producer", parse_map, {}, "librdkafka producer settings, checked by librdkafka at start."),

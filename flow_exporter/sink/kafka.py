@@ -251,8 +251,8 @@ class KafkaSink:
     def prepare(self, export: Export, export_ms: int) -> None:
         """Encode a record once: its bytes, topic and key are kept on it, so a resend is the same message."""
         if export.value is None:
+            export.topic = self.route(export)  # first: with a registry, the topic picks the schema id
             export.value = self.encode(export, export_ms)
-            export.topic = self.route(export)
             export.key = partition_key(export)
 
     def send(self, export: Export, export_ms: int) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import tenacity
@@ -37,9 +37,9 @@ log = logging.getLogger(__name__)
 
 MAGIC = 0
 HEADER_SIZE = 5
-# The schema's full name, as Confluent's RecordNameStrategy would name the subject: one
-# subject for every topic the exporter writes to (kafka.topic and any kafka.routes).
-DEFAULT_SUBJECT: str = DEFAULTS["schemaRegistry.subject"]
+# The schema's full name: the subject Confluent's RecordNameStrategy gives it (one subject for
+# every topic). The default strategy is TopicNameStrategy: ``<topic>-value`` per topic.
+RECORD_SUBJECT = "io.flowexporter.FlowRecord"
 # New consumers' schema must read every older record still on the topic, not only the last version's.
 DEFAULT_COMPATIBILITY: str = DEFAULTS["schemaRegistry.compatibility"]
 
@@ -73,6 +73,20 @@ def framed(encode: Encode, schema_id: int) -> Encode:
 
     encode_framed.schema_id = schema_id  # type: ignore[attr-defined]
     return encode_framed
+
+
+def subjects(cfg: Config, topics: Iterable[str]) -> dict[str, str]:
+    """The registry subject of each topic the exporter writes to.
+
+    ``schemaRegistry.subject``, when set, names one subject for all of them; otherwise
+    ``schemaRegistry.subjectNameStrategy`` decides: ``topic`` (the default, Confluent's
+    TopicNameStrategy, what Kafka Connect, ksqlDB and Flink assume) gives ``<topic>-value``,
+    ``record`` (RecordNameStrategy) gives the schema's full name for every topic.
+    """
+    fixed: str | None = cfg["schemaRegistry.subject"]
+    if fixed is None and cfg["schemaRegistry.subjectNameStrategy"] == "record":
+        fixed = RECORD_SUBJECT
+    return {t: fixed or f"{t}-value" for t in sorted(set(topics))}
 
 
 def safe_url(url: str) -> str:
@@ -181,67 +195,102 @@ def register(
     return schema_id
 
 
-def with_registry(cfg: Config, encode: Encode, client: SchemaRegistryClient | None = None) -> Encode:
+def with_registry(
+    cfg: Config, encode: Encode, topics: Iterable[str] = (), client: SchemaRegistryClient | None = None
+) -> Encode:
     """``encode`` as a :class:`RegistryFraming` when ``schemaRegistry.url`` is set, else unchanged.
 
-    Nothing is registered yet: the runner calls :func:`ensure_registered` once the health
-    listener is up, so a pod that waits for its registry stays alive (and not ready) instead
-    of being restarted by its liveness probe.
+    ``topics`` are the topics the sink writes to (``kafka.topic`` when empty). Nothing is
+    registered yet: the runner calls :func:`ensure_registered` once the health listener is up,
+    so a pod that waits for its registry stays alive (and not ready) instead of being
+    restarted by its liveness probe.
     """
     if not cfg["schemaRegistry.url"]:
         return encode
-    return RegistryFraming(cfg, encode, client)
+    return RegistryFraming(cfg, encode, topics or (cfg["kafka.topic"],), client)
 
 
 class RegistryFraming:
-    """The sink's encode callable with a registry: registers the schema at start, then frames every value."""
+    """The sink's encode callable with a registry: registers the schema at start, then frames every value.
 
-    def __init__(self, cfg: Config, encode: Encode, client: SchemaRegistryClient | None = None) -> None:
+    The schema is registered under each topic's subject (:func:`subjects`). Confluent's
+    registry gives one schema one id whatever the subject, and then every value gets the same
+    header; a registry that numbers per subject gets each topic's own id, looked up from the
+    record's topic (the sink routes before it encodes).
+    """
+
+    def __init__(
+        self, cfg: Config, encode: Encode, topics: Iterable[str], client: SchemaRegistryClient | None = None
+    ) -> None:
         self.url: str = cfg["schemaRegistry.url"]
-        self.subject: str = cfg["schemaRegistry.subject"]
+        self.subjects = subjects(cfg, topics)
         self.compatibility: str | None = cfg["schemaRegistry.compatibility"]
         self._auth: str | None = cfg["schemaRegistry.basicAuthUserInfo"]
         self._backoff = (cfg["retry.initialBackoff"], cfg["retry.maxBackoff"])
         self._client = client
         self._encode = encode
         self._call: Encode = self._unregistered
-        self.schema_id: int | None = None
+        self.schema_ids: dict[str, int] = {}  # by topic
+
+    @property
+    def schema_id(self) -> int | None:
+        """The id every value carries, or None before registration (or when topics' ids differ)."""
+        ids = set(self.schema_ids.values())
+        return ids.pop() if len(ids) == 1 and len(self.schema_ids) == len(self.subjects) else None
 
     def register(self, stop: threading.Event | None = None) -> bool:
-        """Register (retrying with backoff) and start framing; False if ``stop`` was set first."""
+        """Register under every subject (retrying with backoff), then frame; False if ``stop`` was set first."""
         stop = stop or threading.Event()
         if self._client is None:
             self._client = make_client(self.url, self._auth)
-        try:
-            schema_id = register(
-                self._client,
-                self.subject,
-                schema_path().read_text(),
-                self.compatibility,
-                initial=self._backoff[0],
-                maximum=self._backoff[1],
-                stopping=stop.is_set,
-                sleep=stop.wait,
-                url=self.url,
-            )
-        except RegistryError:
-            if stop.is_set():
-                return False
-            raise
-        self.schema_id = schema_id
-        self._call = framed(self._encode, schema_id)
+        text = schema_path().read_text()
+        ids: dict[str, int] = {}
+        for topic, subject in self.subjects.items():
+            try:
+                ids[topic] = register(
+                    self._client,
+                    subject,
+                    text,
+                    self.compatibility,
+                    initial=self._backoff[0],
+                    maximum=self._backoff[1],
+                    stopping=stop.is_set,
+                    sleep=stop.wait,
+                    url=self.url,
+                )
+            except RegistryError:
+                if stop.is_set():
+                    return False
+                raise
+        self.schema_ids = ids
+        if len(set(ids.values())) == 1:
+            self._call = framed(self._encode, next(iter(ids.values())))
+        else:
+            self._call = self._framed_by_topic({t: header(i) for t, i in ids.items()})
         return True
+
+    def _framed_by_topic(self, headers: dict[str, bytes]) -> Encode:
+        encode = self._encode
+
+        def encode_framed(export: Export, export_ms: int) -> bytes:
+            prefix = headers.get(export.topic or "")
+            if prefix is None:
+                raise RegistryError(f"topic {export.topic!r} has no registered schema id")
+            return prefix + encode(export, export_ms)
+
+        return encode_framed
 
     def __call__(self, export: Export, export_ms: int) -> bytes:
         return self._call(export, export_ms)
 
     def _unregistered(self, export: Export, export_ms: int) -> bytes:
-        raise RegistryError(f"schema registry subject {self.subject!r}: no schema id yet (register() first)")
+        names = ", ".join(repr(s) for s in sorted(set(self.subjects.values())))
+        raise RegistryError(f"schema registry subject {names}: no schema id yet (register() first)")
 
 
 def ensure_registered(encode: Encode, stop: threading.Event) -> bool:
     """Register the schema if ``encode`` frames for a registry; False if ``stop`` came first."""
-    if isinstance(encode, RegistryFraming) and encode.schema_id is None:
+    if isinstance(encode, RegistryFraming) and not encode.schema_ids:
         return encode.register(stop)
     return True
 

@@ -16,17 +16,18 @@ import urllib.request
 
 import pytest
 from confluent_kafka import Consumer
+from confluent_kafka.schema_registry import topic_subject_name_strategy
+from confluent_kafka.serialization import MessageField, SerializationContext
 
 from bench.bench_export import synthetic_exports
 from devtools.kafka import KafkaBroker
 from flow_exporter.config import load
 from flow_exporter.runner import build_sink
 from flow_exporter.sink import registry
-from flow_exporter.sink.registry import DEFAULT_SUBJECT
 from tests.support.cli import EXPORT_MS, NODE, clean_env, from_json, json_run_command, run_tail
 from tests.support.paths import REPO
 from tests.support.reference import build_record
-from tests.support.schema_registry import CTX, INCOMPATIBLE, StubRegistry, closed_port, mock_client, reference
+from tests.support.schema_registry import INCOMPATIBLE, StubRegistry, closed_port, mock_client, reference
 
 
 def consume_values(bootstrap: str, topic: str, n: int, timeout: float = 30.0) -> list[bytes]:
@@ -66,8 +67,10 @@ def test_build_sink_writes_what_the_serializer_writes(
         sink.send(e, EXPORT_MS)
     assert sink.flush(30) == 0 and sink.counters.acked == len(exports)
     values = consume_values(kafka_broker.bootstrap, kafka_topic, len(exports))
-    ser = reference(client)
-    assert values == [ser(build_record(e, NODE, EXPORT_MS), CTX) for e in exports]
+    # The default subject is the topic's (TopicNameStrategy), as the serializer names it.
+    ser = reference(client, topic_subject_name_strategy)
+    ctx = SerializationContext(kafka_topic, MessageField.VALUE)
+    assert values == [ser(build_record(e, NODE, EXPORT_MS), ctx) for e in exports]
     # tail finds the framing by itself and decodes the same records.
     proc = run_tail(kafka_broker.bootstrap, kafka_topic, "--json", "--count", str(len(exports)))
     assert proc.returncode == 0, proc.stderr
@@ -128,5 +131,5 @@ def test_run_waits_alive_for_the_registry_then_registers(
     assert proc.returncode == 0, err
     messages = [json.loads(line)["message"] for line in err.splitlines() if line.strip()]
     refused = [m for m in messages if "cannot register" in m]
-    assert len(refused) == 4 and all(DEFAULT_SUBJECT in m and "HTTP 409" in m for m in refused)
+    assert len(refused) == 4 and all(f"'{kafka_topic}-value'" in m and "HTTP 409" in m for m in refused)
     assert any("schema registered, id 7" in m for m in messages)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import threading
 import time
@@ -25,7 +26,7 @@ from flow_exporter.sink.kafka import client_stats
 from flow_exporter.store import ConnectionStore
 from flow_exporter.timeouts import Timeouts
 from tests.support.fakes import FakeTable
-from tests.support.reference import AvroSerializer
+from tests.support.reference import AvroSerializer, build_record
 
 pytestmark = pytest.mark.kafka
 
@@ -92,6 +93,13 @@ def test_partition_key_is_direction_independent() -> None:
     store.update([a, b], 0.0, 0)
     e1, e2 = store.export_all(0.0)
     assert partition_key(e1) == partition_key(e2)
+    # The layout README "Message key" documents, rebuilt from the record's own fields.
+    rec = build_record(e1, "n", 0)
+    ends = sorted(
+        (ipaddress.ip_address(rec[f"{side}Address"]).packed, rec[f"{side}Port"]) for side in ("source", "destination")
+    )
+    expected = bytes([rec["protocol"]]) + b"".join(addr + port.to_bytes(2, "big") for addr, port in ends)
+    assert partition_key(e1) == expected and len(expected) == (13 if rec["ipVersion"] == 4 else 37)
 
 
 def test_routes_and_delivery_reports(kafka_broker: Any) -> None:

@@ -9,7 +9,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -39,12 +39,14 @@ def mock_client() -> SchemaRegistryClient:
     return SchemaRegistryClient.new_client({"url": f"mock://flow-{time.time_ns()}"})
 
 
-def reference(client: SchemaRegistryClient) -> AvroSerializer:
-    """confluent-kafka's serializer, told to find (not register) the schema under the record's name."""
+def reference(
+    client: SchemaRegistryClient, strategy: Callable[..., Any] = record_subject_name_strategy
+) -> AvroSerializer:
+    """confluent-kafka's serializer, told to find (not register) the schema under the strategy's subject."""
     return AvroSerializer(
         client,
         SCHEMA_TEXT,
-        conf={"auto.register.schemas": False, "subject.name.strategy": record_subject_name_strategy},
+        conf={"auto.register.schemas": False, "subject.name.strategy": strategy},
     )
 
 

@@ -27,7 +27,7 @@ from flow_exporter.flow import Export
 from flow_exporter.runner import build_sink
 from flow_exporter.sink import registry
 from flow_exporter.sink.encoder import RecordEncoder
-from flow_exporter.sink.registry import DEFAULT_SUBJECT, RegistryError, framed, register, split_header
+from flow_exporter.sink.registry import RECORD_SUBJECT, RegistryError, framed, register, split_header
 from flow_exporter.tools import ValueDecoder
 from tests.support.cli import EXPORT_MS, NODE
 from tests.support.reference import build_record
@@ -43,7 +43,7 @@ from tests.support.schema_registry import (
 from tests.support.strategies import exports as any_export
 
 _CLIENT = mock_client()
-_ID = register(_CLIENT, DEFAULT_SUBJECT, SCHEMA_TEXT)
+_ID = register(_CLIENT, RECORD_SUBJECT, SCHEMA_TEXT)
 _REFERENCE = reference(_CLIENT)
 _ENCODE = framed(RecordEncoder(NODE).encode, _ID)
 
@@ -60,7 +60,7 @@ def test_framed_values_equal_the_confluent_serializer(export: Export) -> None:
 def test_header_layout_and_deserializer() -> None:
     client = mock_client()
     client.register_schema("other-subject", registry_schema('{"type": "string"}'))  # so ours is not id 1
-    schema_id = register(client, DEFAULT_SUBJECT, SCHEMA_TEXT)
+    schema_id = register(client, RECORD_SUBJECT, SCHEMA_TEXT)
     assert schema_id == 2
     encode = framed(RecordEncoder(NODE).encode, schema_id)
     deser = AvroDeserializer(client)
@@ -78,12 +78,54 @@ def test_header_layout_and_deserializer() -> None:
         registry.header(2**32)
 
 
-def test_default_subject_is_the_record_name_strategy() -> None:
-    """The fixed default subject is what Confluent's RecordNameStrategy names this schema."""
-    assert record_subject_name_strategy(CTX, "io.flowexporter.FlowRecord") == DEFAULT_SUBJECT
-    assert f"{json.loads(SCHEMA_TEXT)['namespace']}.{json.loads(SCHEMA_TEXT)['name']}" == DEFAULT_SUBJECT
-    assert load(environ={})["schemaRegistry.subject"] == DEFAULT_SUBJECT
+def test_subjects_follow_the_topic_name_strategy_by_default() -> None:
+    """``<topic>-value`` per topic (Confluent's TopicNameStrategy); ``record``: the schema's full name."""
+    from confluent_kafka.schema_registry import topic_subject_name_strategy
+    from confluent_kafka.serialization import MessageField, SerializationContext
+
+    topics = ["flows", "flows-ended", "flows"]
+    default = registry.subjects(load(environ={}), topics)
+    assert default == {
+        t: topic_subject_name_strategy(SerializationContext(t, MessageField.VALUE), "ignored") for t in topics
+    }
+    assert default == {"flows": "flows-value", "flows-ended": "flows-ended-value"}
+    record = registry.subjects(load(environ={}, overrides={"schemaRegistry.subjectNameStrategy": "RECORD"}), topics)
+    assert record == {t: record_subject_name_strategy(CTX, "io.flowexporter.FlowRecord") for t in topics}
+    assert f"{json.loads(SCHEMA_TEXT)['namespace']}.{json.loads(SCHEMA_TEXT)['name']}" == RECORD_SUBJECT
+    fixed = registry.subjects(load(environ={}, overrides={"schemaRegistry.subject": "flows-all"}), topics)
+    assert fixed == {"flows": "flows-all", "flows-ended": "flows-all"}
     assert load(environ={})["schemaRegistry.compatibility"] == "BACKWARD_TRANSITIVE"
+
+
+def test_framing_registers_a_subject_per_topic_and_frames_with_its_id() -> None:
+    """Confluent gives one schema one id across subjects; a registry that numbers per subject
+    (confluent-kafka's mock does) still gets each topic's own id in its values."""
+    from devtools.registry import RegistryServer
+
+    cfg = load(environ={}, overrides={"schemaRegistry.url": "http://127.0.0.1:9", "kafka.topic": "flows"})
+    e = synthetic_exports(1)[0]
+    with RegistryServer() as server:
+        server.register("flows-value", '{"type": "string"}')  # so ours is not id 1
+        client = registry.make_client(server.url)
+        framing = registry.with_registry(cfg, RecordEncoder(NODE).encode, ["flows", "other"], client)
+        assert isinstance(framing, registry.RegistryFraming) and framing.register()
+        assert sorted(server.subjects) == ["flows-value", "other-value"]
+        assert framing.schema_ids == {"flows": 2, "other": 2} and framing.schema_id == 2
+        e.topic = "other"
+        assert split_header(framing(e, EXPORT_MS)) == (2, RecordEncoder(NODE).encode(e, EXPORT_MS))
+
+    client = mock_client()
+    client.register_schema("flows-value", registry_schema('{"type": "string"}'))
+    framing = registry.with_registry(cfg, RecordEncoder(NODE).encode, ["flows", "other"], client)
+    assert isinstance(framing, registry.RegistryFraming) and framing.register()
+    for topic in ("flows", "other"):
+        e.topic = topic
+        expected = client.lookup_schema(f"{topic}-value", registry_schema(SCHEMA_TEXT.strip())).schema_id
+        assert split_header(framing(e, EXPORT_MS))[0] == expected
+    e.topic = "unknown"
+    if framing.schema_id is None:  # ids differ: the record's topic must have one
+        with pytest.raises(RegistryError, match="unknown"):
+            framing(e, EXPORT_MS)
 
 
 # ----------------------------------------------------------- sink and tail
@@ -127,11 +169,11 @@ def test_registry_down_is_a_clear_error_after_retries(caplog: pytest.LogCaptureF
     url = f"http://127.0.0.1:{closed_port()}"
     client = registry.make_client(url)
     with caplog.at_level(logging.ERROR, logger="flow_exporter.sink.registry"), pytest.raises(RegistryError) as info:
-        register(client, DEFAULT_SUBJECT, SCHEMA_TEXT, initial=0.01, maximum=0.02, max_attempts=3, url=url)
+        register(client, RECORD_SUBJECT, SCHEMA_TEXT, initial=0.01, maximum=0.02, max_attempts=3, url=url)
     message = str(info.value)
-    assert DEFAULT_SUBJECT in message and url in message and "not reachable" in message
+    assert RECORD_SUBJECT in message and url in message and "not reachable" in message
     retries = [r.getMessage() for r in caplog.records]
-    assert len(retries) == 2 and all(DEFAULT_SUBJECT in m and "retry" in m for m in retries)
+    assert len(retries) == 2 and all(RECORD_SUBJECT in m and "retry" in m for m in retries)
 
 
 def test_stopping_ends_the_wait() -> None:
@@ -166,7 +208,7 @@ def test_with_registry_sets_compatibility_then_registers_with_basic_auth(stub: S
     e = synthetic_exports(1)[0]
     assert encode(e, EXPORT_MS) == b"\x00\x00\x00\x00\x07" + RecordEncoder(NODE).encode(e, EXPORT_MS)
     (put, put_path, put_body, auth), (post, post_path, post_body, _) = stub.requests
-    subject = "io.flowexporter.FlowRecord"
+    subject = "flows-value"  # kafka.topic's default, by the topic name strategy
     assert (put, put_path, put_body) == ("PUT", f"/config/{subject}", {"compatibility": "BACKWARD_TRANSITIVE"})
     assert (post, post_path.split("?")[0]) == ("POST", f"/subjects/{subject}/versions")
     assert json.loads(post_body["schema"]) == json.loads(SCHEMA_TEXT)
@@ -205,12 +247,15 @@ def test_registry_settings() -> None:
     env = {
         "FLOW_EXPORTER_SCHEMA_REGISTRY_URL": "https://registry.example:8081",
         "FLOW_EXPORTER_SCHEMA_REGISTRY_SUBJECT": "flows-value",
+        "FLOW_EXPORTER_SCHEMA_REGISTRY_SUBJECT_NAME_STRATEGY": "record",
         "FLOW_EXPORTER_SCHEMA_REGISTRY_COMPATIBILITY": "full_transitive",
         "FLOW_EXPORTER_SCHEMA_REGISTRY_BASIC_AUTH_USER_INFO": "user:pw",
     }
     cfg = load(environ=env)
     assert cfg["schemaRegistry.url"] == "https://registry.example:8081"
     assert cfg["schemaRegistry.subject"] == "flows-value"
+    assert cfg["schemaRegistry.subjectNameStrategy"] == "record"
+    assert load(environ={}, overrides={"schemaRegistry.subject": ""})["schemaRegistry.subject"] is None
     assert cfg["schemaRegistry.compatibility"] == "FULL_TRANSITIVE"
     assert cfg.masked()["schemaRegistry.basicAuthUserInfo"] == "***"
     assert "user:pw" not in repr(cfg)
@@ -220,6 +265,7 @@ def test_registry_settings() -> None:
         ("schemaRegistry.url", "registry:8081"),
         ("schemaRegistry.compatibility", "SOMETIMES"),
         ("schemaRegistry.subject", " "),
+        ("schemaRegistry.subjectNameStrategy", "topicname"),
     ):
         with pytest.raises(ConfigError) as info:
             load(environ={}, overrides={key: bad})
