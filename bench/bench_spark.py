@@ -151,7 +151,7 @@ def run_job(bootstrap: str, topic: str, mode: str, out: Path, *extra: str) -> tu
         "--available-now",
         "--mode",
         mode,
-        "--parquet",
+        "--output",
         str(out),
         *extra,
     ]
@@ -165,10 +165,12 @@ def run_job(bootstrap: str, topic: str, mode: str, out: Path, *extra: str) -> tu
 
 
 def parquet_totals(out: Path) -> dict[tuple[str, str], tuple[int, int]]:
-    import pyarrow.parquet as pq
+    """Per group totals of the job's ``flows_by_window`` table (one directory per micro-batch)."""
+    import pyarrow.dataset as ds
 
     sums: dict[tuple[str, str], tuple[int, int]] = defaultdict(lambda: (0, 0))
-    for row in pq.read_table(out).to_pylist():
+    table = ds.dataset(str(out / "flows_by_window"), format="parquet", partitioning="hive").to_table()
+    for row in table.to_pylist():
         key = (row["source"], row["destination"])
         p, b = sums[key]
         sums[key] = (p + row["packets"], b + row["bytes"])

@@ -1,8 +1,14 @@
-"""Reference Spark Structured Streaming job: bytes and packets per (source, destination) and time window.
+"""Reference Spark Structured Streaming job: flows per window, top talkers and per-connection totals.
 
-It reads the exporter's topic with Spark's Kafka source, decodes each value with ``from_avro`` and
-``schemas/flow_record.avsc`` (bare Avro; ``--confluent`` strips a Confluent wire-format header
-first), and writes one row per tumbling event-time window and group, to the console or to Parquet.
+It reads the exporter's topic with Spark's Kafka source (plaintext, TLS, SASL SCRAM or PLAIN) and
+decodes each value with ``from_avro``: bare Avro with ``schemas/flow_record.avsc``, or, with
+``--schema-registry``, Confluent-framed values whose writer schema is fetched from the registry by
+the id in each value (every version registered under the subject, ``<topic>-value`` by default).
+It writes three tables (README "Downstream"), the same as ``downstream/flink_flows.py``:
+
+* ``flows_by_window``: one row per tumbling event-time window and (source, destination) group;
+* ``top_talkers``: per window, the ``--top`` groups with the most bytes, ranked;
+* ``connection_totals``: one row per connection with its counts so far.
 
 Groups. Kubernetes fields are null until enrichment exists, so each side falls back to addresses:
 
@@ -30,12 +36,17 @@ zero). Increments go to the window of the record that revealed them; summed over
 equal each connection's final kernel totals. Connections are hashed into ``--state-buckets``
 state keys (one Python call per key and batch, not per connection). A connection's state is
 dropped once the watermark passes its newest record by ``--state-ttl``; a connection silent for
-longer and then re-exported by a restarted stateless exporter is counted again.
+longer and then re-exported by a restarted stateless exporter is counted again. In totals mode
+``connection_totals`` is keyed by that kernel identity and holds the highest totals seen.
 
-Output rows (append mode) appear once the watermark (latest event time minus ``--watermark``)
+Window rows (append mode) appear once the watermark (latest event time minus ``--watermark``)
 passes a window's end, so an ``--available-now`` run leaves the newest windows in its checkpoint
-for the next run to emit. Spark runs in local mode with the connector jars from
-``devtools.spark`` in ``spark.jars``: nothing is resolved over the network at run time.
+for the next run to emit; top talkers are ranked within the windows a micro-batch closes (a
+window's rows all close together). ``connection_totals`` is a complete-mode aggregation: every
+micro-batch rewrites the whole table (it keeps one state row per connection ever seen; for a
+long-running job, feed the same aggregation in update mode into a table that merges upserts).
+Spark runs in local mode with the connector jars from ``devtools.spark`` in ``spark.jars``:
+nothing is resolved over the network at run time.
 """
 
 from __future__ import annotations
@@ -126,10 +137,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=64,
         help="totals mode: connections are hashed into this many state keys (fixed per checkpoint)",
     )
+    ap.add_argument("--top", type=int, default=10, help="top_talkers: groups ranked per window (default: 10)")
     ap.add_argument("--schema", type=Path, default=DEFAULT_SCHEMA, help="Avro schema file (default: the repo's)")
-    ap.add_argument("--confluent", action="store_true", help="values carry the 5-byte Confluent header; strip it")
-    ap.add_argument("--parquet", type=Path, metavar="DIR", help="write Parquet here instead of the console")
-    ap.add_argument("--checkpoint", type=Path, help="checkpoint dir (default with --parquet: DIR.checkpoint)")
+    ap.add_argument(
+        "--confluent", action="store_true", help="values carry the 5-byte Confluent header; strip it, use --schema"
+    )
+    ap.add_argument(
+        "--schema-registry",
+        metavar="URL",
+        help="values are Confluent-framed: decode each with the writer schema its id names in this registry",
+    )
+    ap.add_argument("--subject", help="registry subject whose versions are read (default: <topic>-value)")
+    ap.add_argument(
+        "--registry-basic-auth",
+        default=os.environ.get("FLOW_REGISTRY_BASIC_AUTH"),
+        metavar="USER:PASSWORD",
+        help="registry credentials (default: $FLOW_REGISTRY_BASIC_AUTH)",
+    )
+    add_kafka_security_args(ap)
+    ap.add_argument(
+        "--output", "--parquet", type=Path, metavar="DIR", help="write the tables as Parquet under DIR/<table>"
+    )
+    ap.add_argument("--checkpoint", type=Path, help="checkpoint dir (default with --output: DIR/_checkpoints)")
     ap.add_argument("--available-now", action="store_true", help="process what the topic holds now, then stop")
     ap.add_argument("--trigger", default="10 seconds", help="processing-time trigger interval otherwise")
     ap.add_argument("--max-offsets-per-trigger", type=int, help="cap records per micro-batch")
@@ -142,7 +171,104 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="extra JVM flags, given as --driver-java-options='-XX:TieredStopAtLevel=1 -XX:+UseSerialGC' "
         "(that pair suits short runs on small machines)",
     )
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.schema_registry and args.confluent:
+        ap.error("--confluent strips the header and uses --schema; --schema-registry reads the schema by id: pick one")
+    if args.top < 1:
+        ap.error("--top must be at least 1")
+    return args
+
+
+def add_kafka_security_args(ap: argparse.ArgumentParser) -> None:
+    """The exporter's Kafka security settings, as consumer flags (the same in both downstream jobs)."""
+    ap.add_argument(
+        "--security-protocol", choices=("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"), default="PLAINTEXT"
+    )
+    ap.add_argument("--sasl-mechanism", choices=("SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN"), default="SCRAM-SHA-512")
+    ap.add_argument("--sasl-username")
+    ap.add_argument(
+        "--sasl-password",
+        default=os.environ.get("FLOW_SASL_PASSWORD"),
+        help="(default: $FLOW_SASL_PASSWORD; better than the command line, which other users can read)",
+    )
+    ap.add_argument("--ssl-ca-location", type=Path, metavar="PEM", help="CA certificates to verify the brokers")
+    ap.add_argument("--ssl-certificate-location", type=Path, metavar="PEM", help="client certificate (mutual TLS)")
+    ap.add_argument("--ssl-key-location", type=Path, metavar="PEM", help="client key, unencrypted PEM (mutual TLS)")
+
+
+def _jaas_quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def kafka_security_options(args: argparse.Namespace, login_package: str = "org.apache.kafka") -> dict[str, str]:
+    """Kafka client properties for the security flags (without the ``kafka.`` / ``properties.`` prefix).
+
+    ``login_package`` is where the client's classes live: Flink's SQL connector shades them.
+    Raises ValueError naming the flag that is missing.
+    """
+    protocol = args.security_protocol
+    props = {"security.protocol": protocol}
+    if protocol.startswith("SASL_"):
+        if not args.sasl_username or args.sasl_password is None:
+            raise ValueError(f"--security-protocol {protocol} needs --sasl-username and --sasl-password")
+        module = (
+            "security.plain.PlainLoginModule" if args.sasl_mechanism == "PLAIN" else "security.scram.ScramLoginModule"
+        )
+        props["sasl.mechanism"] = args.sasl_mechanism
+        props["sasl.jaas.config"] = (
+            f"{login_package}.common.{module} required "
+            f"username={_jaas_quote(args.sasl_username)} password={_jaas_quote(args.sasl_password)};"
+        )
+    if protocol in ("SSL", "SASL_SSL"):
+        if args.ssl_ca_location is not None:
+            props["ssl.truststore.type"] = "PEM"
+            props["ssl.truststore.location"] = str(args.ssl_ca_location)
+        if args.ssl_certificate_location is not None:
+            if args.ssl_key_location is None:
+                raise ValueError("--ssl-certificate-location needs --ssl-key-location")
+            # The Java client takes PEM key and chain as values of a PEM key store.
+            props["ssl.keystore.type"] = "PEM"
+            props["ssl.keystore.certificate.chain"] = args.ssl_certificate_location.read_text()
+            props["ssl.keystore.key"] = args.ssl_key_location.read_text()
+    return props
+
+
+def registry_schemas(url: str, subject: str, basic_auth: str | None = None) -> dict[int, str]:
+    """``{schema id: schema text}`` of every version registered under ``subject`` (Confluent REST API).
+
+    The job decodes a value with the schema its id names; a value with an id not listed here
+    fails the query (restart the job after registering a new version). Raises RuntimeError with
+    one line naming the registry and the subject.
+    """
+    import base64
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    base = url.split(",")[0].rstrip("/")
+    headers = {"Accept": "application/vnd.schemaregistry.v1+json"}
+    if basic_auth:
+        headers["Authorization"] = "Basic " + base64.b64encode(basic_auth.encode()).decode()
+    quoted = urllib.parse.quote(subject, safe="")
+
+    def get(path: str) -> Any:
+        request = urllib.request.Request(base + path, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                return json.load(resp)
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"schema registry {base}: subject {subject!r}: HTTP {exc.code} {exc.reason}") from None
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"schema registry {base} not reachable: {exc}") from None
+
+    out = {}
+    for version in get(f"/subjects/{quoted}/versions"):
+        body = get(f"/subjects/{quoted}/versions/{version}")
+        if body.get("schemaType", "AVRO") == "AVRO":
+            out[int(body["id"])] = body["schema"]
+    if not out:
+        raise RuntimeError(f"schema registry {base}: subject {subject!r} has no Avro schema")
+    return out
 
 
 def interval_ms(text: str) -> int:
@@ -205,10 +331,18 @@ def read_flows(
     schema_json: str,
     *,
     confluent: bool = False,
+    writer_schemas: dict[int, str] | None = None,
+    kafka_options: dict[str, str] | None = None,
     max_offsets_per_trigger: int | None = None,
     fields: Collection[str] | None = None,
 ) -> DataFrame:
-    """The topic's records as FlowRecord columns (only ``fields``, if given)."""
+    """The topic's records as FlowRecord columns (only ``fields``, if given).
+
+    ``schema_json`` is the reader schema. Values are bare Avro written with it, or with
+    ``confluent`` the same after the 5-byte header, or, with ``writer_schemas`` (schema id ->
+    writer schema, from the registry), Confluent-framed values each decoded with the writer
+    schema of its id and resolved into the reader schema.
+    """
     from pyspark.sql import functions as F
     from pyspark.sql.avro.functions import from_avro
 
@@ -218,23 +352,37 @@ def read_flows(
         .option("subscribe", topic)
         .option("startingOffsets", starting_offsets)
     )
+    for key, option in (kafka_options or {}).items():
+        reader = reader.option(f"kafka.{key}", option)
     if max_offsets_per_trigger:
         reader = reader.option("maxOffsetsPerTrigger", str(max_offsets_per_trigger))
-    value: Column = F.col("value")
-    if confluent:
-        # Magic byte 0, 4-byte big-endian schema id, then the bare Avro body. Anything else is a
-        # producer misconfiguration: fail loudly rather than decode garbage.
-        value = F.when(F.substring(value, 1, 1) == F.lit(b"\x00"), F.expr("substring(value, 6)")).otherwise(
-            F.raise_error(F.lit("value does not start with the Confluent magic byte 0"))
-        )
-    options = {"mode": "FAILFAST"}
+    reader_schema = json.loads(schema_json)
     if fields is not None:
         # A reader schema with only these fields: Avro schema resolution skips the others
         # (labels maps, node names, ...) instead of building Spark values for them.
-        schema = json.loads(schema_json)
-        schema["fields"] = [f for f in schema["fields"] if f["name"] in fields]
-        options["avroSchema"] = json.dumps(schema)
-    return reader.load().select(from_avro(value, schema_json, options).alias("r")).select("r.*")
+        reader_schema["fields"] = [f for f in reader_schema["fields"] if f["name"] in fields]
+    options = {"mode": "FAILFAST", "avroSchema": json.dumps(reader_schema)}
+    value: Column = F.col("value")
+    if not (confluent or writer_schemas):
+        return reader.load().select(from_avro(value, schema_json, options).alias("r")).select("r.*")
+    # Magic byte 0, 4-byte big-endian schema id, then the bare Avro body. Anything else is a
+    # producer misconfiguration: fail loudly rather than decode garbage.
+    framed = F.substring(value, 1, 1) == F.lit(b"\x00")
+    body = F.expr("substring(value, 6)")
+    if not writer_schemas:
+        decoded = F.when(framed, from_avro(body, schema_json, options)).otherwise(
+            F.raise_error(F.lit("value does not start with the Confluent magic byte 0"))
+        )
+        return reader.load().select(decoded.alias("r")).select("r.*")
+    schema_id = F.conv(F.hex(F.substring(value, 2, 4)), 16, 10).cast("long")
+    decoded = F.when(~framed, F.raise_error(F.lit("value does not start with the Confluent magic byte 0")))
+    for sid, writer in sorted(writer_schemas.items()):
+        decoded = decoded.when(schema_id == sid, from_avro(body, writer, options))
+    known = ", ".join(str(i) for i in sorted(writer_schemas))
+    decoded = decoded.otherwise(
+        F.raise_error(F.concat(F.lit("schema id "), schema_id.cast("string"), F.lit(f" is not one of {known}")))
+    )
+    return reader.load().select(decoded.alias("r")).select("r.*")
 
 
 def group_columns(df: DataFrame) -> DataFrame:
@@ -396,6 +544,14 @@ def _increments_fn(state_ttl_ms: int) -> Any:
     return increments
 
 
+def counted_records(flows: DataFrame, *, event_time: str, watermark: str) -> DataFrame:
+    """Records with groups and event time, duplicates of (connectionId, sequence) dropped (deltas mode)."""
+    from pyspark.sql import functions as F
+
+    df = group_columns(flows).withColumn("eventTime", F.col(event_time)).withWatermark("eventTime", watermark)
+    return df.dropDuplicatesWithinWatermark(["connectionId", "sequence"])
+
+
 def aggregate(
     flows: DataFrame,
     *,
@@ -406,16 +562,16 @@ def aggregate(
     state_ttl: str,
     state_buckets: int = 64,
 ) -> DataFrame:
-    """Windowed sums per (source, destination); see the module docstring for the two modes."""
+    """``flows_by_window``: windowed sums per (source, destination); see the module docstring for the two modes."""
     from pyspark.sql import functions as F
     from pyspark.sql.streaming.state import GroupStateTimeout
 
-    df = group_columns(flows).withColumn("eventTime", F.col(event_time)).withWatermark("eventTime", watermark)
     if mode == "deltas":
-        counted = df.dropDuplicatesWithinWatermark(["connectionId", "sequence"]).select(
+        counted = counted_records(flows, event_time=event_time, watermark=watermark).select(
             "eventTime", "source", "destination", *(F.col(d).alias(c) for d, c in zip(DELTAS, COUNTERS, strict=True))
         )
     else:
+        df = group_columns(flows).withColumn("eventTime", F.col(event_time)).withWatermark("eventTime", watermark)
         counted = (
             df.select(flow_key().alias("flowKey"), "eventTime", "source", "destination", *TOTALS)
             # Buckets of connections, not single connections, as keys: the Python function is
@@ -450,19 +606,130 @@ def aggregate(
     )
 
 
-def start(result: DataFrame, args: argparse.Namespace) -> StreamingQuery:
-    """Start the sink: console, or Parquet with a checkpoint; available-now or periodic trigger."""
-    writer = result.writeStream.outputMode("append").queryName("flows_by_window")
-    writer = writer.trigger(availableNow=True) if args.available_now else writer.trigger(processingTime=args.trigger)
-    checkpoint = args.checkpoint
-    if args.parquet is not None:
-        checkpoint = checkpoint or args.parquet.with_name(args.parquet.name + ".checkpoint")
-        writer = writer.format("parquet").option("path", str(args.parquet))
+CONNECTION_FIELDS = (
+    "connectionId",
+    "exporterNode",
+    "protocol",
+    "sourceAddress",
+    "sourcePort",
+    "destinationAddress",
+    "destinationPort",
+)
+
+
+def connection_totals(flows: DataFrame, *, mode: str, event_time: str, watermark: str) -> DataFrame:
+    """``connection_totals``: one row per connection, its counts so far.
+
+    deltas mode: per connectionId, the deduplicated deltas summed (the consumer rule). totals
+    mode: per kernel identity (:func:`flow_key`), the highest cumulative totals seen, which is
+    right whatever the exporters' restarts did (``connectionId`` is then the highest seen).
+    ``source`` and ``destination`` are the greatest seen (they change only when enrichment
+    learns a name after the connection's first record), the same rule as the Flink job's.
+    """
+    from pyspark.sql import functions as F
+
+    if mode == "deltas":
+        df = counted_records(flows, event_time=event_time, watermark=watermark)
+        keys = [F.col(c) for c in CONNECTION_FIELDS]
+        counters = [F.sum(d).alias(c) for d, c in zip(DELTAS, COUNTERS, strict=True)]
+        extra = [F.count(F.lit(1)).alias("records")]
     else:
-        writer = writer.format("console").option("truncate", "false").option("numRows", "1000")
+        df = group_columns(flows).withColumn("eventTime", F.col(event_time))
+        keys = [flow_key().alias("flowKey"), *(F.col(c) for c in CONNECTION_FIELDS[1:])]
+        counters = [F.max(t).alias(c) for t, c in zip(TOTALS, COUNTERS, strict=True)]
+        extra = [F.max("connectionId").alias("connectionId"), F.count(F.lit(1)).alias("records")]
+    return (
+        df.groupBy(*keys)
+        .agg(
+            F.max("source").alias("source"),
+            F.max("destination").alias("destination"),
+            F.min("eventTime").alias("first_seen"),
+            F.max("eventTime").alias("last_seen"),
+            *extra,
+            *counters,
+        )
+        .select(
+            *CONNECTION_FIELDS,
+            "source",
+            "destination",
+            "first_seen",
+            "last_seen",
+            "records",
+            (F.col("forward_packets") + F.col("reverse_packets")).alias("packets"),
+            (F.col("forward_bytes") + F.col("reverse_bytes")).alias("bytes"),
+            *COUNTERS,
+        )
+    )
+
+
+def top_talkers(windows: DataFrame, top: int) -> DataFrame:
+    """The ``top`` groups by bytes in each window of ``windows`` (rank 1 = most bytes; ties by name)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    order = Window.partitionBy("window_start", "window_end").orderBy(
+        F.col("bytes").desc(), F.col("source"), F.col("destination")
+    )
+    return (
+        windows.withColumn("rank", F.row_number().over(order))
+        .where(F.col("rank") <= top)
+        .select("window_start", "window_end", "rank", "source", "destination", "packets", "bytes")
+    )
+
+
+class _TableWriter:
+    """The foreachBatch sinks: Parquet under ``output/<table>`` (one directory per batch), or the console.
+
+    Each batch writes ``batch=<id>`` with overwrite, so a batch Spark replays after a crash
+    replaces its own files instead of adding them twice. ``connection_totals`` (complete mode)
+    is rewritten whole.
+    """
+
+    def __init__(self, output: Path | None, top: int) -> None:
+        self.output, self.top = output, top
+
+    def _write(self, df: DataFrame, table: str, batch_id: int | None = None) -> None:
+        if self.output is None:
+            print(f"-- {table}" + (f" (batch {batch_id})" if batch_id is not None else ""), flush=True)
+            df.show(n=1000, truncate=False)
+            return
+        path = self.output / table if batch_id is None else self.output / table / f"batch={batch_id:06d}"
+        df.write.mode("overwrite").parquet(str(path))
+
+    def windows(self, df: DataFrame, batch_id: int) -> None:
+        if df.isEmpty():
+            return
+        df.persist()
+        try:
+            self._write(df, "flows_by_window", batch_id)
+            self._write(top_talkers(df, self.top), "top_talkers", batch_id)
+        finally:
+            df.unpersist()
+
+    def connections(self, df: DataFrame, batch_id: int) -> None:
+        self._write(df, "connection_totals")
+
+
+def start(windows: DataFrame, connections: DataFrame, args: argparse.Namespace) -> list[StreamingQuery]:
+    """Start both queries: windows (append) and connection totals (complete), each with its checkpoint."""
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        checkpoint = args.output / "_checkpoints" if args.output is not None else None
     if checkpoint is None:
         checkpoint = Path(tempfile.mkdtemp(prefix="spark-flows-checkpoint-"))
-    return writer.option("checkpointLocation", str(checkpoint)).start()
+    sink = _TableWriter(args.output, args.top)
+    queries = []
+    for name, df, mode, batch in (
+        ("flows_by_window", windows, "append", sink.windows),
+        ("connection_totals", connections, "complete", sink.connections),
+    ):
+        writer = df.writeStream.outputMode(mode).queryName(name).foreachBatch(batch)
+        if args.available_now:
+            writer = writer.trigger(availableNow=True)
+        else:
+            writer = writer.trigger(processingTime=args.trigger)
+        queries.append(writer.option("checkpointLocation", str(checkpoint / name)).start())
+    return queries
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -470,6 +737,18 @@ def main(argv: list[str] | None = None) -> int:
     _ensure_repo_on_path()
     from devtools.spark import ensure_spark_jars
 
+    try:
+        kafka_options = kafka_security_options(args)
+        writer_schemas = None
+        if args.schema_registry:
+            subject = args.subject or f"{args.topic.split(',')[0]}-value"
+            writer_schemas = registry_schemas(args.schema_registry, subject, args.registry_basic_auth)
+    except ValueError as exc:
+        print(f"spark_flows.py: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        print(f"spark_flows.py: {exc}", file=sys.stderr)
+        return 1
     schema_json = json.dumps(json.loads(args.schema.read_text()))
     spark = spark_session(
         args.master, ensure_spark_jars(), args.shuffle_partitions, args.driver_memory, args.driver_java_options
@@ -483,10 +762,12 @@ def main(argv: list[str] | None = None) -> int:
         args.starting_offsets,
         schema_json,
         confluent=args.confluent,
+        writer_schemas=writer_schemas,
+        kafka_options=kafka_options,
         max_offsets_per_trigger=args.max_offsets_per_trigger,
         fields=USED_FIELDS,
     )
-    result = aggregate(
+    windows = aggregate(
         flows,
         mode=args.mode,
         event_time=args.event_time,
@@ -495,19 +776,22 @@ def main(argv: list[str] | None = None) -> int:
         state_ttl=args.state_ttl,
         state_buckets=args.state_buckets,
     )
-    query = start(result, args)
+    connections = connection_totals(flows, mode=args.mode, event_time=args.event_time, watermark=args.watermark)
+    queries = start(windows, connections, args)
     stopping = threading.Event()
     # A signal must not land inside a py4j call (that breaks the gateway): set a flag, and stop
-    # the query between short waits. The JVM itself ignores SIGINT (pyspark starts it so).
+    # the queries between short waits. The JVM itself ignores SIGINT (pyspark starts it so).
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     try:
-        while not stopping.is_set() and not query.awaitTermination(1):
-            pass
+        for query in queries:
+            while not stopping.is_set() and not query.awaitTermination(1):
+                pass
         if stopping.is_set():
-            query.stop()
+            for query in queries:
+                query.stop()
         elif args.available_now:
-            print(json.dumps({"spark_flows": run_summary(query)}), flush=True)
+            print(json.dumps({"spark_flows": run_summary(*queries)}), flush=True)
     finally:
         spark.stop()
     return 0
@@ -523,17 +807,28 @@ def _quiet_checker(spark: SparkSession) -> None:
     )
 
 
-def run_summary(query: StreamingQuery) -> dict[str, Any]:
+def run_summary(query: StreamingQuery, *others: StreamingQuery) -> dict[str, Any]:
     """Batches, input rows and busy seconds of a finished run, for benchmarks and scripts.
 
-    Busy time sums each batch's trigger execution, so JVM start and planning are left out.
+    Busy time sums each batch's trigger execution of ``query`` (the windows query), so JVM start
+    and planning are left out. ``span_seconds`` runs from the first batch's start to the last
+    batch's end over all queries: the time the job needed for every table, the queries sharing
+    the cores as they ran.
     """
+    from datetime import datetime
+
     progress = query.recentProgress
     per_batch = [(p.numInputRows, p.durationMs.get("triggerExecution", 0)) for p in progress]
+    spans = []
+    for q in (query, *others):
+        for p in q.recentProgress:
+            start = datetime.fromisoformat(p.timestamp.replace("Z", "+00:00")).timestamp()
+            spans.append((start, start + p.durationMs.get("triggerExecution", 0) / 1000))
     return {
         "batches": len(per_batch),
         "input_rows": sum(rows for rows, _ in per_batch),
         "batch_seconds": round(sum(ms for _, ms in per_batch) / 1000, 3),
+        "span_seconds": round(max(e for _, e in spans) - min(s for s, _ in spans), 3) if spans else 0.0,
         "per_batch": [{"rows": rows, "ms": ms} for rows, ms in per_batch],
     }
 

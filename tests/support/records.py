@@ -16,8 +16,13 @@ from confluent_kafka import Consumer
 from flow_exporter.record import schema_path
 
 
-def read_records(bootstrap: str, topic: str, expect_at_least: int = 1, timeout: float = 30.0) -> list[dict]:
-    """Every record on the topic, decoded with the reference avro implementation."""
+def read_records(
+    bootstrap: str, topic: str, expect_at_least: int = 1, timeout: float = 30.0, *, framed: bool = False
+) -> list[dict]:
+    """Every record on the topic, decoded with the reference avro implementation.
+
+    ``framed``: every value must carry the Confluent header (magic 0, 4-byte id), which is skipped.
+    """
     schema = avro.schema.parse(schema_path().read_text())
     reader = avro.io.DatumReader(schema)
     consumer = Consumer(
@@ -43,7 +48,11 @@ def read_records(bootstrap: str, topic: str, expect_at_least: int = 1, timeout: 
                 continue
             idle_since = None
             assert msg.error() is None, msg.error()
-            out.append(reader.read(avro.io.BinaryDecoder(io.BytesIO(msg.value()))))
+            value = msg.value()
+            if framed:
+                assert value[:1] == b"\x00", value[:8]
+                value = value[5:]
+            out.append(reader.read(avro.io.BinaryDecoder(io.BytesIO(value))))
     finally:
         consumer.close()
     return out

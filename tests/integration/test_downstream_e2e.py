@@ -1,20 +1,25 @@
-"""The downstream Spark job end to end: lab traffic -> exporter -> real broker -> Spark -> Parquet.
+"""The downstream jobs end to end: lab traffic -> exporter -> real broker -> Spark / Flink -> tables.
 
-One scenario, one topic, one Spark run per counting mode (the JVM start dominates), checked by
-three tests:
+The exporters write as in production: over the broker's SASL_PLAINTEXT listener (SCRAM-SHA-512)
+and Confluent-framed, the schema registered under ``<topic>-value`` in a local registry
+(devtools.registry). One scenario, one topic, then one run per job and mode (JVM start
+dominates), checked by several tests:
 
 * plain: connections that one exporter process saw from start to end;
 * restart: connections alive across exporter restarts with a state directory (SIGKILL mid-way,
   start, SIGTERM, start), which the restarted processes continue at their next sequence; a
   connection also starts and ends while no exporter runs;
-* Kubernetes names and windows.
+* Kubernetes names, windows and top talkers; per-connection totals.
+
+The Spark deltas run reads over SCRAM with the registry; the totals run over the plaintext
+listener, stripping the header and using the local schema (``--confluent``).
 
 The conntrack table is flushed between the two phases, so the restarted exporter does not see
-the plain phase's connections. Both cases must give, per (source, destination), the packet and
-byte totals ``conntrack -L`` reported just before the exporter stopped. A few synthetic records
-check the Kubernetes-name mapping, and a last one, an hour ahead, moves the watermark past
-every window so that an available-now run emits them all. The last test checks the job's
-per-connection arithmetic alone, without Spark.
+the plain phase's connections. Every run must give, per (source, destination) and per connection,
+the packet and byte totals ``conntrack -L`` reported just before the exporter stopped. A few
+synthetic records check the Kubernetes-name mapping, and a last one, an hour ahead, moves the
+watermark past every window so that an available-now Spark run emits them all. The last test
+checks the Spark job's per-connection arithmetic alone, without Spark.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from confluent_kafka import Producer
 
 from devtools.kafka import KafkaBroker
 from devtools.lab import CtEntry, CtTable, Lab
+from devtools.registry import RegistryServer
 from downstream.spark_flows import HighWater
 from flow_exporter.record import schema_path
 from tests.support.exporter_process import start_exporter, stop_exporter
@@ -47,8 +53,19 @@ from tests.support.records import read_records
 
 pytestmark = pytest.mark.spark
 
+SCRAM_USER, SCRAM_PASSWORD = "flows", "flows-secret"
+SCRAM = (
+    "--security-protocol",
+    "SASL_PLAINTEXT",
+    "--sasl-mechanism",
+    "SCRAM-SHA-512",
+    "--sasl-username",
+    SCRAM_USER,
+)
+
 JOB = REPO / "downstream" / "spark_flows.py"
 WINDOW_S = 10
+TOP = 2
 # Short-run JVM flags: C1 only and the serial GC roughly halve this run's CPU on two cores.
 SPARK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
@@ -151,7 +168,8 @@ def synthetic_record(
     }
 
 
-def produce_synthetic(bootstrap: str, topic: str) -> None:
+def produce_synthetic(bootstrap: str, topic: str, header: bytes) -> None:
+    """The synthetic records, framed like the exporter's (``header``: magic byte and schema id)."""
     schema = fastavro.parse_schema(json.loads(schema_path().read_text()))
     now_ms = time.time_ns() // 1_000_000
     records = [
@@ -164,7 +182,7 @@ def produce_synthetic(bootstrap: str, topic: str) -> None:
     for r in records:
         buf = io.BytesIO()
         fastavro.schemaless_writer(buf, schema, r)
-        producer.produce(topic, buf.getvalue())
+        producer.produce(topic, header + buf.getvalue())
     assert producer.flush(30) == 0
 
 
@@ -172,22 +190,38 @@ def produce_synthetic(bootstrap: str, topic: str) -> None:
 
 
 @dataclass
-class Scenario:
-    plain_ct: dict[Group, Counts]
-    restart_ct: dict[Group, Counts]
-    records: list[dict[str, Any]]
-    rows: list[dict[str, Any]]  # the default mode (deltas: the README's consumer rule)
-    totals_rows: list[dict[str, Any]]  # --mode totals
-    long_b: Any  # the LongConnection that spans the restarts
-    spark_seconds: float
+class JobRun:
+    """One job run's three tables, as lists of rows."""
 
-    def spark_totals(self, mode: str = "deltas") -> dict[Group, Counts]:
+    windows: list[dict[str, Any]]
+    talkers: list[dict[str, Any]]
+    connections: list[dict[str, Any]]
+    seconds: float
+
+    def group_totals(self) -> dict[Group, Counts]:
         out: dict[Group, Counts] = defaultdict(lambda: (0, 0))
-        for row in self.rows if mode == "deltas" else self.totals_rows:
+        for row in self.windows:
             key = (row["source"], row["destination"])
             p, b = out[key]
             out[key] = (p + row["packets"], b + row["bytes"])
         return dict(out)
+
+
+@dataclass
+class Scenario:
+    plain: CtTable
+    restart: CtTable
+    records: list[dict[str, Any]]
+    runs: dict[str, JobRun]  # "spark-deltas" (SCRAM, registry), "spark-totals" (plaintext, --confluent)
+    long_b: Any  # the LongConnection that spans the restarts
+
+    @property
+    def plain_ct(self) -> dict[Group, Counts]:
+        return ct_totals(self.plain)
+
+    @property
+    def restart_ct(self) -> dict[Group, Counts]:
+        return ct_totals(self.restart)
 
 
 def quiet_then_snapshot(lab: Lab) -> CtTable:
@@ -196,11 +230,18 @@ def quiet_then_snapshot(lab: Lab) -> CtTable:
     return lab.conntrack_entries()
 
 
-def run_spark(bootstrap: str, topic: str, workdir: Path, *mode: str) -> tuple[list[dict[str, Any]], float]:
-    import pyarrow.parquet as pq
+def read_parquet_rows(directory: Path) -> list[dict[str, Any]]:
+    import pyarrow.dataset as ds
 
+    if not directory.exists():
+        return []
+    table = ds.dataset(str(directory), format="parquet", partitioning="hive").to_table()
+    return [{k: v for k, v in row.items() if k != "batch"} for row in table.to_pylist()]
+
+
+def run_spark(bootstrap: str, topic: str, workdir: Path, *extra: str, env: dict[str, str] | None = None) -> JobRun:
     workdir.mkdir(parents=True, exist_ok=True)
-    out = workdir / "flows.parquet"
+    out = workdir / "tables"
     cmd = [
         sys.executable,
         str(JOB),
@@ -209,12 +250,12 @@ def run_spark(bootstrap: str, topic: str, workdir: Path, *mode: str) -> tuple[li
         "--topic",
         topic,
         "--available-now",
-        "--parquet",
+        "--output",
         str(out),
-        "--checkpoint",
-        str(workdir / "checkpoint"),
         "--window",
         f"{WINDOW_S} seconds",
+        "--top",
+        str(TOP),
         # Small batches: the per-connection state must carry over from batch to batch. A
         # watermark longer than the scenario keeps records of the two partitions from being late.
         "--max-offsets-per-trigger",
@@ -222,11 +263,16 @@ def run_spark(bootstrap: str, topic: str, workdir: Path, *mode: str) -> tuple[li
         "--watermark",
         "5 minutes",
         f"--driver-java-options={SPARK_JVM}",
-        *mode,
+        *extra,
     ]
     t0 = time.monotonic()
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=240, check=False, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     elapsed = time.monotonic() - t0
     (workdir / "spark.log").write_text(proc.stdout + proc.stderr)
@@ -234,21 +280,41 @@ def run_spark(bootstrap: str, topic: str, workdir: Path, *mode: str) -> tuple[li
     summary = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith('{"spark_flows"')))["spark_flows"]
     assert summary["input_rows"] > 0
     assert summary["batches"] >= 3, summary  # several data batches, then the one that closes windows
-    return pq.read_table(out).to_pylist(), elapsed
+    return JobRun(
+        read_parquet_rows(out / "flows_by_window"),
+        read_parquet_rows(out / "top_talkers"),
+        read_parquet_rows(out / "connection_totals"),
+        elapsed,
+    )
 
 
 @pytest.fixture(scope="module")
-def scenario(kafka_broker: KafkaBroker, tmp_path_factory: pytest.TempPathFactory) -> Scenario:
-    work = tmp_path_factory.mktemp("spark-e2e")
-    topic = f"spark-e2e-{uuid.uuid4().hex[:8]}"
-    kafka_broker.create_topic(topic, partitions=2)
-    bootstrap = kafka_broker.bootstrap
-    with Lab(pods=3) as lab:
+def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    with KafkaBroker(tmp_path_factory.mktemp("downstream-broker"), scram_users={SCRAM_USER: SCRAM_PASSWORD}) as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def scenario(secure_broker: KafkaBroker, tmp_path_factory: pytest.TempPathFactory) -> Scenario:
+    work = tmp_path_factory.mktemp("downstream-e2e")
+    topic = f"downstream-e2e-{uuid.uuid4().hex[:8]}"
+    secure_broker.create_topic(topic, partitions=2)
+    assert secure_broker.sasl_bootstrap is not None
+    with RegistryServer() as registry, Lab(pods=3) as lab:
+        # As in production: SCRAM over the SASL listener, values framed for the registry.
+        production = (
+            *("--set", "kafka.securityProtocol=SASL_PLAINTEXT"),
+            *("--set", "kafka.sasl.mechanism=SCRAM-SHA-512"),
+            *("--set", f"kafka.sasl.username={SCRAM_USER}"),
+            *("--set", f"kafka.sasl.password={SCRAM_PASSWORD}"),
+            *("--set", f"schemaRegistry.url={registry.url}"),
+        )
+        sasl = secure_broker.sasl_bootstrap
         p1, p2, p3 = lab.pods
         svc = lab.add_service(lab.vip4(), 80, p3, 8080)
 
         # Plain: one exporter process from the first packet to the last.
-        exporter = start_exporter(lab, bootstrap, topic, work / "exporter-1.log")
+        exporter = start_exporter(lab, sasl, topic, work / "exporter-1.log", *production)
         try:
             long_a = lab.open_tcp(p1, p3, 7000)
             lab.tcp_exchange(p1, p2, 9000, 1000, 5000)
@@ -274,8 +340,8 @@ def scenario(kafka_broker: KafkaBroker, tmp_path_factory: pytest.TempPathFactory
         assert lab.conntrack_count() == 0
 
         # Restarts: connections alive across exporter restarts that keep a state directory.
-        state = ("--set", f"state.dir={work / 'state'}")
-        exporter = start_exporter(lab, bootstrap, topic, work / "exporter-2.log", *state)
+        state = (*production, "--set", f"state.dir={work / 'state'}")
+        exporter = start_exporter(lab, sasl, topic, work / "exporter-2.log", *state)
         try:
             long_b = lab.open_tcp(p3, p1, 7100)
             lab.tcp_exchange(p1, p2, 9100, 2000, 3000)  # ended; still in the table (TIME_WAIT) at restart
@@ -289,14 +355,14 @@ def scenario(kafka_broker: KafkaBroker, tmp_path_factory: pytest.TempPathFactory
             # No exporter: a connection that starts and ends unseen, and more bytes on long_b.
             lab.tcp_exchange(p1, p2, 9100, 500, 500)
             long_b.send(2000)
-            exporter = start_exporter(lab, bootstrap, topic, work / "exporter-3.log", *state)
+            exporter = start_exporter(lab, sasl, topic, work / "exporter-3.log", *state)
             lab.udp_exchange(p3, p2, 5400, 80, 160, count=2)
             for _ in range(3):
                 long_b.send(1000)
                 time.sleep(1)
             stop_exporter(exporter, work / "exporter-3.log")  # SIGTERM
             long_b.send(500)
-            exporter = start_exporter(lab, bootstrap, topic, work / "exporter-4.log", *state)
+            exporter = start_exporter(lab, sasl, topic, work / "exporter-4.log", *state)
             long_b.send(700)
             restart = quiet_then_snapshot(lab)
             stop_exporter(exporter, work / "exporter-4.log")
@@ -305,34 +371,50 @@ def scenario(kafka_broker: KafkaBroker, tmp_path_factory: pytest.TempPathFactory
                 exporter.kill()
         long_b.close()
 
-    produce_synthetic(bootstrap, topic)
-    records = read_records(bootstrap, topic, expect_at_least=10)
-    rows, seconds = run_spark(bootstrap, topic, work / "deltas")
-    totals_rows, _ = run_spark(bootstrap, topic, work / "totals", "--mode", "totals")
-    return Scenario(ct_totals(plain), ct_totals(restart), records, rows, totals_rows, long_b, seconds)
+        # The exporters registered the schema under the topic's subject (TopicNameStrategy).
+        assert list(registry.subjects) == [f"{topic}-value"]
+        (schema_id,) = registry.subjects[f"{topic}-value"]
+        bootstrap = secure_broker.bootstrap
+        produce_synthetic(bootstrap, topic, b"\x00" + schema_id.to_bytes(4, "big"))
+        records = read_records(bootstrap, topic, expect_at_least=10, framed=True)
+        runs = {
+            "spark-deltas": run_spark(
+                sasl,
+                topic,
+                work / "spark-deltas",
+                *SCRAM,
+                "--schema-registry",
+                registry.url,
+                env={"FLOW_SASL_PASSWORD": SCRAM_PASSWORD},
+            ),
+            "spark-totals": run_spark(bootstrap, topic, work / "spark-totals", "--mode", "totals", "--confluent"),
+        }
+    return Scenario(plain, restart, records, runs, long_b)
 
 
 # --------------------------------------------------------------------------- checks
 
+RUNS = ["spark-deltas", "spark-totals"]
+
 
 @pytest.mark.lab
 @pytest.mark.kafka
-@pytest.mark.parametrize("mode", ["deltas", "totals"])
-def test_plain_totals_equal_conntrack(scenario: Scenario, mode: str) -> None:
-    got = scenario.spark_totals(mode)
+@pytest.mark.parametrize("run", RUNS)
+def test_plain_totals_equal_conntrack(scenario: Scenario, run: str) -> None:
+    got = scenario.runs[run].group_totals()
     expected = scenario.plain_ct
     assert len(expected) >= 5, expected
     assert {g: got.get(g) for g in expected} == expected
-    # The README's rule, computed here without Spark, agrees.
+    # The README's rule, computed here without a job, agrees.
     rule = readme_rule(scenario.records)
     assert {g: rule.get(g) for g in expected} == expected
 
 
 @pytest.mark.lab
 @pytest.mark.kafka
-@pytest.mark.parametrize("mode", ["deltas", "totals"])
-def test_restart_totals_equal_conntrack(scenario: Scenario, mode: str) -> None:
-    got = scenario.spark_totals(mode)
+@pytest.mark.parametrize("run", RUNS)
+def test_restart_totals_equal_conntrack(scenario: Scenario, run: str) -> None:
+    got = scenario.runs[run].group_totals()
     expected = scenario.restart_ct
     assert len(expected) >= 3, expected
     assert not set(expected) & set(scenario.plain_ct), "the two phases must not share groups"
@@ -350,25 +432,88 @@ def test_restart_totals_equal_conntrack(scenario: Scenario, mode: str) -> None:
     assert len({r["sequence"] for r in recs}) >= 5
 
 
+def ct_connection(e: CtEntry) -> tuple[int, str, int, str, int]:
+    """A conntrack entry as the record fields name it: protocol, source, destination after DNAT."""
+    return (
+        e.protonum,
+        str(ipaddress.ip_address(e.orig_src)),
+        e.orig_sport or 0,
+        str(ipaddress.ip_address(e.reply_src)),
+        e.reply_sport or 0,
+    )
+
+
 @pytest.mark.lab
 @pytest.mark.kafka
-def test_kubernetes_names_and_windows(scenario: Scenario) -> None:
-    got = scenario.spark_totals()
+@pytest.mark.parametrize("run", RUNS)
+def test_connection_totals_equal_conntrack(scenario: Scenario, run: str) -> None:
+    """Per connection: the job's totals row equals the kernel's counters, once (one row, one connectionId)."""
+    rows: dict[tuple[int, str, int, str, int], list[dict[str, Any]]] = defaultdict(list)
+    for row in scenario.runs[run].connections:
+        key = (
+            row["protocol"],
+            row["sourceAddress"],
+            row["sourcePort"],
+            row["destinationAddress"],
+            row["destinationPort"],
+        )
+        rows[key].append(row)
+    entries = [*scenario.plain, *scenario.restart]
+    assert len(entries) >= 8
+    for e in entries:
+        assert e.orig_packets is not None and e.reply_packets is not None and e.orig_bytes is not None
+        (row,) = rows[ct_connection(e)]
+        assert (row["forward_packets"], row["forward_bytes"]) == (e.orig_packets, e.orig_bytes), e.raw
+        assert (row["reverse_packets"], row["reverse_bytes"]) == (e.reply_packets, e.reply_bytes), e.raw
+        assert row["packets"] == e.orig_packets + e.reply_packets and row["bytes"] == e.orig_bytes + e.reply_bytes
+        assert row["first_seen"] <= row["last_seen"] and row["exporterNode"] == "lab-node"
+    # The connection that lived across three exporter processes is one connectionId with all its records.
+    lb = scenario.long_b
+    (lb_row,) = [
+        r
+        for r in scenario.runs[run].connections
+        if (r["sourceAddress"], r["sourcePort"]) == (lb.client_ip, lb.client_port)
+    ]
+    lb_records = {r["sequence"] for r in scenario.records if r["connectionId"] == lb_row["connectionId"]}
+    if run.endswith("deltas"):
+        assert lb_row["records"] == len(lb_records)
+
+
+@pytest.mark.lab
+@pytest.mark.kafka
+@pytest.mark.parametrize("run", RUNS)
+def test_kubernetes_names_windows_and_top_talkers(scenario: Scenario, run: str) -> None:
+    job = scenario.runs[run]
+    got = job.group_totals()
     for group, counts in K8S_GROUPS.items():
         assert got.get(group) == counts, group
-    # The clock's window is never closed; every real window is, and only real groups are output.
-    assert CLOCK_GROUP not in got
+    # Every real window is closed, and only real groups are output (the clock's window stays open in Spark).
+    got.pop(CLOCK_GROUP, None)
     assert set(got) == set(scenario.plain_ct) | set(scenario.restart_ct) | set(K8S_GROUPS)
-    for row in scenario.rows:
+    by_window: dict[Any, list[dict[str, Any]]] = defaultdict(list)
+    for row in job.windows:
         start, end = row["window_start"], row["window_end"]
         assert (end - start).total_seconds() == WINDOW_S
         assert start.timestamp() % WINDOW_S == 0
         assert row["packets"] == row["forward_packets"] + row["reverse_packets"]
         assert row["bytes"] == row["forward_bytes"] + row["reverse_bytes"]
+        by_window[start].append(row)
     # long_b's bytes spread over several windows, and still add up (checked above).
     lb = scenario.long_b
     lb_group = (lb.client_ip, endpoint(lb.backend_ip, lb.backend_port))
-    assert sum(1 for r in scenario.rows if (r["source"], r["destination"]) == lb_group) >= 2
+    assert sum(1 for r in job.windows if (r["source"], r["destination"]) == lb_group) >= 2
+    # Top talkers: per window, the TOP groups by bytes (ties by name), ranked from 1.
+    talkers: dict[Any, list[tuple[int, str, str, int, int]]] = defaultdict(list)
+    for t in job.talkers:
+        talkers[t["window_start"]].append((t["rank"], t["source"], t["destination"], t["packets"], t["bytes"]))
+    expected = {}
+    for start, rows in by_window.items():
+        ranked = sorted(rows, key=lambda r: (-r["bytes"], r["source"], r["destination"]))[:TOP]
+        expected[start] = [
+            (i + 1, r["source"], r["destination"], r["packets"], r["bytes"]) for i, r in enumerate(ranked)
+        ]
+    assert {w: sorted(v) for w, v in talkers.items()} == expected
+    assert any(len(rows) > TOP for rows in by_window.values()), "no window has more groups than the cut"
 
 
 # --------------------------------------------------------------------------- the stateful step alone
