@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 # Kernel enum ip_conntrack_status bits we look at.
 IPS_DYING = 1 << 9
+IPS_OFFLOAD = 1 << 14  # in a (software) flowtable
+IPS_HW_OFFLOAD = 1 << 15  # in a hardware flowtable
 
 # Kernel enum tcp_conntrack, in order (REFERENCE.md section 2).
 TCP_STATE_NAMES = (
@@ -105,4 +107,3 @@ def is_dying(proto: int, tcp_state: int | None, status: int) -> bool:
     if proto == PROTO_TCP and tcp_state is not None:
         return tcp_state in (TCP_TIME_WAIT, TCP_CLOSE)
     return bool(status & IPS_DYING)
-

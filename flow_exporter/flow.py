@@ -37,13 +37,24 @@ REASON_NAMES = {
     LACK_OF_RESOURCES: "resources",
 }
 
-# Record ``flags`` bits: facts about the connectionId, the same in all of its records.
+# Record ``flags`` bits: facts about the connectionId. ADOPTED and COUNTERS_RESET are the same in
+# all of its records; NO_COUNTERS and OFFLOADED are set from the first record that shows them.
 ADOPTED = 1
 """First seen already live by an exporter with no state to continue from: the first record's
 deltas include counts from before, which an earlier exporter on this node may have reported."""
 COUNTERS_RESET = 2
 """The kernel counters of this conntrack entry went down (``conntrack -Z``): this connectionId
 continues the entry from the reset, its predecessor ended with a forced-end record."""
+NO_COUNTERS = 4
+"""The kernel keeps no packet and byte counters for this entry (``nf_conntrack_acct`` was off
+when it was created): its zeros mean "not counted", not "no traffic". Set from the first
+record whose counters are all zero (with accounting, the packet that created an entry is
+already counted) and kept."""
+OFFLOADED = 8
+"""The kernel offloaded this entry to a flowtable (software or hardware, status bits
+IPS_OFFLOAD / IPS_HW_OFFLOAD): packets forwarded by the flowtable reach conntrack's counters
+only in batches (software) or not at all (hardware), so the counters may trail the traffic.
+Set from the first record after the offload and kept."""
 
 Totals = tuple[int, int, int, int]  # packets, bytes, reverse packets, reverse bytes
 ZERO: Totals = (0, 0, 0, 0)

@@ -41,7 +41,11 @@ def build_sink(cfg: Config, lifecycle: Lifecycle | None = None) -> KafkaSink:
         {"logger": logging.getLogger("flow_exporter.rdkafka"), **cfg.producer_config()},
         cfg["kafka.topic"],
         # Confluent framing if a registry is set, a subject per topic.
-        with_registry(cfg, RecordEncoder(cfg.node_name).encode, [cfg["kafka.topic"], *(r.topic for r in routes)]),
+        with_registry(
+            cfg,
+            RecordEncoder(cfg.node_name, cfg["communityId.seed"]).encode,
+            [cfg["kafka.topic"], *(r.topic for r in routes)],
+        ),
         routes,
         retry_initial=cfg["retry.initialBackoff"],
         retry_max=cfg["retry.maxBackoff"],
@@ -131,9 +135,7 @@ def start_health_server(
         )  # fmt: skip
         raise SystemExit(2) from None
     server.start()
-    log.info(
-        "metrics and health on %s:%d (/metrics, /healthz, /readyz)", cfg["metrics.address"], server.port
-    )
+    log.info("metrics and health on %s:%d (/metrics, /healthz, /readyz)", cfg["metrics.address"], server.port)
     return server
 
 
@@ -172,8 +174,11 @@ def open_state(cfg: Config, stop: threading.Event) -> tuple[Checkpoint | None, L
     if loaded.valid:
         log.info("state.dir %s: continuing: %s", directory, loaded.why)
     else:
-        log.warning("state.dir %s: nothing to continue (%s); new lineage, live connections flagged adopted",
-                    directory, loaded.why)
+        log.warning(
+            "state.dir %s: nothing to continue (%s); new lineage, live connections flagged adopted",
+            directory,
+            loaded.why,
+        )
     cp.begin(loaded)
     return cp, loaded
 

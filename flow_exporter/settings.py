@@ -134,6 +134,14 @@ def parse_count(key: str, value: object, minimum: int = 0) -> int:
     return n
 
 
+def parse_u16(key: str, value: object) -> int:
+    """A 16-bit unsigned value (0-65535), e.g. the Community ID seed."""
+    n = parse_count(key, value)
+    if n > 0xFFFF:
+        raise ConfigError(key, value, "must be 0-65535")
+    return n
+
+
 def parse_port(key: str, value: object) -> int:
     """A TCP port; 0 turns the listener off."""
     try:
@@ -333,6 +341,7 @@ class Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("nodeName", parse_str, "", "This node's name in records; empty: $NODE_NAME, else the host name."),
+    Setting("communityId.seed", parse_u16, 0, "Community ID seed (0-65535); all tools comparing IDs use one seed."),
     Setting("conntrack.netns", parse_opt_str, None, "Read conntrack of this named network namespace."),
     Setting("conntrack.zones", parse_zones, (), "Conntrack zones to export; empty means all zones."),
     Setting("conntrack.pollInterval", positive_duration, 5.0, "How often the conntrack table is dumped."),

@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from flow_exporter.connection import Connection, ConnectionKey, is_dying
+from flow_exporter.connection import IPS_HW_OFFLOAD, IPS_OFFLOAD, Connection, ConnectionKey, is_dying
 from flow_exporter.expiry import ExpiryQueue
 from flow_exporter.flow import (
     ACTIVE_TIMEOUT,
@@ -57,6 +57,8 @@ from flow_exporter.flow import (
     FORCED_END,
     IDLE_TIMEOUT,
     LACK_OF_RESOURCES,
+    NO_COUNTERS,
+    OFFLOADED,
     ZERO,
     Export,
     NewConnection,
@@ -1082,6 +1084,15 @@ class ConnectionStore:
         d3 = o3 - self._brb[s]
         end_reason = self._reason[s]
         prefix = self._prefix[s]
+        flags = self._flags[s]
+        # Counter fidelity (flow.NO_COUNTERS, flow.OFFLOADED): kept once seen; the cached
+        # prefix holds the old flags, so it goes.
+        seen = (NO_COUNTERS if o0 == 0 and o2 == 0 else 0) | (
+            OFFLOADED if self._status[s] & (IPS_OFFLOAD | IPS_HW_OFFLOAD) else 0
+        )
+        if seen & ~flags:
+            flags = self._flags[s] = flags | seen
+            prefix = self._prefix[s] = None
         seq = self._seq[s]
         ts = self._tcp[s]
         e = Export(
@@ -1096,7 +1107,7 @@ class ConnectionStore:
             self._keys[s],
             self._ct[s],
             self._start[s],
-            self._flags[s],
+            flags,
             end_reason != 0 and end_reason != LACK_OF_RESOURCES,
             None if ts < 0 else ts,
             self._meta[s],
@@ -1186,6 +1197,4 @@ class ConnectionStore:
 
 
 def _with_totals(conn: Connection, totals: Totals) -> Connection:
-    return replace(
-        conn, orig_packets=totals[0], orig_bytes=totals[1], reply_packets=totals[2], reply_bytes=totals[3]
-    )
+    return replace(conn, orig_packets=totals[0], orig_bytes=totals[1], reply_packets=totals[2], reply_bytes=totals[3])

@@ -22,6 +22,7 @@ import socket
 from functools import lru_cache
 from typing import Any
 
+from flow_exporter.community_id import community_id
 from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, TCP_STATE_NAMES
 from flow_exporter.flow import Export
 from flow_exporter.record import K8S_FIELDS
@@ -105,17 +106,32 @@ def _k8s(meta: dict[str, Any] | None) -> bytes:
     return b"".join(parts)
 
 
+def reporter(node: str, meta: dict[str, Any] | None) -> int:
+    """The record's ``reporter``: 1 when the source pod runs on ``node``, plus 2 when the destination pod does."""
+    if not meta:
+        return 0
+    return (1 if meta.get("sourceNodeName") == node else 0) | (2 if meta.get("destinationNodeName") == node else 0)
+
+
+def flow_hash(c: Any, seed: int) -> str:
+    """The Community ID of a connection row: source, and the destination reached (after DNAT)."""
+    if c.proto in (PROTO_ICMP, PROTO_ICMPV6):
+        return community_id(c.proto, c.orig_src, c.reply_src, c.icmp_type, c.icmp_code, seed)
+    return community_id(c.proto, c.orig_src, c.reply_src, c.orig_sport, c.reply_sport, seed)
+
+
 class RecordEncoder:
     """Encodes exports of one exporter node as bare Avro FlowRecord values."""
 
-    def __init__(self, node: str) -> None:
+    def __init__(self, node: str, community_id_seed: int = 0) -> None:
         self.node = node
         self._node = _string(node)
+        self._seed = community_id_seed
         self._ms = -1
         self._ms_bytes = b""
 
     def static(self, export: Export) -> bytes:
-        """The connection-lifetime prefix (connectionId .. flags), left on ``export``.
+        """The connection-lifetime prefix (connectionId .. reporter), left on ``export``.
 
         The store keeps it for the connection's next records once this one is delivered
         (store.acknowledge) and drops it when the mark, labels or metadata change.
@@ -147,6 +163,8 @@ class RecordEncoder:
             _NULL if labels is None else _SOME + zigzag_varint(len(labels)) + labels,
             _k8s(export.meta),
             zigzag_varint(export.flags),
+            _string(flow_hash(c, self._seed)),  # once per connection: the prefix is cached
+            _SMALL[reporter(self.node, export.meta) << 1],
         ]
         prefix = export.prefix = b"".join(parts)
         return prefix

@@ -71,13 +71,32 @@ def build_record(export: Export, node: str, export_ms: int) -> dict[str, Any]:
         "reverseOctetDeltaCount": deltas[3],
         "flowType": 0,
         "flags": export.flags,
+        "communityId": _community_id(fam, c),
+        "reporter": 0,
     }
     meta = export.meta
     for name in K8S_FIELDS:
         rec[name] = meta.get(name) if meta else None
     if meta:
         rec["flowType"] = meta.get("flowType", 0)
+        rec["reporter"] = (meta.get("sourceNodeName") == node) + 2 * (meta.get("destinationNodeName") == node)
     return rec
+
+
+def _community_id(fam: int, c: Any) -> str:
+    """The Community ID from Corelight's ``communityid`` package (not the exporter's own code)."""
+    import communityid
+
+    src, dst = _ip(fam, c.orig_src), _ip(fam, c.reply_src)
+    if c.proto == 1:
+        tpl = communityid.FlowTuple.make_icmp(src, dst, c.icmp_type, c.icmp_code)
+    elif c.proto == 58:
+        tpl = communityid.FlowTuple.make_icmp6(src, dst, c.icmp_type, c.icmp_code)
+    elif c.proto in (6, 17, 132):
+        tpl = communityid.FlowTuple(c.proto, src, dst, c.orig_sport, c.reply_sport)
+    else:
+        tpl = communityid.FlowTuple(c.proto, src, dst)
+    return communityid.CommunityID(0).calc(tpl)
 
 
 class AvroSerializer:

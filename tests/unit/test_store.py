@@ -815,3 +815,44 @@ def test_model_every_packet_counted_exactly_once(ops: list[tuple[str, Any, int]]
         counted[inc] = counted.get(inc, 0) + contract.consumer_sum(rs)[0]
     truth = {(c.orig_sport, c.mark): c.orig_packets + kern.zeroed.get(c.mark, 0) for c in [*ended, *kern.live.values()]}
     assert {k: v for k, v in counted.items() if v} == {k: v for k, v in truth.items() if v}
+
+
+# --------------------------------------------------------------------------- counter fidelity
+
+
+def test_fidelity_flags_reach_the_encoded_records() -> None:
+    """No counters (accounting off) from the first record; offload from the record after it began.
+
+    Decoded from the encoder's real bytes, so a cached prefix holding old flags would show.
+    """
+    from flow_exporter.connection import IPS_OFFLOAD
+    from flow_exporter.flow import NO_COUNTERS, OFFLOADED
+    from flow_exporter.sink.encoder import RecordEncoder
+    from tests.support.reference import AvroSerializer
+
+    clock = Clock()
+    store = make(clock)
+    encoder, avro = RecordEncoder("n"), AvroSerializer()
+    decoded: list[dict[str, Any]] = []
+
+    def deliver() -> None:
+        for e in store.expire(clock.now, clock.wall()):
+            decoded.append(avro.decode(encoder.encode(e, 0)))
+            store.acknowledge(e, True, clock.now)  # keeps the prefix for the next record
+
+    counted = tcp(41000, packets=3)
+    uncounted = tcp(41001, packets=0)  # acct off: no counters at all
+    for step in range(4):
+        offload = IPS_OFFLOAD if step >= 2 else 0
+        counted = replace(counted, orig_packets=counted.orig_packets + 1, status=offload)
+        poll(store, clock, counted, uncounted)
+        clock.tick(61)  # past the active timeout: one record each per step
+        deliver()
+    by_port: dict[int, list[int]] = {}
+    for r in decoded:
+        by_port.setdefault(r["sourcePort"], []).append(r["flags"] & ~ADOPTED)  # this store adopts what it finds
+    assert by_port[41001] and by_port[41001] == [NO_COUNTERS] * len(by_port[41001])
+    flags = by_port[41000]
+    first_offloaded = flags.index(OFFLOADED)
+    assert flags[:first_offloaded] == [0] * first_offloaded and first_offloaded >= 1
+    assert flags[first_offloaded:] == [OFFLOADED] * (len(flags) - first_offloaded) and len(flags) > first_offloaded
