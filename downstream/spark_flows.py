@@ -17,6 +17,9 @@ Groups. Kubernetes fields are null until enrichment exists, so each side falls b
   ``destinationPodNamespace/destinationPodName``, else ``destinationAddress:destinationPort``
   (``[address]:port`` for IPv6). The address and port are the ones after DNAT (the backend).
 
+Records of an inter-node pod-to-pod connection come from both nodes' exporters; the copy of the
+destination's node (flowType 2, reporter 2) is dropped first, so each connection counts once.
+
 Counting (``--mode deltas``, the default) is the README's consumer rule ("Counting: the
 contract"): drop duplicate (connectionId, sequence) pairs within the watermark, keeping any copy
 (the exporter resends a record only as the same bytes), then sum the ``*DeltaCount`` fields. It
@@ -97,6 +100,8 @@ USED_FIELDS = frozenset(
         "destinationPodNamespace",
         "destinationPodName",
         "destinationService",
+        "flowType",
+        "reporter",
         *TOTALS,
         *DELTAS,
     }
@@ -383,6 +388,17 @@ def read_flows(
         F.raise_error(F.concat(F.lit("schema id "), schema_id.cast("string"), F.lit(f" is not one of {known}")))
     )
     return reader.load().select(decoded.alias("r")).select("r.*")
+
+
+INTER_NODE = 2  # flowType: pod to pod across nodes
+REPORTER_DESTINATION = 2  # reporter: the exporter on the destination pod's node
+
+
+def one_observation(flows: DataFrame) -> DataFrame:
+    """Drop the destination node's copy of inter-node pod-to-pod connections (README: One connection, two nodes)."""
+    from pyspark.sql import functions as F
+
+    return flows.where(~((F.col("flowType") == INTER_NODE) & (F.col("reporter") == REPORTER_DESTINATION)))
 
 
 def group_columns(df: DataFrame) -> DataFrame:
@@ -767,6 +783,7 @@ def main(argv: list[str] | None = None) -> int:
         max_offsets_per_trigger=args.max_offsets_per_trigger,
         fields=USED_FIELDS,
     )
+    flows = one_observation(flows)
     windows = aggregate(
         flows,
         mode=args.mode,
