@@ -281,6 +281,7 @@ class Lab:
         self._next_port = CLIENT_PORT_MIN
         self._ports_in_use: set[int] = set()
         self._synthetic_seq = 0
+        self._peers: list[Lab] = []  # labs whose node this lab's node is linked to (link())
         self._saved_ct_max: int | None = None
         self._raised_ct_max: int | None = None
         self._tmpdir: str | None = None
@@ -525,11 +526,49 @@ table inet lab {{
 
     # ------------------------------------------------------------------ traffic
 
+    def link(self, other: Lab) -> None:
+        """Cable this lab's node to ``other``'s node, like two Kubernetes nodes of one cluster network.
+
+        A veth pair joins the two node namespaces; each node routes the other's pod ranges over it.
+        Traffic between their pods then crosses both nodes' forward hooks, so each node's own
+        conntrack table holds the connection (with counts of the same packets). Exchanges can
+        name the other lab's pods as servers. The cable goes with the namespaces.
+        """
+        a, b = self, other
+        if a.x == b.x:
+            raise LabError(f"labs {a.name} and {b.name} share the address range 10.{a.x}: pick other names")
+        here, there = f"to-{b.name}", f"to-{a.name}"
+        link4, link6 = f"10.{a.x}.250", _norm(f"fd00:{a.x}:250::")
+        run("ip", "-n", a.node_ns, "link", "add", here, "type", "veth", "peer", "name", there, "netns", b.node_ns)
+        self._ip_batch(
+            a.node_ns,
+            [
+                f"addr add {link4}.1/24 dev {here}",
+                f"addr add {link6}1/64 dev {here} nodad",
+                f"link set {here} up",
+                f"route add 10.{b.x}.0.0/16 via {link4}.2",
+                f"route add fd00:{b.x}::/32 via {link6}2",
+            ],
+        )
+        self._ip_batch(
+            b.node_ns,
+            [
+                f"addr add {link4}.2/24 dev {there}",
+                f"addr add {link6}2/64 dev {there} nodad",
+                f"link set {there} up",
+                f"route add 10.{a.x}.0.0/16 via {link4}.1",
+                f"route add fd00:{a.x}::/32 via {link6}1",
+            ],
+        )
+        a._peers.append(b)
+        b._peers.append(a)
+
     def _agent(self, pod: Pod) -> _Agent:
-        try:
-            return self._agents[pod.name]
-        except KeyError:
-            raise LabError(f"no agent for pod {pod.name} (lab not started or closed)") from None
+        for lab in (self, *self._peers):
+            agent = lab._agents.get(pod.name)
+            if agent is not None and agent.netns == pod.netns:
+                return agent
+        raise LabError(f"no agent for pod {pod.name} (lab not started or closed)")
 
     def _resolve(
         self, server: Pod | Service | str, port: int | None, family: int, proto: str
@@ -562,7 +601,7 @@ table inet lab {{
         return server.ip(family), port, server, port
 
     def _ensure_listener(self, pod: Pod, proto: str, port: int) -> None:
-        key = (pod.name, proto, port)
+        key = (pod.netns, proto, port)
         with self._lock:
             if key in self._listening:
                 return

@@ -1,0 +1,245 @@
+"""The downstream jobs' shared test harness: run a job over a topic, read its tables, and ground truth from conntrack.
+
+Used by the end-to-end tests of tests/integration (test_downstream_e2e.py, test_two_nodes.py).
+"""
+
+from __future__ import annotations
+
+import io
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fastavro
+from confluent_kafka import Producer
+
+from devtools.lab import CtEntry
+from flow_exporter.record import schema_path
+from tests.support.paths import REPO
+
+JOB = REPO / "downstream" / "spark_flows.py"
+
+WINDOW_S = 10
+
+TOP = 2
+
+# Short-run JVM flags: C1 only and the serial GC roughly halve this run's CPU on two cores.
+SPARK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+
+Group = tuple[str, str]
+
+Counts = tuple[int, int]  # packets, bytes; both directions
+
+
+def endpoint(addr: str, port: int | None) -> str:
+    ip = ipaddress.ip_address(addr)
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def ct_group(e: CtEntry) -> Group:
+    """The job's (source, destination) for a conntrack entry: no pod names, so addresses."""
+    return str(ipaddress.ip_address(e.orig_src)), endpoint(e.reply_src, e.reply_sport)
+
+
+def ct_totals(entries: Iterable[CtEntry]) -> dict[Group, Counts]:
+    out: dict[Group, Counts] = defaultdict(lambda: (0, 0))
+    for e in entries:
+        assert e.orig_packets is not None and e.reply_packets is not None, e.raw  # accounting is on
+        assert e.orig_bytes is not None and e.reply_bytes is not None, e.raw
+        p, b = out[ct_group(e)]
+        out[ct_group(e)] = (p + e.orig_packets + e.reply_packets, b + e.orig_bytes + e.reply_bytes)
+    return dict(out)
+
+
+def record_group(r: dict[str, Any]) -> Group:
+    return r["sourceAddress"], endpoint(r["destinationAddress"], r["destinationPort"])
+
+
+def readme_rule(records: list[dict[str, Any]]) -> dict[Group, Counts]:
+    """The README's consumer rule: drop duplicates by (connectionId, sequence), sum the deltas."""
+    seen: set[tuple[int, int]] = set()
+    out: dict[Group, Counts] = defaultdict(lambda: (0, 0))
+    for r in records:
+        if (r["connectionId"], r["sequence"]) in seen:
+            continue
+        seen.add((r["connectionId"], r["sequence"]))
+        p, b = out[record_group(r)]
+        out[record_group(r)] = (
+            p + r["packetDeltaCount"] + r["reversePacketDeltaCount"],
+            b + r["octetDeltaCount"] + r["reverseOctetDeltaCount"],
+        )
+    return dict(out)
+
+
+def synthetic_record(
+    port: int,
+    source_pod: tuple[str, str],
+    dest_pod: tuple[str, str],
+    service: str | None,
+    export_ms: int,
+    totals: tuple[int, int, int, int],
+) -> dict[str, Any]:
+    """A complete FlowRecord with Kubernetes fields, as enrichment will fill them."""
+    return {
+        "connectionId": uuid.uuid4().int >> 65,
+        "exporterNode": "synthetic",
+        "flowStart": export_ms - 1000,
+        "ipVersion": 4,
+        "protocol": 6,
+        "sourceAddress": "10.250.0.1",
+        "sourcePort": port,
+        "destinationAddress": "10.250.0.2",
+        "destinationPort": 8080,
+        "originalDestinationAddress": "10.250.0.2",
+        "originalDestinationPort": 8080,
+        "zone": 0,
+        "ctId": port,
+        "ctMark": 0,
+        "sourcePodName": source_pod[1],
+        "sourcePodNamespace": source_pod[0],
+        "destinationPodName": dest_pod[1],
+        "destinationPodNamespace": dest_pod[0],
+        "destinationService": service,
+        "sequence": 0,
+        "exportTime": export_ms,
+        "flowEnd": export_ms,
+        "flowEndReason": 3,
+        "flags": 0,
+        "packetTotalCount": totals[0],
+        "octetTotalCount": totals[1],
+        "reversePacketTotalCount": totals[2],
+        "reverseOctetTotalCount": totals[3],
+        "packetDeltaCount": totals[0],
+        "octetDeltaCount": totals[1],
+        "reversePacketDeltaCount": totals[2],
+        "reverseOctetDeltaCount": totals[3],
+    }
+
+
+def produce_synthetic(bootstrap: str, topic: str, header: bytes = b"", *, clock_only: bool = False) -> None:
+    """The synthetic records, framed like the exporter's (``header``: magic byte and schema id).
+
+    ``clock_only``: just the record an hour ahead that closes every window of a Spark run.
+    """
+    schema = fastavro.parse_schema(json.loads(schema_path().read_text()))
+    now_ms = time.time_ns() // 1_000_000
+    records = [
+        synthetic_record(40001, ("shop", "web-0"), ("shop", "cart-7"), "shop/cart:80/TCP", now_ms, (7, 700, 5, 500)),
+        synthetic_record(40002, ("shop", "web-0"), ("shop", "db-0"), None, now_ms, (3, 300, 2, 200)),
+        # The clock: an hour ahead, so the watermark passes every real window.
+        synthetic_record(40003, ("test", "clock"), ("test", "clock"), "test/clock", now_ms + 3_600_000, (1, 1, 0, 0)),
+    ]
+    producer = Producer({"bootstrap.servers": bootstrap})
+    for r in records[-1:] if clock_only else records:
+        buf = io.BytesIO()
+        fastavro.schemaless_writer(buf, schema, r)
+        producer.produce(topic, header + buf.getvalue())
+    assert producer.flush(30) == 0
+
+
+@dataclass
+class JobRun:
+    """One job run's three tables, as lists of rows."""
+
+    windows: list[dict[str, Any]]
+    talkers: list[dict[str, Any]]
+    connections: list[dict[str, Any]]
+    seconds: float
+
+    def group_totals(self) -> dict[Group, Counts]:
+        out: dict[Group, Counts] = defaultdict(lambda: (0, 0))
+        for row in self.windows:
+            key = (row["source"], row["destination"])
+            p, b = out[key]
+            out[key] = (p + row["packets"], b + row["bytes"])
+        return dict(out)
+
+
+def read_parquet_rows(directory: Path) -> list[dict[str, Any]]:
+    import pyarrow.dataset as ds
+
+    if not directory.exists():
+        return []
+    table = ds.dataset(str(directory), format="parquet", partitioning="hive").to_table()
+    return [{k: v for k, v in row.items() if k != "batch"} for row in table.to_pylist()]
+
+
+def run_spark(
+    bootstrap: str,
+    topic: str,
+    workdir: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    min_batches: int = 3,
+) -> JobRun:
+    """The Spark job, available-now, into Parquet under ``workdir``; its tables.
+
+    ``min_batches``: the data must span several micro-batches (state carried over), plus the one
+    that closes the windows.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = workdir / "tables"
+    cmd = [
+        sys.executable,
+        str(JOB),
+        "--bootstrap-servers",
+        bootstrap,
+        "--topic",
+        topic,
+        "--available-now",
+        "--output",
+        str(out),
+        "--window",
+        f"{WINDOW_S} seconds",
+        "--top",
+        str(TOP),
+        # Small batches: the per-connection state must carry over from batch to batch. A
+        # watermark longer than the scenario keeps records of the two partitions from being late.
+        "--max-offsets-per-trigger",
+        "10",
+        "--watermark",
+        "5 minutes",
+        f"--driver-java-options={SPARK_JVM}",
+        *extra,
+    ]
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    elapsed = time.monotonic() - t0
+    (workdir / "spark.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith('{"spark_flows"')))["spark_flows"]
+    assert summary["input_rows"] > 0
+    assert summary["batches"] >= min_batches, summary
+    return JobRun(
+        read_parquet_rows(out / "flows_by_window"),
+        read_parquet_rows(out / "top_talkers"),
+        read_parquet_rows(out / "connection_totals"),
+        elapsed,
+    )
+
+
+def ct_connection(e: CtEntry) -> tuple[int, str, int, str, int]:
+    """A conntrack entry as the record fields name it: protocol, source, destination after DNAT."""
+    return (
+        e.protonum,
+        str(ipaddress.ip_address(e.orig_src)),
+        e.orig_sport or 0,
+        str(ipaddress.ip_address(e.reply_src)),
+        e.reply_sport or 0,
+    )
