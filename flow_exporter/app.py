@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import tenacity
 
@@ -41,6 +42,9 @@ class LoopStats:
     resyncs: int = 0
     barrier_timeouts: int = 0  # polls whose sweep ran before the event listener caught up
     expire_errors: int = 0  # turns of the expire loop that raised (logged, retried after a backoff)
+    zone_entries: dict[int, int] = field(default_factory=dict)  # entries per zone in the last full dump
+    kernel: dict[str, int] = field(default_factory=dict)  # conntrack's own statistics (conntrack -S)
+    last_poll_seconds: float = 0.0
 
 
 @dataclass
@@ -50,6 +54,10 @@ class ShutdownOutcome:
     final_records: int = 0  # final records built (flowEndReason 4)
     kept: int = 0  # undelivered, kept in the state directory for the next start
     lost: int = 0  # undelivered and no state directory: their counts are lost
+
+
+def _zone(c: Connection) -> int:
+    return c.zone
 
 
 class Exporter:
@@ -128,8 +136,11 @@ class Exporter:
         with lock:
             store.begin_poll()
 
+        zone_counts: Counter[int] = Counter()
+
         # Batch by batch, so the table never exists twice in memory.
         def consume(batch: list[Connection]) -> None:
+            zone_counts.update(map(_zone, batch))  # table fill per zone, for the health stream
             with lock:
                 store.update_batch(batch, self.clock(), self.wall_ns())
 
@@ -147,9 +158,12 @@ class Exporter:
             self._timings.observe_poll(elapsed)
         s = self.stats
         s.polls += 1
+        s.last_poll_seconds = elapsed
+        s.zone_entries = dict(zone_counts)
         try:
             s.table_count = self.source.count()
             s.table_max = self.source.max_entries()
+            s.kernel = self.source.kernel_stats()
         except OSError as exc:
             log.debug("conntrack count unavailable: %s", exc)
         if s.polls == 1:
@@ -352,6 +366,9 @@ class Exporter:
         return Readings(
             table_count=s.table_count,
             table_max=s.table_max,
+            zone_entries=dict(s.zone_entries),
+            conntrack_kernel=dict(s.kernel),
+            last_poll_seconds=s.last_poll_seconds,
             polls=s.polls,
             poll_errors=s.poll_errors,
             expire_errors=s.expire_errors,

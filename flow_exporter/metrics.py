@@ -185,12 +185,37 @@ class _ReadingsCollector(Collector):
         for reason in GIVEN_UP_REASONS:
             given_up.add_metric([reason], r.given_up.get(reason, 0))
         yield given_up
+        yield from _health_families(r)
         if r.checkpoint is not None:
             yield from _families(r.checkpoint, _CHECKPOINT_FAMILIES)
         if r.kafka_client is not None:
             yield from _client_families(r.kafka_client)
         for name, value in r.extra.items():
             yield CounterMetricFamily(f"flow_exporter_{name}", EXTRA_FAMILIES.get(name, name), value=value)
+
+
+def _health_families(r: Readings) -> Iterator[Metric]:
+    """Conntrack health: fill per zone, the kernel's own statistics, the last poll's duration."""
+    zones = GaugeMetricFamily(
+        "flow_exporter_conntrack_zone_entries",
+        "Entries per conntrack zone in the last dump (zones the exporter reads).",
+        labels=["zone"],
+    )
+    for zone, n in sorted(r.zone_entries.items()):
+        zones.add_metric([str(zone)], n)
+    yield zones
+    kernel = CounterMetricFamily(
+        "flow_exporter_conntrack_kernel",
+        "Conntrack's own statistics in the exporter's namespace, summed over CPUs (conntrack -S): "
+        "insert_failed, drop, early_drop, error, invalid, search_restart, clash_resolve, chain_toolong.",
+        labels=["stat"],
+    )
+    for stat, n in sorted(r.conntrack_kernel.items()):
+        kernel.add_metric([stat], n)
+    yield kernel
+    yield GaugeMetricFamily(
+        "flow_exporter_last_poll_seconds", "Duration of the last conntrack poll.", value=r.last_poll_seconds
+    )
 
 
 def routes(
@@ -287,7 +312,9 @@ def catalogue() -> list[tuple[str, str, str, tuple[str, ...]]]:
 
     zero: dict[str, object] = {}
     for f in dataclasses.fields(Readings):
-        zero[f.name] = {} if f.name in ("given_up", "extra") else 0
+        zero[f.name] = {} if f.name in ("given_up", "extra", "zone_entries", "conntrack_kernel") else 0
+    zero["zone_entries"] = {0: 0}
+    zero["conntrack_kernel"] = {"drop": 0}
     zero["checkpoint"] = CheckpointReadings(**{f.name: 0 for f in dataclasses.fields(CheckpointReadings)})
     zero["extra"] = dict.fromkeys(EXTRA_FAMILIES, 0)
     zero["kafka_client"] = ClientStats(0, 0, (BrokerStats("broker:9092", 0.0, 0, 0, 0, 0, 0),))

@@ -34,6 +34,10 @@ class Source(Protocol):
         """The table's capacity (nf_conntrack_max)."""
         ...
 
+    def kernel_stats(self) -> dict[str, int]:
+        """Conntrack's own counters, cumulative (insert_failed, drop, early_drop, ...: ``conntrack -S``)."""
+        ...
+
 
 class EventSource(Protocol):
     """The conntrack NEW/DESTROY listener, as the poll loop waits on it (the real one: ``ConntrackEvents``)."""

@@ -73,3 +73,6 @@ class Readings:
     checkpoint: CheckpointReadings | None = None
     kafka_client: ClientStats | None = None
     extra: dict[str, float] = field(default_factory=dict)  # from other parts (Kubernetes enrichment)
+    zone_entries: dict[int, int] = field(default_factory=dict)  # entries per conntrack zone, last dump
+    conntrack_kernel: dict[str, int] = field(default_factory=dict)  # conntrack -S, summed over CPUs
+    last_poll_seconds: float = 0.0

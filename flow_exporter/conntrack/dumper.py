@@ -18,8 +18,10 @@ from pyroute2.netlink.nfnetlink import NFNL_SUBSYS_CTNETLINK
 from pyroute2.netlink.nfnetlink.nfctsocket import (
     IPCTNL_MSG_CT_GET,
     IPCTNL_MSG_CT_GET_STATS,
+    IPCTNL_MSG_CT_GET_STATS_CPU,
     nfct_msg,
     nfct_stats,
+    nfct_stats_cpu,
 )
 
 from flow_exporter.connection import Connection
@@ -31,6 +33,20 @@ __all__ = ["ConntrackDumper"]
 
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 _STATS_TYPE = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET_STATS
+_STATS_CPU_TYPE = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET_STATS_CPU
+NLMSG_DONE = 3
+# The per-CPU conntrack statistics the health stream reports (CTA_STATS_*, summed over CPUs):
+# what `conntrack -S` prints. Cumulative since the network namespace was created.
+KERNEL_STATS = {
+    "CTA_STATS_INSERT_FAILED": "insert_failed",
+    "CTA_STATS_DROP": "drop",
+    "CTA_STATS_EARLY_DROP": "early_drop",
+    "CTA_STATS_ERROR": "error",
+    "CTA_STATS_INVALID": "invalid",
+    "CTA_STATS_SEARCH_RESTART": "search_restart",
+    "CTA_STATS_CLASH_RESOLVE": "clash_resolve",
+    "CTA_STATS_CHAIN_TOOLONG": "chain_toolong",
+}
 _MAX_PATH = "/proc/sys/net/netfilter/nf_conntrack_max"
 _COUNT_PATH = "/proc/sys/net/netfilter/nf_conntrack_count"
 
@@ -219,6 +235,51 @@ class ConntrackDumper:
                         ok = True
                         return (msg.get_attr("CTA_STATS_GLOBAL_ENTRIES"),
                                 msg.get_attr("CTA_STATS_GLOBAL_MAX_ENTRIES"))
+                    off += (mlen + 3) & ~3
+        except OSError as e:
+            if isinstance(e, ConntrackError):
+                raise
+            raise error_from_errno(e.errno or errno.EIO, what) from e
+        finally:
+            if not ok:
+                self._discard()
+
+    def kernel_stats(self) -> dict[str, int]:
+        """The namespace's conntrack statistics summed over CPUs (``conntrack -S``; KERNEL_STATS names).
+
+        One dump request of IPCTNL_MSG_CT_GET_STATS_CPU: a message per CPU, then NLMSG_DONE.
+        A statistic the kernel does not send (older kernels) is absent from the result.
+        """
+        what = f"{self._where()}: per-CPU stats"
+        sock = self._socket()
+        seq = self._next_seq()
+        ok = False
+        totals: dict[str, int] = {}
+        try:
+            sock.send(_request(IPCTNL_MSG_CT_GET_STATS_CPU, NLM_F_REQUEST | NLM_F_DUMP, seq))
+            while True:
+                data = self._recv(sock, what)
+                off = 0
+                while off + 16 <= len(data):
+                    mlen = int.from_bytes(data[off : off + 4], "little")
+                    mtype = int.from_bytes(data[off + 4 : off + 6], "little")
+                    mseq = int.from_bytes(data[off + 8 : off + 12], "little")
+                    if mlen < 16 or off + mlen > len(data):
+                        break
+                    if mseq == seq and mtype == NLMSG_ERROR and mlen >= 20:
+                        err = int.from_bytes(data[off + 16 : off + 20], "little", signed=True)
+                        if err:
+                            raise error_from_errno(-err, what)
+                    elif mseq == seq and mtype == NLMSG_DONE:
+                        ok = True
+                        return totals
+                    elif mseq == seq and mtype == _STATS_CPU_TYPE:
+                        msg = nfct_stats_cpu(bytes(data[off : off + mlen]))
+                        msg.decode()
+                        for attr, name in KERNEL_STATS.items():
+                            value = msg.get_attr(attr)
+                            if value is not None:
+                                totals[name] = totals.get(name, 0) + value
                     off += (mlen + 3) & ~3
         except OSError as e:
             if isinstance(e, ConntrackError):

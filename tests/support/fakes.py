@@ -26,6 +26,7 @@ class FakeTable:
         self.skipped = 0
         self.batch = batch
         self.dumps = 0
+        self.stats: dict[str, int] = {}  # what kernel_stats() reports
 
     def dump_into(self, consume: Callable[[list[Connection]], None], zones: Collection[int] | None = None) -> int:
         self.dumps += 1
@@ -41,6 +42,9 @@ class FakeTable:
 
     def max_entries(self) -> int:
         return 262_144
+
+    def kernel_stats(self) -> dict[str, int]:
+        return dict(self.stats)
 
 
 @dataclass

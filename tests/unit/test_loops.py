@@ -289,12 +289,14 @@ def test_lifecycle_stopping_follows_the_stop_signal_then_the_deadline() -> None:
 def test_every_reading_reaches_the_metrics_endpoint() -> None:
     exp, table, broker, clock = rig()
     table.entries = [tcp(44000, packets=2)]
+    table.stats = {"early_drop": 4, "insert_failed": 0}
     for _ in range(6):
         step(exp, broker, clock)
     metrics = Metrics()
     metrics.bind(lambda: exp.readings({"enrichment_lookups": 3}))
     text = generate_latest(metrics.registry).decode()
     exported = {attr for attr, *_ in _FAMILIES} | {"given_up", "checkpoint", "kafka_client", "extra"}
+    exported |= {"zone_entries", "conntrack_kernel", "last_poll_seconds"}  # the health families
     assert {f.name for f in dataclasses.fields(Readings)} == exported
     assert {attr for attr, *_ in _CHECKPOINT_FAMILIES} == {f.name for f in dataclasses.fields(CheckpointReadings)}
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
@@ -304,7 +306,9 @@ def test_every_reading_reaches_the_metrics_endpoint() -> None:
     assert values["flow_exporter_connections_tracked"] == 1
     assert values["flow_exporter_enrichment_lookups_total"] == 3
     assert values['flow_exporter_connections_given_up_total{reason="cap_refused"}'] == 0
-
+    assert values['flow_exporter_conntrack_zone_entries{zone="0"}'] == 1
+    assert values['flow_exporter_conntrack_kernel_total{stat="early_drop"}'] == 4
+    assert values["flow_exporter_last_poll_seconds"] == exp.stats.last_poll_seconds
 
 @pytest.fixture(autouse=True)
 def _no_threads_left() -> None:
