@@ -18,11 +18,14 @@ from flow_exporter.app import Exporter
 from flow_exporter.checkpoint import Checkpoint, CheckpointError, Loaded
 from flow_exporter.config import Config, ConfigError
 from flow_exporter.conntrack.events import ConntrackEvents
+from flow_exporter.health import HealthReporter
 from flow_exporter.lifecycle import Lifecycle
 from flow_exporter.listener import Listener
 from flow_exporter.metrics import Metrics, liveness, readiness, routes
+from flow_exporter.ports import Sink
 from flow_exporter.readings import Readings
 from flow_exporter.sink import KafkaSink, Route
+from flow_exporter.sink.discard import DiscardSink
 from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.sink.kafka import redact
 from flow_exporter.sink.registry import ensure_registered, with_registry
@@ -139,6 +142,49 @@ def start_health_server(
     return server
 
 
+def start_health_stream(cfg: Config, exporter: Exporter) -> HealthStream | None:
+    """The ConntrackHealth records (flow_exporter.health), on a producer of their own, if health.topic is set."""
+    topic = cfg["health.topic"]
+    if not topic:
+        return None
+    return HealthStream(cfg, exporter, topic)
+
+
+class HealthStream:
+    """A :class:`HealthReporter` and the Kafka producer it writes with (same settings as the flows')."""
+
+    def __init__(self, cfg: Config, exporter: Exporter, topic: str) -> None:
+        from confluent_kafka import Producer
+
+        conf = {"logger": logging.getLogger("flow_exporter.rdkafka"), **cfg.producer_config()}
+        conf.pop("stats_cb", None)
+        self._producer = Producer(conf)
+        self.topic = topic
+
+        def produce(key: bytes, value: bytes) -> None:
+            self._producer.produce(topic, value, key, on_delivery=self._delivered)
+            self._producer.poll(0)
+
+        self.reporter = HealthReporter(
+            exporter.readings,
+            produce,
+            node=cfg.node_name,
+            interval=cfg["health.interval"],
+            flows=cfg["export.flows"],
+        ).start()
+        log.info("health stream: a ConntrackHealth record every %.0fs to %s", cfg["health.interval"], topic)
+
+    @staticmethod
+    def _delivered(err: Any, msg: Any) -> None:
+        if err is not None:
+            log.warning("health record not delivered to %s: %s", msg.topic(), err)
+
+    def stop(self) -> None:
+        self.reporter.stop()
+        self.reporter.send_once()  # the last readings, so a stopped node's final state is on the topic
+        self._producer.flush(5)
+
+
 def start_events(cfg: Config, exporter: Exporter) -> ConntrackEvents | None:
     """The NEW/DESTROY listener, when on; polling alone goes on if it cannot start."""
     if not cfg["conntrack.events"]:
@@ -235,7 +281,8 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
     if stop.is_set():
         source.close()
         return 0
-    sink = build_sink(cfg, lifecycle)
+    flows = cfg["export.flows"]
+    sink: Sink = build_sink(cfg, lifecycle) if flows else DiscardSink()
     metrics = Metrics() if cfg["metrics.port"] else None
     enricher = None
     if api is not None:  # caches fill in the background; records go out meanwhile
@@ -265,15 +312,21 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         exporter.restore(loaded.rows, loaded.resends)
     http = start_health_server(cfg, metrics, exporter, enricher)
     events = start_events(cfg, exporter)
+    health = start_health_stream(cfg, exporter)
     try:
-        if cfg["kafka.checkTopics"] and not check_topics(
-            sink, exporter.stop_event, cfg["retry.initialBackoff"], cfg["retry.maxBackoff"]
-        ):
-            return 0
-        if not ensure_registered(sink.encode, exporter.stop_event):  # after /healthz is up: waiting is not dying
-            return 0
+        if isinstance(sink, KafkaSink):
+            if cfg["kafka.checkTopics"] and not check_topics(
+                sink, exporter.stop_event, cfg["retry.initialBackoff"], cfg["retry.maxBackoff"]
+            ):
+                return 0
+            if not ensure_registered(sink.encode, exporter.stop_event):  # after /healthz is up: waiting is not dying
+                return 0
+        else:
+            log.info("flow export off (export.flows=false): connections are tracked, no flow record is sent")
         return exporter.run()
     finally:
+        if health is not None:
+            health.stop()
         if events is not None:
             events.stop()
         if http is not None:

@@ -98,6 +98,13 @@ def parse_topic(key: str, value: object) -> str:
     return s
 
 
+def parse_opt_topic(key: str, value: object) -> str | None:
+    """A topic name, or empty/none for off."""
+    if value is None or value == "":
+        return None
+    return parse_topic(key, value)
+
+
 def parse_zones(key: str, value: object) -> tuple[int, ...]:
     """A list of zone numbers (0-65535); empty means every zone."""
     if value is None or value == "" or value == "all":
@@ -352,6 +359,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("expiry.staleTimeout", positive_duration, 300.0, "Unused; kept so older configs load."),
     Setting("kafka.bootstrapServers", parse_str, "localhost:9092", "Kafka bootstrap servers, host:port[,...]."),
     Setting("kafka.topic", parse_topic, "flows", "Topic for flow records (unless a route matches)."),
+    Setting("export.flows", parse_bool, True, "Export flow records; false: only the health stream (health.topic)."),
+    Setting("health.topic", parse_opt_topic, None, "Topic for ConntrackHealth records; empty: no health stream."),
+    Setting("health.interval", positive_duration, 60.0, "Time between two ConntrackHealth records."),
     Setting("kafka.routes", parse_routes, (), "Other topics by flowType or endReason; first match wins."),
     Setting("schemaRegistry.url", parse_registry_url, None, "Schema Registry URL; set: Confluent-framed values."),
     Setting(
