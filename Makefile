@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-k8s test unit lint demo bench clean lock
+.PHONY: setup setup-k8s setup-flink test unit lint demo bench clean lock spark-job flink-job
 
 setup:
 	@bash tools/setup.sh
@@ -16,8 +16,21 @@ setup-k8s: setup
 	@bash tools/k8s/build.sh
 	@bash tools/k8s/tools.sh
 
-test: setup setup-k8s lint
+# PyFlink in its own virtualenv (.venv-flink, from requirements/flink.lock) and the Flink connector jars.
+setup-flink: setup
+	@bash tools/flink/setup.sh
+
+test: setup setup-k8s setup-flink lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# A downstream job against the local broker: broker, registry, lab traffic through the exporter
+# (SCRAM, registry framing), then the job once over the topic and its three tables printed.
+# Against another broker: make spark-job ARGS="--bootstrap-servers host:9092 --topic flows".
+spark-job: setup
+	$(PY) -m devtools.downstream spark $(ARGS)
+
+flink-job: setup setup-flink
+	$(PY) -m devtools.downstream flink $(ARGS)
 
 # The unit tests only (tests/unit): no root, broker or API server; seconds.
 unit: setup
@@ -30,7 +43,7 @@ bench: setup
 	$(PY) -m bench $(BENCH)
 
 clean:
-	rm -rf .venv .cache .pytest_cache .ruff_cache build *.egg-info
+	rm -rf .venv .venv-flink .cache .pytest_cache .ruff_cache build *.egg-info
 
 lock:
 	$(PY) -m uv pip compile --quiet pyproject.toml -c requirements/constraints.txt --generate-hashes --python-version 3.11 --python-platform x86_64-unknown-linux-gnu -o requirements/runtime.lock

@@ -243,3 +243,68 @@ def ct_connection(e: CtEntry) -> tuple[int, str, int, str, int]:
         str(ipaddress.ip_address(e.reply_src)),
         e.reply_sport or 0,
     )
+
+
+FLINK_JOB = REPO / "downstream" / "flink_flows.py"
+FLINK_PYTHON = REPO / ".venv-flink" / "bin" / "python"
+_TIMESTAMPS = ("window_start", "window_end", "first_seen", "last_seen")
+
+
+def read_json_rows(directory: Path) -> list[dict[str, Any]]:
+    """A table the Flink job wrote (JSON lines, UTC timestamps without a zone), timestamps as aware datetimes."""
+    from datetime import UTC, datetime
+
+    rows: list[dict[str, Any]] = []
+    if not directory.exists():
+        return rows
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and not p.name.startswith((".", "_"))):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                for name in _TIMESTAMPS:
+                    if name in row:
+                        row[name] = datetime.fromisoformat(row[name]).replace(tzinfo=UTC)
+                rows.append(row)
+    return rows
+
+
+def run_flink(bootstrap: str, topic: str, workdir: Path, *extra: str, env: dict[str, str] | None = None) -> JobRun:
+    """The Flink job, bounded (up to the offsets at its start, every window emitted), into JSON under ``workdir``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = workdir / "tables"
+    cmd = [
+        str(FLINK_PYTHON),
+        str(FLINK_JOB),
+        "--bootstrap-servers",
+        bootstrap,
+        "--topic",
+        topic,
+        "--bounded",
+        "--output",
+        str(out),
+        "--window",
+        str(WINDOW_S),
+        "--top",
+        str(TOP),
+        *extra,
+    ]
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    elapsed = time.monotonic() - t0
+    (workdir / "flink.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith('{"flink_flows"')))["flink_flows"]
+    assert summary["input_rows"] > 0
+    return JobRun(
+        read_json_rows(out / "flows_by_window"),
+        read_json_rows(out / "top_talkers"),
+        read_json_rows(out / "connection_totals"),
+        elapsed,
+    )

@@ -1,0 +1,220 @@
+"""The Flink SQL connector jars (Kafka connector, Avro formats) that the apache-flink wheel does not ship.
+
+``downstream/flink_flows.py`` runs Flink in local mode (a MiniCluster inside PyFlink's gateway
+JVM). The wheel carries Flink itself in ``pyflink/lib`` but no Kafka connector and no Avro
+format. Flink has no run-time dependency resolution of its own, so Maven resolves them once
+(``tools/flink/pom.xml``) into ``<repo>/.cache/flink/<flink version>/jars``, and the job passes
+those files in ``pipeline.jars``: no network access when a job starts.
+
+Both jars are shaded "sql" uber jars, so unlike Spark's connectors nothing has to be filtered
+against what the wheel already has. The pom explains why the registry format jar is 2.1.0.
+
+This module does not import pyflink: it runs in the project's ``.venv`` (``tools/flink/setup.sh``
+calls it there) as well as in ``.venv-flink``. The Flink version is the installed apache-flink's
+when there is one, else the one pinned in ``requirements/flink.lock``.
+
+Command line: ``python -m devtools.flink fetch`` (resolve, print the jars).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from devtools.maven import ANSI, MVN_TIMEOUT, mvn_failure
+
+__all__ = ["CONNECTORS", "cache_dir", "ensure_flink_jars", "flink_version", "jar_urls"]
+
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+_POM = _REPO_ROOT / "tools" / "flink" / "pom.xml"
+_LOCK = _REPO_ROOT / "requirements" / "flink.lock"
+_MARKER = ".complete"
+# Full coordinates: a bare "dependency:" prefix needs plugin-group metadata first (see kafka.py).
+_LIST = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:list"
+# The artifacts the job cannot run without; the resolved list must have each of them.
+CONNECTORS = ("flink-sql-connector-kafka", "flink-sql-avro-confluent-registry")
+
+
+def flink_version() -> str:
+    """The installed apache-flink's version, else the one ``requirements/flink.lock`` pins.
+
+    The lock is the fallback so that ``.venv`` (without PyFlink) fetches the jars for the Flink
+    that ``.venv-flink`` gets from the same lock.
+    """
+    try:
+        return importlib.metadata.version("apache-flink")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        text = _LOCK.read_text()
+    except OSError:
+        raise RuntimeError(
+            f"neither apache-flink installed nor {_LOCK.name} readable; run tools/flink/setup.sh"
+        ) from None
+    match = re.search(r"^apache-flink==(\S+)", text, re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"{_LOCK.name} pins no apache-flink version")
+    return match.group(1)
+
+
+def cache_dir(version: str | None = None) -> Path:
+    """``<repo>/.cache/flink/<version>``; ``FLOW_EXPORTER_CACHE`` replaces ``<repo>/.cache``."""
+    base = os.environ.get("FLOW_EXPORTER_CACHE")
+    root = Path(base) if base else _REPO_ROOT / ".cache"
+    return root / "flink" / (version or flink_version())
+
+
+def _digest(version: str) -> str:
+    """What a cache was made from: editing the pom or changing the Flink version re-resolves."""
+    h = hashlib.sha256(_POM.read_bytes())
+    h.update(version.encode())
+    return h.hexdigest()
+
+
+def _parse_list(text: str) -> list[tuple[str, str, Path]]:
+    """(artifactId, version, file) from ``dependency:list`` output with absolute file names.
+
+    Lines look like ``g:a:jar:v:scope:/path/a-v.jar`` or ``g:a:jar:classifier:v:scope:/path``,
+    possibly followed by `` -- module name``.
+    """
+    out = []
+    for line in text.splitlines():
+        token = line.strip().split(" ", 1)[0]
+        parts = token.split(":")
+        if len(parts) < 6 or not parts[-1].endswith(".jar"):
+            continue
+        out.append((parts[1], parts[-3], Path(parts[-1])))
+    return out
+
+
+def _complete(jars_dir: Path, digest: str) -> list[Path] | None:
+    marker = jars_dir / _MARKER
+    if not (marker.is_file() and marker.read_text().splitlines()[:1] == [digest]):
+        return None
+    jars = [jars_dir / name for name in marker.read_text().splitlines()[1:]]
+    return jars if all(j.is_file() for j in jars) else None
+
+
+def _check_resolved(resolved: list[tuple[str, str, Path]], version: str, log: Path) -> None:
+    """Both connectors present, and the Kafka connector built for this Flink minor (``x.y.z-2.2``)."""
+    names = {a: v for a, v, _ in resolved}
+    for connector in CONNECTORS:
+        if connector not in names:
+            raise RuntimeError(f"mvn resolved no {connector}; log: {log}")
+    minor = ".".join(version.split(".")[:2])
+    kafka = names["flink-sql-connector-kafka"]
+    if not kafka.endswith(f"-{minor}"):
+        raise RuntimeError(
+            f"flink-sql-connector-kafka {kafka} is not built for Flink {minor}; edit tools/flink/pom.xml"
+        )
+
+
+def ensure_flink_jars(version: str | None = None) -> list[Path]:
+    """Resolve the connectors for ``version`` (default: see ``flink_version``) once; return the jars.
+
+    The marker (written last: pom digest, then the jar names) says a previous run completed, so
+    an interrupted run is redone rather than trusted; a file lock lets parallel runs share one
+    download. Raises RuntimeError with one line when Maven is missing or fails.
+    """
+    version = version or flink_version()
+    digest = _digest(version)
+    jars_dir = cache_dir(version) / "jars"
+    done = _complete(jars_dir, digest)
+    if done is not None:
+        return done
+    mvn = shutil.which("mvn")
+    if mvn is None:
+        raise RuntimeError(
+            "mvn (Apache Maven) is not on PATH; it is needed once to fetch the Flink connector jars "
+            "(Debian package 'maven')"
+        )
+    jars_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(jars_dir.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = _complete(jars_dir, digest)
+        if done is not None:
+            return done
+        staging = Path(tempfile.mkdtemp(prefix="jars.", dir=jars_dir.parent))
+        log = jars_dir.parent / "mvn.log"
+        listing = staging / "dependencies.txt"
+        cmd = [
+            mvn,
+            "-B",
+            "-Dstyle.color=never",
+            "-f",
+            str(_POM),
+            _LIST,
+            # Flink itself would be "provided" by any cluster; here pyflink/lib provides it.
+            "-DexcludeScope=provided",
+            f"-DoutputFile={listing}",
+            "-DoutputAbsoluteArtifactFilename=true",
+            "-DappendOutput=false",
+        ]
+        try:
+            try:
+                proc = subprocess.run(
+                    cmd, capture_output=True, text=True, timeout=MVN_TIMEOUT, check=False, stdin=subprocess.DEVNULL
+                )
+            except subprocess.TimeoutExpired as exc:
+                raise RuntimeError(
+                    f"mvn took over {MVN_TIMEOUT:.0f}s fetching the Flink jars (is Maven Central reachable?)"
+                ) from exc
+            output = ANSI.sub("", proc.stdout + proc.stderr)
+            log.write_text(output)
+            if proc.returncode != 0 or not listing.is_file():
+                raise RuntimeError(mvn_failure(output, log, f"the Flink {version} connector jars"))
+            resolved = _parse_list(listing.read_text())
+            _check_resolved(resolved, version, log)
+            kept = []
+            for _, _, path in resolved:
+                shutil.copy2(path, staging / path.name)
+                kept.append(path.name)
+            listing.unlink()
+            staging.chmod(0o755)  # mkdtemp made it private; the cache may be shared
+            shutil.rmtree(jars_dir, ignore_errors=True)
+            staging.rename(jars_dir)
+            (jars_dir / _MARKER).write_text("\n".join([digest, *sorted(kept)]) + "\n")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return [jars_dir / name for name in sorted(kept)]
+
+
+def jar_urls(jars: list[Path]) -> str:
+    """``pipeline.jars``'s value: ``file://`` URLs separated by ``;``."""
+    return ";".join(j.resolve().as_uri() for j in jars)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``fetch``: resolve the connector jars into the cache and list them."""
+    ap = argparse.ArgumentParser(prog="python -m devtools.flink", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    fetch = sub.add_parser("fetch", help="resolve the connector jars for the pinned Flink version (once)")
+    fetch.add_argument(
+        "--version", help="Flink version (default: the installed apache-flink's, else requirements/flink.lock's)"
+    )
+    args = ap.parse_args(argv)
+    t0 = time.monotonic()
+    try:
+        jars = ensure_flink_jars(args.version)
+    except RuntimeError as exc:
+        print(f"flink: {exc}", file=sys.stderr)
+        return 1
+    size = sum(j.stat().st_size for j in jars)
+    for jar in jars:
+        print(jar)
+    print(f"{len(jars)} jars, {size / 2**20:.1f} MiB ({time.monotonic() - t0:.1f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,711 @@
+"""Reference Flink SQL job: bytes and packets per (source, destination) and window, top talkers, connection totals.
+
+The Flink twin of ``downstream/spark_flows.py``: the same three tables from the exporter's Kafka
+topic, written with Flink SQL (windowing table-valued functions) and started from Python
+(PyFlink's ``TableEnvironment``) in local mode, a MiniCluster inside PyFlink's gateway JVM.
+
+Setup: ``tools/flink/setup.sh`` (once), then ``.venv-flink/bin/python downstream/flink_flows.py
+--bootstrap-servers HOST:PORT --topic flows --bounded --output DIR``.
+
+Versions, a matched set. PyPI ``apache-flink==2.2.0`` (its own virtualenv ``.venv-flink``:
+PyFlink pins pyarrow/pandas/numpy ranges the project's ``.venv`` must not be forced into; hashed
+lock ``requirements/flink.lock``) with the Maven jars of ``tools/flink/pom.xml``, fetched once by
+``devtools/flink.py`` into ``.cache/flink/2.2.0/jars`` and passed as ``pipeline.jars`` (file
+URLs, nothing is resolved at run time): ``flink-sql-connector-kafka:5.0.0-2.2`` (the Kafka
+connector release built for Flink 2.2) and ``flink-sql-avro-confluent-registry:2.1.0``. The
+latter has no 2.2.x release on Maven Central, and the unshaded 2.2.0 artifact needs Confluent's
+own repository for the registry client; 2.1.0 is built against the older API and so only calls
+what 2.2 still has. That shaded jar also holds the plain ``avro`` format (flink-avro) and the
+Confluent registry client, so no ``flink-sql-avro`` jar is added (a second copy of the same
+classes from another version would clash). Both formats are checked against fastavro on 2.2.0.
+
+Decoding. Without ``--schema-registry`` the values are bare Avro and Flink's ``avro`` format
+uses the Avro schema it derives from the table's columns as the *writer* schema, so the table
+must be ``schemas/flow_record.avsc`` field by field, in order, with exactly its types and
+nullability: ``flink_type`` maps each Avro type (one function, ``table_columns`` applies it to
+the whole file) and refuses what Flink's derived schema would encode differently (a union other
+than ``["null", X]``, records, enums, fixed). With ``--schema-registry`` the values are
+Confluent-framed (magic byte 0, 4-byte schema id, Avro body); ``avro-confluent`` fetches the
+writer schema by id from the registry and uses the table's derived schema as the *reader*, so
+the table declares only the fields the job uses (``USED_FIELDS``), which also skips decoding the
+label maps. ``timestamp-millis`` longs are declared ``BIGINT`` and converted with
+``TO_TIMESTAMP_LTZ(x, 3)``: on the wire they are plain longs, and BIGINT stays right whatever
+timestamp mapping (legacy or not) the format applies to TIMESTAMP columns.
+
+Groups (as in the Spark job): ``source`` is ``sourcePodNamespace/sourcePodName`` when both are
+known, else ``sourceAddress``; ``destination`` is ``destinationService``, else
+``destinationPodNamespace/destinationPodName``, else ``destinationAddress:destinationPort``
+(``[address]:port`` for IPv6).
+
+Records of an inter-node pod-to-pod connection come from both nodes' exporters; the copy of the
+destination's node (flowType 2, reporter 2) is dropped first, so each connection counts once
+(README: One connection, two nodes), before everything else, in all three tables.
+
+Counting is the README's consumer rule: drop duplicate (connectionId, sequence) pairs (a resent
+record is the same bytes, so the same event time and window), then sum the four ``*DeltaCount``
+fields. Event time is ``--event-time`` (exportTime by default) with a watermark ``--watermark``
+seconds behind the newest; the session time zone is UTC, so window bounds and timestamps are UTC.
+
+Tables (one StatementSet, so Kafka is read once; the planner merges the scans):
+
+* ``flows_by_window``: window_start, window_end, source, destination, packets, bytes,
+  forward_packets, forward_bytes, reverse_packets, reverse_bytes. A tumbling-window aggregation
+  by (window, connectionId, sequence) drops the duplicates, a cascading window aggregation by
+  (window, source, destination) sums; rows with no packets and no bytes are left out.
+* ``top_talkers``: window_start, window_end, rank, source, destination, packets, bytes: Window
+  Top-N (ROW_NUMBER per window) over ``flows_by_window``, by bytes descending (ties: source,
+  then destination, as the Spark job).
+* ``connection_totals``: connectionId, exporterNode, protocol, sourceAddress, sourcePort,
+  destinationAddress, destinationPort, source, destination, first_seen, last_seen, records
+  (distinct sequences), packets, bytes and the four directional counters; a GROUP BY over all
+  time, not windowed. ``source``/``destination`` are the greatest value seen for the connection
+  (enrichment can fill pod names in later records). With ``--bounded`` it is a plain batch GROUP
+  BY written like the others. In streaming mode it is an updating table (no window ever closes
+  it), which the append-only filesystem sink cannot take: it is always printed to stdout as a
+  changelog (``+I``, ``-U``, ``+U`` rows), with or without ``--output``. Its state grows with the
+  number of connections.
+
+Run modes. ``--bounded`` reads each partition up to its latest offset at the start and runs in
+BATCH mode, so every window is emitted at the end, then prints one JSON line
+``{"flink_flows": {"input_rows": N, "seconds": S}}``: N is a fourth sink in the same job,
+COUNT(*) of the decoded records (duplicates included), S the job's net runtime from Flink's
+JobExecutionResult (excludes JVM start and planning). Without it the job streams until Ctrl-C;
+windows are emitted once the watermark passes their end, and ``--output`` files are committed at
+checkpoints (every 10 s) as the filesystem sink requires.
+
+Local mode is sized for a small machine: ``--parallelism`` (default 1) slots, a 1 GiB JVM heap
+(``--heap``), 256 MiB managed memory, no web UI, no restarts (a failure ends the job with its
+reason), Flink's own log in ``.cache/flink/<version>/log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import urllib.error
+import urllib.request
+from base64 import b64encode
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pyflink.table import StatementSet, TableEnvironment
+
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_SCHEMA = _REPO_ROOT / "schemas" / "flow_record.avsc"
+SOURCE_TABLE = "flow_records"
+TABLES = ("flows_by_window", "top_talkers", "connection_totals")
+
+DELTAS = ("packetDeltaCount", "octetDeltaCount", "reversePacketDeltaCount", "reverseOctetDeltaCount")
+COUNTERS = ("forward_packets", "forward_bytes", "reverse_packets", "reverse_bytes")
+# The record fields the job reads; with the registry the table declares only these.
+USED_FIELDS = frozenset(
+    {
+        "connectionId",
+        "sequence",
+        "exporterNode",
+        "exportTime",
+        "flowEnd",
+        "ipVersion",
+        "protocol",
+        "sourceAddress",
+        "sourcePort",
+        "destinationAddress",
+        "destinationPort",
+        "sourcePodNamespace",
+        "sourcePodName",
+        "destinationPodNamespace",
+        "destinationPodName",
+        "destinationService",
+        "flowType",
+        "reporter",
+        *DELTAS,
+    }
+)
+INTER_NODE = 2  # flowType: pod to pod across nodes
+REPORTER_DESTINATION = 2  # reporter: the exporter on the destination pod's node
+
+# Avro primitive -> Flink SQL type, as Flink's AvroSchemaConverter derives them back.
+_PRIMITIVES = {
+    "boolean": "BOOLEAN",
+    "int": "INT",
+    "long": "BIGINT",
+    "float": "FLOAT",
+    "double": "DOUBLE",
+    "bytes": "BYTES",
+    "string": "STRING",
+}
+# Logical types whose Flink column is the underlying primitive (see the module docstring).
+_PLAIN_LOGICAL = {"timestamp-millis": "long", "timestamp-micros": "long"}
+SASL_MECHANISMS = ("SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN")
+# The login modules inside flink-sql-connector-kafka: kafka-clients is relocated there, and the
+# JAAS line names a class, so the unshaded org.apache.kafka... name would not be found.
+_SHADED = "org.apache.flink.kafka.shaded.org.apache.kafka.common.security"
+LOGIN_MODULES = {
+    "SCRAM-SHA-256": f"{_SHADED}.scram.ScramLoginModule",
+    "SCRAM-SHA-512": f"{_SHADED}.scram.ScramLoginModule",
+    "PLAIN": f"{_SHADED}.plain.PlainLoginModule",
+}
+
+
+class UsageError(Exception):
+    """A bad argument combination: reported like argparse's own errors (exit 2)."""
+
+
+class JobError(Exception):
+    """An expected failure (broker or registry unreachable, job failed): one line, exit 1."""
+
+
+# --------------------------------------------------------------------------- DDL (no pyflink)
+
+
+def quote_ident(name: str) -> str:
+    """A Flink SQL identifier in backticks (field names like ``sequence`` are keywords)."""
+    return "`" + name.replace("`", "``") + "`"
+
+
+def sql_string(value: str) -> str:
+    """A Flink SQL string literal."""
+    return "'" + value.replace("'", "''") + "'"
+
+
+def flink_type(avro_type: Any) -> str:
+    """The Flink SQL type (with ``NOT NULL`` where Avro has no null) whose derived Avro schema is ``avro_type``.
+
+    Exactness matters because the bare ``avro`` format decodes with the table-derived schema as
+    the writer schema: Flink derives ``["null", X]`` for a nullable column and ``X`` for a
+    NOT NULL one, maps without null values for ``MAP<STRING NOT NULL, V NOT NULL>``, so anything
+    else (``[X, "null"]``, multi-type unions, records, enums, fixed) would be read with the
+    wrong branch indexes or layout and is refused here instead.
+    """
+    if isinstance(avro_type, list):
+        others = [t for t in avro_type if t != "null"]
+        if len(avro_type) != 2 or avro_type[0] != "null" or len(others) != 1:
+            raise ValueError(f'unsupported union {avro_type!r}: only ["null", X] matches Flink\'s derived schema')
+        return flink_type(others[0]).removesuffix(" NOT NULL")
+    if isinstance(avro_type, dict):
+        kind = avro_type.get("type")
+        logical = avro_type.get("logicalType")
+        if kind == "map":
+            return f"MAP<STRING NOT NULL, {flink_type(avro_type['values'])}> NOT NULL"
+        if kind == "array":
+            return f"ARRAY<{flink_type(avro_type['items'])}> NOT NULL"
+        if isinstance(kind, str) and kind in _PRIMITIVES:
+            if logical is not None and _PLAIN_LOGICAL.get(logical) != kind:
+                raise ValueError(f"unsupported logical type {logical!r} on {kind!r}")
+            return flink_type(kind)
+        raise ValueError(f"unsupported Avro type {avro_type!r}")
+    if avro_type in _PRIMITIVES:
+        return f"{_PRIMITIVES[avro_type]} NOT NULL"
+    raise ValueError(f"unsupported Avro type {avro_type!r}")
+
+
+def table_columns(schema: dict[str, Any], fields: Iterable[str] | None = None) -> list[tuple[str, str]]:
+    """(name, Flink type) for each field of the record schema, in schema order (only ``fields`` if given)."""
+    if schema.get("type") != "record":
+        raise ValueError("the Avro schema is not a record")
+    wanted = None if fields is None else set(fields)
+    columns = [(f["name"], flink_type(f["type"])) for f in schema["fields"] if wanted is None or f["name"] in wanted]
+    if wanted is not None:
+        missing = wanted - {name for name, _ in columns}
+        if missing:
+            raise ValueError(f"the schema has no field(s) {', '.join(sorted(missing))}")
+    return columns
+
+
+def kafka_properties(args: argparse.Namespace, sasl_password: str | None) -> dict[str, str]:
+    """The Kafka client settings (``properties.*`` options) for the chosen security protocol."""
+    props = {"properties.bootstrap.servers": args.bootstrap_servers}
+    if args.security_protocol != "PLAINTEXT":
+        props["properties.security.protocol"] = args.security_protocol
+    if args.security_protocol.startswith("SASL"):
+        props["properties.sasl.mechanism"] = args.sasl_mechanism
+
+        def jaas(value: str) -> str:
+            return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+        props["properties.sasl.jaas.config"] = (
+            f"{LOGIN_MODULES[args.sasl_mechanism]} required "
+            f"username={jaas(args.sasl_username)} password={jaas(sasl_password or '')};"
+        )
+    if args.ssl_ca_location is not None:
+        # The Java client reads a PEM CA file directly when told its type.
+        props["properties.ssl.truststore.type"] = "PEM"
+        props["properties.ssl.truststore.location"] = str(args.ssl_ca_location.resolve())
+    return props
+
+
+def source_ddl(schema: dict[str, Any], args: argparse.Namespace, sasl_password: str | None = None) -> str:
+    """``CREATE TEMPORARY TABLE flow_records``: the Kafka source, its event time and watermark."""
+    registry = args.schema_registry is not None
+    columns = table_columns(schema, USED_FIELDS if registry else None)
+    lines = [f"  {quote_ident(name)} {sql_type}" for name, sql_type in columns]
+    lines.append(f"  event_time AS TO_TIMESTAMP_LTZ({quote_ident(args.event_time)}, 3)")
+    lines.append(f"  WATERMARK FOR event_time AS event_time - INTERVAL '{int(args.watermark)}' SECOND")
+    options = {
+        "connector": "kafka",
+        "topic": args.topic,
+        "scan.startup.mode": f"{args.starting_offsets}-offset",
+        # The key (a binary connection id) is not read: no key.format, the value is the whole row.
+        "value.format": "avro-confluent" if registry else "avro",
+        **kafka_properties(args, sasl_password),
+    }
+    if args.bounded:
+        options["scan.bounded.mode"] = "latest-offset"
+    if registry:
+        options["value.avro-confluent.url"] = args.schema_registry
+        if args.registry_basic_auth is not None:
+            options["value.avro-confluent.basic-auth.credentials-source"] = "USER_INFO"
+            options["value.avro-confluent.basic-auth.user-info"] = args.registry_basic_auth
+    body = ",\n".join(lines)
+    opts = ",\n".join(f"  {sql_string(k)} = {sql_string(v)}" for k, v in options.items())
+    return f"CREATE TEMPORARY TABLE {SOURCE_TABLE} (\n{body}\n) WITH (\n{opts}\n)"
+
+
+def _sum(column: str) -> str:
+    return f"SUM({column})"
+
+
+def view_statements(window_seconds: int, top: int) -> dict[str, str]:
+    """The views, by name, in creation order: the enriched records, then the three result tables."""
+    packets = f"{_sum('forward_packets')} + {_sum('reverse_packets')}"
+    octets = f"{_sum('forward_bytes')} + {_sum('reverse_bytes')}"
+    counters = ", ".join(f"{_sum(c)} AS {c}" for c in COUNTERS)
+    ids = "connectionId, exporterNode, protocol, sourceAddress, sourcePort, destinationAddress, destinationPort"
+    return {
+        "flows": f"""
+SELECT {ids}, `sequence`, event_time,
+  COALESCE(sourcePodNamespace || '/' || sourcePodName, sourceAddress) AS source,
+  COALESCE(
+    destinationService,
+    destinationPodNamespace || '/' || destinationPodName,
+    CASE WHEN ipVersion = 6 THEN '[' || destinationAddress || ']' ELSE destinationAddress END
+      || ':' || CAST(destinationPort AS STRING)
+  ) AS destination,
+  {", ".join(f"{d} AS {c}" for d, c in zip(DELTAS, COUNTERS, strict=True))}
+FROM {SOURCE_TABLE}
+WHERE NOT (flowType = {INTER_NODE} AND reporter = {REPORTER_DESTINATION})""",
+        # A resent record is the same bytes: same window, same groups, same counts, so one row
+        # per (window, connectionId, sequence) keeps exactly one copy of each.
+        "records_by_window": f"""
+SELECT window_start, window_end, connectionId, `sequence`, source, destination,
+  {", ".join(f"MAX({c}) AS {c}" for c in COUNTERS)}
+FROM TABLE(TUMBLE(TABLE flows, DESCRIPTOR(event_time), INTERVAL '{window_seconds}' SECOND))
+GROUP BY window_start, window_end, connectionId, `sequence`, source, destination""",
+        "flows_by_window": f"""
+SELECT window_start, window_end, source, destination,
+  {packets} AS packets, {octets} AS `bytes`, {counters}
+FROM records_by_window
+GROUP BY window_start, window_end, source, destination
+HAVING {packets} > 0 OR {octets} > 0""",
+        "top_talkers": f"""
+SELECT window_start, window_end, `rank`, source, destination, packets, `bytes`
+FROM (
+  SELECT window_start, window_end, source, destination, packets, `bytes`,
+    ROW_NUMBER() OVER (
+      PARTITION BY window_start, window_end ORDER BY `bytes` DESC, source, destination
+    ) AS `rank`
+  FROM flows_by_window
+)
+WHERE `rank` <= {top}""",
+        "distinct_records": f"""
+SELECT {ids}, `sequence`, MAX(source) AS source, MAX(destination) AS destination,
+  MIN(event_time) AS event_time, {", ".join(f"MAX({c}) AS {c}" for c in COUNTERS)}
+FROM flows
+GROUP BY {ids}, `sequence`""",
+        "connection_totals": f"""
+SELECT {ids}, MAX(source) AS source, MAX(destination) AS destination,
+  CAST(MIN(event_time) AS TIMESTAMP(3)) AS first_seen, CAST(MAX(event_time) AS TIMESTAMP(3)) AS last_seen,
+  COUNT(*) AS records, {packets} AS packets, {octets} AS `bytes`, {counters}
+FROM distinct_records
+GROUP BY {ids}""",
+    }
+
+
+_RESULT_COLUMNS = {
+    "flows_by_window": [
+        ("window_start", "TIMESTAMP(3)"),
+        ("window_end", "TIMESTAMP(3)"),
+        ("source", "STRING"),
+        ("destination", "STRING"),
+        ("packets", "BIGINT"),
+        ("bytes", "BIGINT"),
+        *((c, "BIGINT") for c in COUNTERS),
+    ],
+    "top_talkers": [
+        ("window_start", "TIMESTAMP(3)"),
+        ("window_end", "TIMESTAMP(3)"),
+        ("rank", "BIGINT"),
+        ("source", "STRING"),
+        ("destination", "STRING"),
+        ("packets", "BIGINT"),
+        ("bytes", "BIGINT"),
+    ],
+    "connection_totals": [
+        ("connectionId", "BIGINT"),
+        ("exporterNode", "STRING"),
+        ("protocol", "INT"),
+        ("sourceAddress", "STRING"),
+        ("sourcePort", "INT"),
+        ("destinationAddress", "STRING"),
+        ("destinationPort", "INT"),
+        ("source", "STRING"),
+        ("destination", "STRING"),
+        ("first_seen", "TIMESTAMP(3)"),
+        ("last_seen", "TIMESTAMP(3)"),
+        ("records", "BIGINT"),
+        ("packets", "BIGINT"),
+        ("bytes", "BIGINT"),
+        *((c, "BIGINT") for c in COUNTERS),
+    ],
+    "input_rows": [("input_rows", "BIGINT")],
+}
+
+
+def sink_ddl(table: str, options: dict[str, str]) -> str:
+    """``CREATE TEMPORARY TABLE sink_<table>`` with the result columns of ``table``."""
+    cols = ",\n".join(f"  {quote_ident(n)} {t}" for n, t in _RESULT_COLUMNS[table])
+    opts = ",\n".join(f"  {sql_string(k)} = {sql_string(v)}" for k, v in options.items())
+    return f"CREATE TEMPORARY TABLE sink_{table} (\n{cols}\n) WITH (\n{opts}\n)"
+
+
+def json_files_options(directory: Path) -> dict[str, str]:
+    """A filesystem sink of JSON lines; timestamps as ISO-8601 (UTC, the session time zone)."""
+    return {
+        "connector": "filesystem",
+        "path": directory.resolve().as_uri(),
+        "format": "json",
+        "json.timestamp-format.standard": "ISO-8601",
+    }
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line; combinations argparse cannot express are checked in ``check_args``."""
+    ap = argparse.ArgumentParser(
+        prog="flink_flows.py", description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    ap.add_argument("--bootstrap-servers", required=True, help="Kafka bootstrap servers, host:port[,...]")
+    ap.add_argument("--topic", required=True, help="flow topic (a semicolon-separated list reads several)")
+    ap.add_argument("--starting-offsets", choices=("earliest", "latest"), default="earliest")
+    ap.add_argument("--window", type=int, default=60, metavar="SECONDS", help="tumbling window length (default: 60)")
+    ap.add_argument("--event-time", choices=("exportTime", "flowEnd"), default="exportTime", help="event-time field")
+    ap.add_argument(
+        "--watermark", type=int, default=60, metavar="SECONDS", help="allowed lateness of event time (default: 60)"
+    )
+    ap.add_argument("--top", type=int, default=10, metavar="N", help="rows per window in top_talkers (default: 10)")
+    ap.add_argument(
+        "--schema-registry",
+        metavar="URL",
+        help="values are Confluent-framed; decode with the registry's writer schema\n"
+        "(default: bare Avro with schemas/flow_record.avsc)",
+    )
+    ap.add_argument("--registry-basic-auth", metavar="USER:PASSWORD", help="registry HTTP basic auth")
+    ap.add_argument("--schema", type=Path, default=DEFAULT_SCHEMA, help="Avro schema file (default: the repo's)")
+    ap.add_argument(
+        "--security-protocol", choices=("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"), default="PLAINTEXT"
+    )
+    ap.add_argument("--sasl-mechanism", choices=SASL_MECHANISMS, default="SCRAM-SHA-512")
+    ap.add_argument("--sasl-username")
+    ap.add_argument("--sasl-password", help="prefer the environment variable FLOW_SASL_PASSWORD")
+    ap.add_argument("--ssl-ca-location", type=Path, metavar="PEM", help="CA certificate(s) to trust (PEM)")
+    ap.add_argument("--bounded", action="store_true", help="read up to the offsets at start, then finish (BATCH)")
+    ap.add_argument("--output", type=Path, metavar="DIR", help="write JSON lines under DIR/<table>/ (default: stdout)")
+    ap.add_argument("--parallelism", type=int, default=1)
+    ap.add_argument("--heap", default="1g", help="JVM heap (-Xmx) of the local Flink (default: 1g)")
+    ap.add_argument("--explain", action="store_true", help="print the plan instead of running")
+    return ap.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """Validate combinations; return the SASL password (from the flag or FLOW_SASL_PASSWORD)."""
+    for name in ("window", "top", "parallelism"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be at least 1")
+    if args.watermark < 0:
+        raise UsageError("--watermark must not be negative")
+    if not args.schema.is_file():
+        raise UsageError(f"--schema: no such file: {args.schema}")
+    password = args.sasl_password or os.environ.get("FLOW_SASL_PASSWORD")
+    if args.security_protocol.startswith("SASL"):
+        if not args.sasl_username or not password:
+            raise UsageError(
+                f"{args.security_protocol} needs --sasl-username and FLOW_SASL_PASSWORD (or --sasl-password)"
+            )
+    elif args.sasl_username or args.sasl_password:
+        raise UsageError("--sasl-username/--sasl-password need --security-protocol SASL_PLAINTEXT or SASL_SSL")
+    if args.ssl_ca_location is not None:
+        if not args.security_protocol.endswith("SSL"):
+            raise UsageError("--ssl-ca-location needs --security-protocol SSL or SASL_SSL")
+        if not args.ssl_ca_location.is_file():
+            raise UsageError(f"--ssl-ca-location: no such file: {args.ssl_ca_location}")
+    if args.registry_basic_auth is not None:
+        if args.schema_registry is None:
+            raise UsageError("--registry-basic-auth needs --schema-registry")
+        if ":" not in args.registry_basic_auth:
+            raise UsageError("--registry-basic-auth must be USER:PASSWORD")
+    if args.schema_registry is not None and not args.schema_registry.startswith(("http://", "https://")):
+        raise UsageError("--schema-registry must be an http:// or https:// URL")
+    return password
+
+
+# --------------------------------------------------------------------------- reachability
+
+
+def _check_brokers(bootstrap: str, timeout: float = 5.0) -> None:
+    """Fail fast, in one line, when no bootstrap server accepts a TCP connection.
+
+    Flink's Kafka source would otherwise retry metadata requests for about a minute and end with
+    a Java stack trace.
+    """
+    tried = []
+    for server in (s.strip() for s in bootstrap.split(",") if s.strip()):
+        host, _, port = server.rpartition(":")
+        host = host.strip("[]")
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout):
+                return
+        except (OSError, ValueError) as exc:
+            tried.append(f"{server} ({exc.__class__.__name__}: {exc})")
+    raise JobError(f"cannot reach any Kafka bootstrap server: {'; '.join(tried) or bootstrap!r}")
+
+
+def _check_registry(url: str, basic_auth: str | None, timeout: float = 5.0) -> None:
+    """Fail fast when the schema registry does not answer ``GET /subjects``."""
+    request = urllib.request.Request(url.rstrip("/") + "/subjects")
+    if basic_auth:
+        request.add_header("Authorization", "Basic " + b64encode(basic_auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout):
+            return
+    except urllib.error.HTTPError as exc:
+        raise JobError(f"the schema registry at {url} answered HTTP {exc.code} to GET /subjects") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise JobError(f"cannot reach the schema registry at {url}: {reason}") from None
+
+
+# --------------------------------------------------------------------------- Flink (lazy pyflink)
+
+
+def _ensure_repo_on_path() -> None:
+    """Run as ``python downstream/flink_flows.py``: make ``devtools`` importable for the jar lookup."""
+    root = str(_REPO_ROOT)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
+def _prepare_jvm(heap: str, log_dir: Path) -> None:
+    """Environment for PyFlink's gateway JVM, read when it starts (the first pyflink call).
+
+    JVM_ARGS goes before Flink's own options; the log goes to the cache rather than into the
+    installed package, at INFO so a failure can be investigated from it.
+    """
+    log_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["JVM_ARGS"] = f"-Xmx{heap} -Xss1m -XX:+UseParallelGC -XX:ParallelGCThreads=2"
+    os.environ.setdefault("FLINK_LOG_DIR", str(log_dir))
+    os.environ.setdefault("ROOT_LOG_LEVEL", "INFO")
+
+
+def table_environment(args: argparse.Namespace, jar_urls: str) -> TableEnvironment:
+    """A local TableEnvironment, BATCH for ``--bounded`` else STREAMING, small and quiet."""
+    from pyflink.common import Configuration
+    from pyflink.table import EnvironmentSettings, TableEnvironment
+
+    conf = Configuration()
+    settings = {
+        "pipeline.name": "flink_flows",
+        "pipeline.jars": jar_urls,
+        "parallelism.default": str(args.parallelism),
+        "taskmanager.numberOfTaskSlots": str(args.parallelism),
+        "taskmanager.memory.managed.size": "256m",
+        "taskmanager.memory.network.min": "64m",
+        "taskmanager.memory.network.max": "64m",
+        # A failure (bad record, lost broker) ends the job with its reason instead of looping.
+        "restart-strategy.type": "none",
+        "table.local-time-zone": "UTC",
+        # Sort-based batch shuffles spill less than hash ones on a small heap.
+        "table.exec.resource.default-parallelism": str(args.parallelism),
+    }
+    if not args.bounded and args.output is not None:
+        # The streaming filesystem sink commits files at checkpoints only.
+        settings["execution.checkpointing.interval"] = "10 s"
+    for key, value in settings.items():
+        conf.set_string(key, value)
+    builder = EnvironmentSettings.new_instance().with_configuration(conf)
+    builder = builder.in_batch_mode() if args.bounded else builder.in_streaming_mode()
+    t_env = TableEnvironment.create(builder.build())
+    # Set again through TableConfig: PyFlink then also puts the jars on the gateway's class
+    # loader, which the planner uses to find the format and connector factories.
+    t_env.get_config().set("pipeline.jars", jar_urls)
+    return t_env
+
+
+def build_statements(
+    t_env: TableEnvironment,
+    args: argparse.Namespace,
+    schema: dict[str, Any],
+    sasl_password: str | None,
+    count_dir: Path | None,
+) -> StatementSet:
+    """Create the source, views and sinks; return the StatementSet of the INSERTs."""
+    t_env.execute_sql(source_ddl(schema, args, sasl_password))
+    for name, query in view_statements(args.window, args.top).items():
+        t_env.execute_sql(f"CREATE TEMPORARY VIEW {name} AS {query}")
+    statements = t_env.create_statement_set()
+    for table in TABLES:
+        changelog = table == "connection_totals" and not args.bounded
+        if args.output is not None and not changelog:
+            options = json_files_options(args.output / table)
+            if not args.bounded:
+                # Row-format part files are committed at a checkpoint only once rolled; roll
+                # them at the checkpoint interval so results appear within about 20 s.
+                options["sink.rolling-policy.rollover-interval"] = "10 s"
+                options["sink.rolling-policy.check-interval"] = "5 s"
+        else:
+            options = {"connector": "print", "print-identifier": table}
+        t_env.execute_sql(sink_ddl(table, options))
+        statements.add_insert_sql(f"INSERT INTO sink_{table} SELECT * FROM {table}")
+    if count_dir is not None:
+        t_env.execute_sql(sink_ddl("input_rows", json_files_options(count_dir)))
+        statements.add_insert_sql(f"INSERT INTO sink_input_rows SELECT COUNT(*) FROM {SOURCE_TABLE}")
+    return statements
+
+
+def _read_count(count_dir: Path) -> int:
+    """The single ``input_rows`` value the count sink wrote (0 when the job read nothing)."""
+    total = 0
+    for path in count_dir.rglob("*"):
+        if path.is_file() and not path.name.startswith("."):
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    total += int(json.loads(line)["input_rows"])
+    return total
+
+
+def _java_reason(exc: BaseException) -> str:
+    """The innermost Java cause of a Py4J error, as one line."""
+    java = getattr(exc, "java_exception", None)
+    if java is None:
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+    reasons = []
+    while java is not None:
+        reasons.append(f"{java.getClass().getName()}: {java.getMessage()}")
+        cause = java.getCause()
+        java = None if cause is None or cause.equals(java) else cause
+    interesting = [r for r in reasons if "JobExecutionException" not in r and "CompletionException" not in r]
+    return (interesting or reasons)[-1].replace("\n", " ")
+
+
+def _wait(client: Any) -> float | None:
+    """Wait for the job to end; return its net runtime in seconds, None when a signal cancelled it.
+
+    A signal must not raise inside a Py4J call: that breaks the gateway connection, and the
+    gateway JVM then shuts the MiniCluster down under the job. So SIGINT/SIGTERM only set a
+    flag, checked between short calls, and the job is cancelled through the gateway (the gateway
+    JVM ignores SIGINT itself). The calls go to the job's result future, which outlives the
+    per-job MiniCluster (that shuts down as soon as the job ends, so a job status request could
+    find it gone). ``result()`` raises the job's failure.
+    """
+    from py4j.protocol import Py4JError
+
+    future = client.get_job_execution_result()
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not future.done():
+            if stop.wait(0.5):
+                with contextlib.suppress(Py4JError):  # the job may be ending by itself meanwhile
+                    client.cancel().result()
+                return None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return future.result().get_net_runtime() / 1000
+
+
+def run(args: argparse.Namespace, password: str | None) -> int:
+    """Plan and run the job; with ``--bounded`` print the summary line at the end."""
+    schema = json.loads(args.schema.read_text())
+    try:
+        source_ddl(schema, args)  # an unsupported schema fails here, before the JVM starts
+    except ValueError as exc:
+        raise UsageError(f"--schema: {exc}") from None
+    _ensure_repo_on_path()
+    from devtools.flink import cache_dir, ensure_flink_jars, jar_urls
+
+    try:
+        jars = ensure_flink_jars()
+    except RuntimeError as exc:
+        raise JobError(str(exc)) from None
+    if not args.explain:
+        _check_brokers(args.bootstrap_servers)
+        if args.schema_registry is not None:
+            _check_registry(args.schema_registry, args.registry_basic_auth)
+    log_dir = cache_dir() / "log"
+    _prepare_jvm(args.heap, log_dir)
+    from py4j.protocol import Py4JError
+
+    count_dir = Path(tempfile.mkdtemp(prefix="flink-flows-count-")) if args.bounded else None
+    try:
+        t_env = table_environment(args, jar_urls(jars))
+        statements = build_statements(t_env, args, schema, password, count_dir)
+        if args.explain:
+            print(statements.explain())
+            return 0
+        result = statements.execute()
+        seconds = _wait(result.get_job_client())
+        if seconds is None:
+            print("flink_flows.py: stopped (job cancelled)", file=sys.stderr)
+            return 130
+        if count_dir is not None:
+            summary = {"input_rows": _read_count(count_dir), "seconds": round(seconds, 3)}
+            print(json.dumps({"flink_flows": summary}), flush=True)
+        return 0
+    except Py4JError as exc:
+        raise JobError(f"the Flink job failed: {_java_reason(exc)} (Flink log: {log_dir})") from None
+    finally:
+        if count_dir is not None:
+            shutil.rmtree(count_dir, ignore_errors=True)
+
+
+def _scrub(text: str, secrets: Iterable[str | None]) -> str:
+    """Replace secrets in a message (Flink may quote table options in its errors)."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, validate, run; expected failures print one line (exit 2 for usage, 1 otherwise)."""
+    args = parse_args(argv)
+    password: str | None = None
+    try:
+        password = check_args(args)
+        return run(args, password)
+    except UsageError as exc:
+        print(f"flink_flows.py: error: {exc}", file=sys.stderr)
+        return 2
+    except JobError as exc:
+        basic = args.registry_basic_auth.partition(":")[2] if args.registry_basic_auth else None
+        print(f"flink_flows.py: {_scrub(str(exc), (password, basic))}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # stdout piped into head and closed: nothing left to say
+        sys.stderr.close()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

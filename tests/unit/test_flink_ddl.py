@@ -1,0 +1,179 @@
+"""The Flink job's table definitions, checked without PyFlink (the project's .venv does not have it).
+
+Bare Avro is decoded with the schema Flink derives from the table as the writer schema, so a
+column type or order that differs from schemas/flow_record.avsc would misread every record
+silently; these tests pin the mapping for every field and the order.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEMA: dict[str, Any] = json.loads((REPO / "schemas" / "flow_record.avsc").read_text())
+
+
+def _load_job() -> ModuleType:
+    """Import downstream/flink_flows.py by path (downstream/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("flink_flows", REPO / "downstream" / "flink_flows.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("flink_flows", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+ff = _load_job()
+
+
+def _expected(avro_type: Any) -> str:
+    """The mapping written out independently of flink_type, per shape found in the schema."""
+    if isinstance(avro_type, list):
+        assert avro_type[0] == "null" and len(avro_type) == 2
+        return _expected(avro_type[1]).removesuffix(" NOT NULL")
+    if isinstance(avro_type, dict):
+        if avro_type["type"] == "map":
+            return f"MAP<STRING NOT NULL, {_expected(avro_type['values'])}> NOT NULL"
+        assert avro_type.get("logicalType") == "timestamp-millis"
+        return _expected(avro_type["type"])
+    return {"int": "INT", "long": "BIGINT", "string": "STRING", "bytes": "BYTES"}[avro_type] + " NOT NULL"
+
+
+def test_pyflink_is_not_needed() -> None:
+    assert "pyflink" not in sys.modules
+
+
+@pytest.mark.parametrize("field", SCHEMA["fields"], ids=[f["name"] for f in SCHEMA["fields"]])
+def test_every_field_maps(field: dict[str, Any]) -> None:
+    assert ff.flink_type(field["type"]) == _expected(field["type"])
+
+
+@pytest.mark.parametrize(
+    ("avro_type", "flink"),
+    [
+        ("long", "BIGINT NOT NULL"),
+        ("int", "INT NOT NULL"),
+        ("string", "STRING NOT NULL"),
+        ("bytes", "BYTES NOT NULL"),
+        ("boolean", "BOOLEAN NOT NULL"),
+        ("double", "DOUBLE NOT NULL"),
+        (["null", "string"], "STRING"),
+        (["null", "bytes"], "BYTES"),
+        # Plain longs on the wire; BIGINT is right whatever timestamp mapping the format uses.
+        ({"type": "long", "logicalType": "timestamp-millis"}, "BIGINT NOT NULL"),
+        # Flink's derived map schema has non-null values only for NOT NULL value types.
+        (["null", {"type": "map", "values": "string"}], "MAP<STRING NOT NULL, STRING NOT NULL>"),
+        ({"type": "map", "values": ["null", "long"]}, "MAP<STRING NOT NULL, BIGINT> NOT NULL"),
+        ({"type": "array", "items": "int"}, "ARRAY<INT NOT NULL> NOT NULL"),
+    ],
+)
+def test_type_mapping(avro_type: Any, flink: str) -> None:
+    assert ff.flink_type(avro_type) == flink
+
+
+@pytest.mark.parametrize(
+    "avro_type",
+    [
+        ["string", "null"],  # Flink derives ["null", X]: the branch indexes would be swapped
+        ["null", "string", "long"],
+        {"type": "record", "name": "R", "fields": []},
+        {"type": "enum", "name": "E", "symbols": ["A"]},
+        {"type": "fixed", "name": "F", "size": 16},
+        {"type": "int", "logicalType": "date"},
+        "null",
+    ],
+)
+def test_types_flink_would_encode_differently_are_refused(avro_type: Any) -> None:
+    with pytest.raises(ValueError):
+        ff.flink_type(avro_type)
+
+
+def _args(*extra: str) -> Any:
+    return ff.parse_args(["--bootstrap-servers", "k:9092", "--topic", "flows", *extra])
+
+
+def _ddl_columns(ddl: str) -> list[str]:
+    """Physical column names of a CREATE TABLE, in order (computed column and watermark left out)."""
+    body = ddl.split("(\n", 1)[1].split("\n) WITH", 1)[0]
+    return [line.strip().split("`")[1] for line in body.splitlines() if line.strip().startswith("`")]
+
+
+def test_bare_avro_table_is_the_whole_schema_in_order() -> None:
+    ddl = ff.source_ddl(SCHEMA, _args("--bounded"))
+    assert _ddl_columns(ddl) == [f["name"] for f in SCHEMA["fields"]]
+    for field in SCHEMA["fields"]:
+        assert f"`{field['name']}` {_expected(field['type'])}," in ddl
+    assert "'value.format' = 'avro'" in ddl
+    assert "'scan.bounded.mode' = 'latest-offset'" in ddl
+    assert "event_time AS TO_TIMESTAMP_LTZ(`exportTime`, 3)" in ddl
+    assert "WATERMARK FOR event_time AS event_time - INTERVAL '60' SECOND" in ddl
+
+
+def test_registry_table_declares_only_the_used_fields_in_schema_order() -> None:
+    ddl = ff.source_ddl(
+        SCHEMA, _args("--schema-registry", "http://reg:8081", "--registry-basic-auth", "u:p", "--event-time", "flowEnd")
+    )
+    assert _ddl_columns(ddl) == [f["name"] for f in SCHEMA["fields"] if f["name"] in ff.USED_FIELDS]
+    assert "'value.format' = 'avro-confluent'" in ddl
+    assert "'value.avro-confluent.url' = 'http://reg:8081'" in ddl
+    assert "'value.avro-confluent.basic-auth.user-info' = 'u:p'" in ddl
+    assert "TO_TIMESTAMP_LTZ(`flowEnd`, 3)" in ddl
+    assert "scan.bounded.mode" not in ddl
+
+
+def test_used_fields_exist_in_the_schema() -> None:
+    assert ff.USED_FIELDS.issubset(f["name"] for f in SCHEMA["fields"])
+
+
+def test_sasl_uses_the_login_module_shaded_in_the_kafka_connector() -> None:
+    args = _args("--security-protocol", "SASL_SSL", "--sasl-username", "alice", "--ssl-ca-location", "ca.pem")
+    props = ff.kafka_properties(args, 'p"w')
+    assert props["properties.sasl.jaas.config"] == (
+        "org.apache.flink.kafka.shaded.org.apache.kafka.common.security.scram.ScramLoginModule required "
+        'username="alice" password="p\\"w";'
+    )
+    assert props["properties.sasl.mechanism"] == "SCRAM-SHA-512"
+    assert props["properties.ssl.truststore.type"] == "PEM"
+    plain = _args("--security-protocol", "SASL_PLAINTEXT", "--sasl-mechanism", "PLAIN", "--sasl-username", "a")
+    assert ".plain.PlainLoginModule required" in ff.kafka_properties(plain, "x")["properties.sasl.jaas.config"]
+
+
+def test_the_password_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLOW_SASL_PASSWORD", "s3cret")
+    args = _args("--security-protocol", "SASL_PLAINTEXT", "--sasl-username", "alice")
+    assert ff.check_args(args) == "s3cret"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--window", "0"],
+        ["--security-protocol", "SASL_PLAINTEXT"],
+        ["--sasl-username", "a"],
+        ["--registry-basic-auth", "u:p"],
+        ["--schema-registry", "reg:8081"],
+        ["--ssl-ca-location", "ca.pem"],
+    ],
+)
+def test_bad_combinations_exit_2(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    monkeypatch.delenv("FLOW_SASL_PASSWORD", raising=False)
+    assert ff.main(["--bootstrap-servers", "k:9092", "--topic", "flows", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flink_flows.py: error: ") and err.count("\n") == 1
+
+
+def test_views_apply_the_contract() -> None:
+    views = ff.view_statements(60, 5)
+    assert list(views)[-1] == "connection_totals"
+    assert "WHERE NOT (flowType = 2 AND reporter = 2)" in views["flows"]
+    assert "GROUP BY window_start, window_end, connectionId, `sequence`" in views["records_by_window"]
+    assert "INTERVAL '60' SECOND" in views["records_by_window"]
+    assert "`rank` <= 5" in views["top_talkers"]
+    assert "GROUP BY connectionId" in views["connection_totals"]
