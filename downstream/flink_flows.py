@@ -222,6 +222,24 @@ def table_columns(schema: dict[str, Any], fields: Iterable[str] | None = None) -
     return columns
 
 
+def reader_schema(schema: dict[str, Any], fields: Iterable[str]) -> dict[str, Any]:
+    """The registry mode's reader schema: ``fields`` of the schema, with their defaults, in schema order.
+
+    Flink requires it to match the table's columns: timestamp-millis become plain longs, as the
+    BIGINT columns are (Avro resolution ignores logical types, so any writer version still resolves).
+    """
+    wanted = set(fields)
+
+    def plain(t: Any) -> Any:
+        if isinstance(t, dict) and t.get("logicalType") == "timestamp-millis":
+            return t["type"]
+        if isinstance(t, list):
+            return [plain(x) for x in t]
+        return t
+
+    return dict(schema, fields=[dict(f, type=plain(f["type"])) for f in schema["fields"] if f["name"] in wanted])
+
+
 def kafka_properties(args: argparse.Namespace, sasl_password: str | None) -> dict[str, str]:
     """The Kafka client settings (``properties.*`` options) for the chosen security protocol."""
     props = {"properties.bootstrap.servers": args.bootstrap_servers}
@@ -263,6 +281,9 @@ def source_ddl(schema: dict[str, Any], args: argparse.Namespace, sasl_password: 
         options["scan.bounded.mode"] = "latest-offset"
     if registry:
         options["value.avro-confluent.url"] = args.schema_registry
+        # The reader schema: without it Flink derives one from the columns, with no defaults, and a
+        # record of an older writer version (without a field added since) fails to resolve.
+        options["value.avro-confluent.schema"] = json.dumps(reader_schema(schema, USED_FIELDS))
         if args.registry_basic_auth is not None:
             options["value.avro-confluent.basic-auth.credentials-source"] = "USER_INFO"
             options["value.avro-confluent.basic-auth.user-info"] = args.registry_basic_auth
