@@ -20,6 +20,7 @@ import tenacity
 
 from flow_exporter import gc_policy
 from flow_exporter.checkpoint import Checkpoint
+from flow_exporter.completeness import Completeness
 from flow_exporter.connection import Connection
 from flow_exporter.flow import FORCED_END, Export, NewConnection, Restored
 from flow_exporter.lifecycle import Lifecycle
@@ -85,8 +86,10 @@ class Exporter:
         lineage: bytes = b"",
         adopt: bool = True,
         timings: Timings | None = None,
+        completeness: Completeness | None = None,
     ) -> None:
         self.source = source
+        self.completeness = completeness
         self.sink = sink
         self.lifecycle = lifecycle or Lifecycle()
         self.timeouts = timeouts
@@ -235,12 +238,17 @@ class Exporter:
         now = self.clock()
         settled: list[Export] = []
         with self.lock:
+            done = self.completeness
             for r in reports:
                 if r.delivered:
                     settled.append(r.export)
+                    if done is not None:
+                        done.settled(id(r.export), r.partition, r.offset)
                 elif r.permanent:
                     settled.append(r.export)
                     self._given_up(r.export, r.error)
+                    if done is not None:
+                        done.settled(id(r.export))
                 else:
                     log.debug("record not delivered (%s); the same record goes again", r.error)
                 self.store.acknowledge(r.export, r.delivered, now, permanent=r.permanent)
@@ -284,7 +292,11 @@ class Exporter:
         if self.checkpoint is not None:
             self.checkpoint.sent(ready)
         produce = sink.produce
+        done = self.completeness
         for i, e in enumerate(ready):
+            if done is not None:  # before produce: its delivery report may come at once
+                # A record restored from the checkpoint was built before this process started.
+                done.produced(id(e), e.export_ms or done.started_ms - 1)
             try:
                 produce(e)
             except Exception:

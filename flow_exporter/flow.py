@@ -145,6 +145,7 @@ class Export:
     topic: str | None = None
     key: bytes | None = None
     attempts: int = 0
+    export_ms: int = 0  # the exportTime written into ``value`` (0: unknown, a record restored from a checkpoint)
 
 
 class Restored(NamedTuple):

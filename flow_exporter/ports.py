@@ -62,6 +62,8 @@ class DeliveryReport:
     delivered: bool
     error: str | None = None
     permanent: bool = False  # failed for good: resending the same bytes cannot succeed
+    partition: int = -1  # where Kafka put a delivered record (completeness markers)
+    offset: int = -1
 
 
 @dataclass(slots=True)

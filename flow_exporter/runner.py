@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -16,6 +17,7 @@ from confluent_kafka import KafkaException
 from flow_exporter import gc_policy
 from flow_exporter.app import Exporter
 from flow_exporter.checkpoint import Checkpoint, CheckpointError, Loaded
+from flow_exporter.completeness import Completeness, Losses, encode_marker
 from flow_exporter.config import Config, ConfigError
 from flow_exporter.conntrack.events import ConntrackEvents
 from flow_exporter.health import HealthReporter
@@ -185,6 +187,67 @@ class HealthStream:
         self._producer.flush(5)
 
 
+class MarkerStream:
+    """Completeness markers (flow_exporter.completeness) every markers.interval, on a producer of their own.
+
+    A round of markers counts as sent once Kafka acknowledged all of them; until then the
+    next round covers the same interval again, so no loss count is dropped with a lost marker.
+    """
+
+    def __init__(self, cfg: Config, exporter: Exporter, completeness: Completeness, topic: str) -> None:
+        from confluent_kafka import Producer
+
+        self._producer = Producer({"logger": logging.getLogger("flow_exporter.rdkafka"), **cfg.producer_config()})
+        self.topic, self.node, self.interval = topic, cfg.node_name, cfg["markers.interval"]
+        self._exporter, self._done = exporter, completeness
+        self._stop = threading.Event()
+        self.rounds_confirmed = 0
+        self._thread = threading.Thread(target=self._run, name="markers", daemon=True)
+        self._thread.start()
+        log.info("completeness markers every %.0fs to %s", self.interval, topic)
+
+    def _losses(self) -> Losses:
+        r = self._exporter.readings()
+        return Losses(r.event_losses, sum(r.given_up.values()), r.records_given_up)
+
+    def send_round(self) -> None:
+        losses = self._losses()
+        markers, until = self._done.markers(self.node, time.time_ns() // 1_000_000, losses)
+        pending = [len(markers)]
+
+        def delivered(err: Any, _msg: Any) -> None:
+            if err is not None:
+                log.warning("completeness marker not delivered: %s (the next round covers its interval)", err)
+                return
+            pending[0] -= 1
+            if pending[0] == 0:
+                self._done.confirmed(until, losses)
+                self.rounds_confirmed += 1
+
+        key = self.node.encode()
+        for marker in markers:
+            try:
+                self._producer.produce(self.topic, encode_marker(marker), key, on_delivery=delivered)
+            except Exception as exc:  # the flow records matter more: never let this stop anything
+                log.warning("completeness marker not sent: %s", exc)
+                return
+        self._producer.poll(0)
+
+    def _run(self) -> None:
+        due = time.monotonic() + self.interval
+        while not self._stop.wait(min(0.2, self.interval)):
+            self._producer.poll(0)  # delivery reports: a confirmed round starts the next interval
+            if time.monotonic() >= due:
+                due += self.interval
+                self.send_round()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.send_round()  # after the last flush: what this process sent, confirmed up to now
+        self._producer.flush(5)
+
+
 def start_events(cfg: Config, exporter: Exporter) -> ConntrackEvents | None:
     """The NEW/DESTROY listener, when on; polling alone goes on if it cannot start."""
     if not cfg["conntrack.events"]:
@@ -284,6 +347,8 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
     flows = cfg["export.flows"]
     sink: Sink = build_sink(cfg, lifecycle) if flows else DiscardSink()
     metrics = Metrics() if cfg["metrics.port"] else None
+    markers_topic = cfg["markers.topic"] if flows else None
+    completeness = Completeness(cfg["kafka.topic"], time.time_ns() // 1_000_000) if markers_topic else None
     enricher = None
     if api is not None:  # caches fill in the background; records go out meanwhile
         from flow_exporter.k8s import start_enricher
@@ -307,12 +372,14 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         adopt=not (loaded and loaded.valid),
         lifecycle=lifecycle,
         timings=metrics,
+        completeness=completeness,
     )
     if loaded is not None and loaded.valid:
         exporter.restore(loaded.rows, loaded.resends)
     http = start_health_server(cfg, metrics, exporter, enricher)
     events = start_events(cfg, exporter)
     health = start_health_stream(cfg, exporter)
+    markers = MarkerStream(cfg, exporter, completeness, markers_topic) if completeness and markers_topic else None
     try:
         if isinstance(sink, KafkaSink):
             if cfg["kafka.checkTopics"] and not check_topics(
@@ -325,6 +392,8 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
             log.info("flow export off (export.flows=false): connections are tracked, no flow record is sent")
         return exporter.run()
     finally:
+        if markers is not None:
+            markers.stop()
         if health is not None:
             health.stop()
         if events is not None:

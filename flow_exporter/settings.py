@@ -362,6 +362,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("export.flows", parse_bool, True, "Export flow records; false: only the health stream (health.topic)."),
     Setting("health.topic", parse_opt_topic, None, "Topic for ConntrackHealth records; empty: no health stream."),
     Setting("health.interval", positive_duration, 60.0, "Time between two ConntrackHealth records."),
+    Setting("markers.topic", parse_opt_topic, None, "Topic for CompletenessMarker records; empty: none sent."),
+    Setting("markers.interval", positive_duration, 10.0, "Time between two rounds of completeness markers."),
     Setting("kafka.routes", parse_routes, (), "Other topics by flowType or endReason; first match wins."),
     Setting("schemaRegistry.url", parse_registry_url, None, "Schema Registry URL; set: Confluent-framed values."),
     Setting(

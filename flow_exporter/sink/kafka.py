@@ -253,6 +253,7 @@ class KafkaSink:
         if export.value is None:
             export.topic = self.route(export)  # first: with a registry, the topic picks the schema id
             export.value = self.encode(export, export_ms)
+            export.export_ms = export_ms
             export.key = partition_key(export)
 
     def send(self, export: Export, export_ms: int) -> None:
@@ -269,12 +270,12 @@ class KafkaSink:
         reports = self._reports
         counters = self.counters
 
-        def on_delivery(err: KafkaError | None, _msg: Any, export: Export = export) -> None:
+        def on_delivery(err: KafkaError | None, msg: Any, export: Export = export) -> None:
             # Runs inside poll()/flush() on the caller's thread; counters are read by metrics.
             if err is None:
                 counters.acked += 1
                 counters.connected = True
-                reports.append(DeliveryReport(export, True))
+                reports.append(DeliveryReport(export, True, partition=msg.partition(), offset=msg.offset()))
             else:
                 counters.failed += 1
                 reports.append(DeliveryReport(export, False, err.str(), err.code() in PERMANENT_ERRORS))
