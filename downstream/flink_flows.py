@@ -1,11 +1,13 @@
 """Reference Flink SQL job: bytes and packets per (source, destination) and window, top talkers, connection totals.
 
 The Flink twin of ``downstream/spark_flows.py``: the same three tables from the exporter's Kafka
-topic, written with Flink SQL (windowing table-valued functions) and started from Python
-(PyFlink's ``TableEnvironment``) in local mode, a MiniCluster inside PyFlink's gateway JVM.
+topic (and, with ``--bounded``, a fourth from the completeness markers), written with Flink SQL
+(windowing table-valued functions) and started from Python (PyFlink's ``TableEnvironment``) in
+local mode, a MiniCluster inside PyFlink's gateway JVM.
 
 Setup: ``tools/flink/setup.sh`` (once), then ``.venv-flink/bin/python downstream/flink_flows.py
---bootstrap-servers HOST:PORT --topic flows --bounded --output DIR``.
+--bootstrap-servers HOST:PORT --topic flows --bounded --output DIR`` (add ``--markers-topic
+TOPIC`` for ``window_completeness``).
 
 Versions, a matched set. PyPI ``apache-flink==2.2.0`` (its own virtualenv ``.venv-flink``:
 PyFlink pins pyarrow/pandas/numpy ranges the project's ``.venv`` must not be forced into; hashed
@@ -46,7 +48,7 @@ record is the same bytes, so the same event time and window), then sum the four 
 fields. Event time is ``--event-time`` (exportTime by default) with a watermark ``--watermark``
 seconds behind the newest; the session time zone is UTC, so window bounds and timestamps are UTC.
 
-Tables (one StatementSet, so Kafka is read once; the planner merges the scans):
+Tables (one StatementSet, so each topic is read once; the planner merges the scans):
 
 * ``flows_by_window``: window_start, window_end, source, destination, packets, bytes,
   forward_packets, forward_bytes, reverse_packets, reverse_bytes. A tumbling-window aggregation
@@ -64,10 +66,28 @@ Tables (one StatementSet, so Kafka is read once; the planner merges the scans):
   it), which the append-only filesystem sink cannot take: it is always printed to stdout as a
   changelog (``+I``, ``-U``, ``+U`` rows), with or without ``--output``. Its state grows with the
   number of connections.
+* ``window_completeness`` (``--markers-topic TOPIC``, with ``--bounded`` only): window_start,
+  window_end, exporters, confirmed_exporters, lossy_exporters, losses, status; one row per window
+  of ``flows_by_window``, from the exporters' completeness markers (``schemas/completeness_marker.avsc``,
+  README: Completeness markers). The exporters of a window are those with a marker whose interval
+  [since, until) overlaps it or whose upTo reaches its start; one is confirmed when some marker of
+  it has upTo at or after the window's end, lossy when an overlapping interval has eventLosses +
+  connectionsGivenUp + recordsGivenUp > 0. ``losses`` sums those over the distinct (exporterNode,
+  since, until) intervals overlapping the window: the counts are node-wide and repeated in the
+  marker of every partition. status: ``lossy`` if any exporter is, else ``complete`` if there are
+  exporters and all confirmed it, else ``unconfirmed`` (also when no marker speaks of the window).
+  The markers topic is on the same broker with the same security settings, always bare Avro
+  (decoded like the flow topic without a registry: the table is the marker schema field by
+  field), read from its earliest offset up to the latest at the start; marker times are
+  converted like event time (``TO_TIMESTAMP_LTZ(x, 3)``, UTC). The table is a batch join of the
+  windows with the markers. Streaming support is future work: the markers of a window keep
+  arriving after it closes (its upTo confirmation comes later still), so a streaming version
+  needs its own lateness rule and an updating or delayed result; until then ``--markers-topic``
+  without ``--bounded`` is refused (exit 2).
 
 Run modes. ``--bounded`` reads each partition up to its latest offset at the start and runs in
 BATCH mode, so every window is emitted at the end, then prints one JSON line
-``{"flink_flows": {"input_rows": N, "seconds": S}}``: N is a fourth sink in the same job,
+``{"flink_flows": {"input_rows": N, "seconds": S}}``: N is one more sink in the same job,
 COUNT(*) of the decoded records (duplicates included), S the job's net runtime from Flink's
 JobExecutionResult (excludes JVM start and planning). Without it the job streams until Ctrl-C;
 windows are emitted once the watermark passes their end, and ``--output`` files are committed at
@@ -102,8 +122,13 @@ if TYPE_CHECKING:
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SCHEMA = _REPO_ROOT / "schemas" / "flow_record.avsc"
+MARKER_SCHEMA = _REPO_ROOT / "schemas" / "completeness_marker.avsc"
 SOURCE_TABLE = "flow_records"
+MARKERS_TABLE = "completeness_markers"
 TABLES = ("flows_by_window", "top_talkers", "connection_totals")
+COMPLETENESS_TABLE = "window_completeness"  # only with --markers-topic and --bounded
+# A marker's loss counts, one expression so the dedupe, the lossy test and the sum agree.
+MARKER_LOSSES = "eventLosses + connectionsGivenUp + recordsGivenUp"
 
 DELTAS = ("packetDeltaCount", "octetDeltaCount", "reversePacketDeltaCount", "reverseOctetDeltaCount")
 COUNTERS = ("forward_packets", "forward_bytes", "reverse_packets", "reverse_bytes")
@@ -287,9 +312,37 @@ def source_ddl(schema: dict[str, Any], args: argparse.Namespace, sasl_password: 
         if args.registry_basic_auth is not None:
             options["value.avro-confluent.basic-auth.credentials-source"] = "USER_INFO"
             options["value.avro-confluent.basic-auth.user-info"] = args.registry_basic_auth
+    return _create_table(SOURCE_TABLE, lines, options)
+
+
+def _create_table(name: str, lines: Sequence[str], options: dict[str, str]) -> str:
+    """``CREATE TEMPORARY TABLE name (lines) WITH (options)``, one column or option a line."""
     body = ",\n".join(lines)
     opts = ",\n".join(f"  {sql_string(k)} = {sql_string(v)}" for k, v in options.items())
-    return f"CREATE TEMPORARY TABLE {SOURCE_TABLE} (\n{body}\n) WITH (\n{opts}\n)"
+    return f"CREATE TEMPORARY TABLE {name} (\n{body}\n) WITH (\n{opts}\n)"
+
+
+def markers_ddl(schema: dict[str, Any], args: argparse.Namespace, sasl_password: str | None = None) -> str:
+    """``CREATE TEMPORARY TABLE completeness_markers``: the markers topic, bounded, from its earliest offset.
+
+    Markers are always bare Avro (the exporter never frames them for a registry), so the table is
+    the whole marker schema field by field, as for the flow topic without a registry. It reads
+    from the earliest offset whatever ``--starting-offsets`` says: a marker written before the
+    first flow record read can still cover its window (a long interval, or an upTo), and the
+    topic is small (a few markers per exporter, partition and minute). Bounded like the flow
+    topic (the table exists with ``--bounded`` only); no event time or watermark, it is joined
+    in batch mode.
+    """
+    lines = [f"  {quote_ident(name)} {sql_type}" for name, sql_type in table_columns(schema)]
+    options = {
+        "connector": "kafka",
+        "topic": args.markers_topic,
+        "scan.startup.mode": "earliest-offset",
+        "scan.bounded.mode": "latest-offset",
+        "value.format": "avro",
+        **kafka_properties(args, sasl_password),
+    }
+    return _create_table(MARKERS_TABLE, lines, options)
 
 
 def _sum(column: str) -> str:
@@ -352,6 +405,68 @@ GROUP BY {ids}""",
     }
 
 
+def completeness_statements(topics: Iterable[str] = ()) -> dict[str, str]:
+    """The views of ``window_completeness``, by name, in creation order (BATCH mode: plain joins).
+
+    Windows are those of ``flows_by_window``. Marker times become TIMESTAMP(3) the way event
+    time does (TO_TIMESTAMP_LTZ, then the UTC session time zone), so they compare with the
+    window bounds. An interval's losses are node-wide and repeated in the marker of every
+    partition, so intervals are deduplicated by (exporterNode, since, until) first (MAX: the
+    copies are equal). An exporter belongs to a window when one of its intervals overlaps the
+    window or its newest upTo reaches the window's start, and is confirmed when that upTo
+    reaches the window's end (every record exported before it is in Kafka); ``MAX(upTo)`` stands
+    for "some marker's upTo" in both tests.
+    """
+    ts = "CAST(TO_TIMESTAMP_LTZ({}, 3) AS TIMESTAMP(3))"
+    overlaps = "i.since_time < w.window_end AND i.until_time > w.window_start"
+    # Only markers about the flow topics read here: other exporters may share the markers topic.
+    names = sorted(set(topics))
+    where = f"WHERE topic IN ({', '.join(sql_string(t) for t in names)})" if names else ""
+    return {
+        "completeness_windows": "SELECT DISTINCT window_start, window_end FROM flows_by_window",
+        "marker_intervals": f"""
+SELECT exporterNode, {ts.format("`since`")} AS since_time, {ts.format("`until`")} AS until_time,
+  MAX({MARKER_LOSSES}) AS losses
+FROM {MARKERS_TABLE} {where}
+GROUP BY exporterNode, `since`, `until`""",
+        "marker_progress": f"""
+SELECT exporterNode, {ts.format("MAX(upTo)")} AS up_to
+FROM {MARKERS_TABLE} {where}
+GROUP BY exporterNode""",
+        # One row per (window, exporter of that window); losses 0 when only its upTo made it one.
+        "window_exporters": f"""
+SELECT e.window_start, e.window_end, e.exporterNode, SUM(e.losses) AS losses,
+  MAX(CASE WHEN e.losses > 0 THEN 1 ELSE 0 END) AS lossy,
+  MAX(CASE WHEN p.up_to >= e.window_end THEN 1 ELSE 0 END) AS confirmed
+FROM (
+  SELECT w.window_start, w.window_end, i.exporterNode, i.losses
+  FROM completeness_windows AS w JOIN marker_intervals AS i ON {overlaps}
+  UNION ALL
+  SELECT w.window_start, w.window_end, p.exporterNode, CAST(0 AS BIGINT) AS losses
+  FROM completeness_windows AS w JOIN marker_progress AS p ON p.up_to >= w.window_start
+) AS e
+JOIN marker_progress AS p ON p.exporterNode = e.exporterNode
+GROUP BY e.window_start, e.window_end, e.exporterNode""",
+        "window_completeness_counts": """
+SELECT w.window_start, w.window_end,
+  COUNT(e.exporterNode) AS exporters,
+  CAST(COALESCE(SUM(e.confirmed), 0) AS BIGINT) AS confirmed_exporters,
+  CAST(COALESCE(SUM(e.lossy), 0) AS BIGINT) AS lossy_exporters,
+  CAST(COALESCE(SUM(e.losses), 0) AS BIGINT) AS losses
+FROM completeness_windows AS w
+LEFT JOIN window_exporters AS e ON e.window_start = w.window_start AND e.window_end = w.window_end
+GROUP BY w.window_start, w.window_end""",
+        COMPLETENESS_TABLE: """
+SELECT window_start, window_end, exporters, confirmed_exporters, lossy_exporters, losses,
+  CASE
+    WHEN lossy_exporters > 0 THEN 'lossy'
+    WHEN exporters > 0 AND confirmed_exporters = exporters THEN 'complete'
+    ELSE 'unconfirmed'
+  END AS status
+FROM window_completeness_counts""",
+    }
+
+
 _RESULT_COLUMNS = {
     "flows_by_window": [
         ("window_start", "TIMESTAMP(3)"),
@@ -387,6 +502,15 @@ _RESULT_COLUMNS = {
         ("packets", "BIGINT"),
         ("bytes", "BIGINT"),
         *((c, "BIGINT") for c in COUNTERS),
+    ],
+    COMPLETENESS_TABLE: [
+        ("window_start", "TIMESTAMP(3)"),
+        ("window_end", "TIMESTAMP(3)"),
+        ("exporters", "BIGINT"),
+        ("confirmed_exporters", "BIGINT"),
+        ("lossy_exporters", "BIGINT"),
+        ("losses", "BIGINT"),
+        ("status", "STRING"),
     ],
     "input_rows": [("input_rows", "BIGINT")],
 }
@@ -433,6 +557,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(default: bare Avro with schemas/flow_record.avsc)",
     )
     ap.add_argument("--registry-basic-auth", metavar="USER:PASSWORD", help="registry HTTP basic auth")
+    ap.add_argument(
+        "--markers-topic",
+        metavar="TOPIC",
+        help="the exporters' completeness markers (bare Avro, same broker and security):\n"
+        "adds the window_completeness table (needs --bounded)",
+    )
     ap.add_argument("--schema", type=Path, default=DEFAULT_SCHEMA, help="Avro schema file (default: the repo's)")
     ap.add_argument(
         "--security-protocol", choices=("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"), default="PLAINTEXT"
@@ -478,6 +608,8 @@ def check_args(args: argparse.Namespace) -> str | None:
             raise UsageError("--registry-basic-auth must be USER:PASSWORD")
     if args.schema_registry is not None and not args.schema_registry.startswith(("http://", "https://")):
         raise UsageError("--schema-registry must be an http:// or https:// URL")
+    if args.markers_topic is not None and not args.bounded:
+        raise UsageError("--markers-topic needs --bounded (the window_completeness table is batch-only for now)")
     return password
 
 
@@ -579,13 +711,25 @@ def build_statements(
     schema: dict[str, Any],
     sasl_password: str | None,
     count_dir: Path | None,
+    marker_schema: dict[str, Any] | None = None,
 ) -> StatementSet:
-    """Create the source, views and sinks; return the StatementSet of the INSERTs."""
+    """Create the sources, views and sinks; return the StatementSet of the INSERTs.
+
+    With ``marker_schema`` (``--markers-topic``, bounded only) the markers table and the
+    ``window_completeness`` views and sink are added to the same set, so the flow topic is
+    still read once and the completeness windows reuse the ``flows_by_window`` plan.
+    """
     t_env.execute_sql(source_ddl(schema, args, sasl_password))
-    for name, query in view_statements(args.window, args.top).items():
+    views = view_statements(args.window, args.top)
+    tables: tuple[str, ...] = TABLES
+    if marker_schema is not None:
+        t_env.execute_sql(markers_ddl(marker_schema, args, sasl_password))
+        views.update(completeness_statements(args.topic.split(";")))
+        tables = (*TABLES, COMPLETENESS_TABLE)
+    for name, query in views.items():
         t_env.execute_sql(f"CREATE TEMPORARY VIEW {name} AS {query}")
     statements = t_env.create_statement_set()
-    for table in TABLES:
+    for table in tables:
         changelog = table == "connection_totals" and not args.bounded
         if args.output is not None and not changelog:
             options = json_files_options(args.output / table)
@@ -663,6 +807,7 @@ def run(args: argparse.Namespace, password: str | None) -> int:
         source_ddl(schema, args)  # an unsupported schema fails here, before the JVM starts
     except ValueError as exc:
         raise UsageError(f"--schema: {exc}") from None
+    marker_schema = json.loads(MARKER_SCHEMA.read_text()) if args.markers_topic is not None else None
     _ensure_repo_on_path()
     from devtools.flink import cache_dir, ensure_flink_jars, jar_urls
 
@@ -681,7 +826,7 @@ def run(args: argparse.Namespace, password: str | None) -> int:
     count_dir = Path(tempfile.mkdtemp(prefix="flink-flows-count-")) if args.bounded else None
     try:
         t_env = table_environment(args, jar_urls(jars))
-        statements = build_statements(t_env, args, schema, password, count_dir)
+        statements = build_statements(t_env, args, schema, password, count_dir, marker_schema)
         if args.explain:
             print(statements.explain())
             return 0

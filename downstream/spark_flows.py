@@ -8,7 +8,9 @@ It writes three tables (README "Downstream"), the same as ``downstream/flink_flo
 
 * ``flows_by_window``: one row per tumbling event-time window and (source, destination) group;
 * ``top_talkers``: per window, the ``--top`` groups with the most bytes, ranked;
-* ``connection_totals``: one row per connection with its counts so far.
+* ``connection_totals``: one row per connection with its counts so far;
+* ``window_completeness`` (with ``--markers-topic``): per window, whether every exporter
+  confirmed it had all its records in Kafka, and whether any lost something in it.
 
 Groups. Kubernetes fields are null until enrichment exists, so each side falls back to addresses:
 
@@ -143,6 +145,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="totals mode: connections are hashed into this many state keys (fixed per checkpoint)",
     )
     ap.add_argument("--top", type=int, default=10, help="top_talkers: groups ranked per window (default: 10)")
+    ap.add_argument(
+        "--markers-topic",
+        help="the exporters' completeness markers (markers.topic): adds the window_completeness table",
+    )
     ap.add_argument("--schema", type=Path, default=DEFAULT_SCHEMA, help="Avro schema file (default: the repo's)")
     ap.add_argument(
         "--confluent", action="store_true", help="values carry the 5-byte Confluent header; strip it, use --schema"
@@ -693,16 +699,76 @@ def top_talkers(windows: DataFrame, top: int) -> DataFrame:
     )
 
 
+MARKER_SCHEMA = _REPO_ROOT / "schemas" / "completeness_marker.avsc"
+
+
+def read_markers(spark: SparkSession, bootstrap: str, topic: str, kafka_options: dict[str, str]) -> DataFrame:
+    """Every completeness marker on ``topic`` now (a batch read; markers are a few per exporter and minute)."""
+    from pyspark.sql.avro.functions import from_avro
+
+    reader = spark.read.format("kafka").option("kafka.bootstrap.servers", bootstrap).option("subscribe", topic)
+    for key, option in kafka_options.items():
+        reader = reader.option(f"kafka.{key}", option)
+    schema = json.dumps(json.loads(MARKER_SCHEMA.read_text()))
+    return reader.option("startingOffsets", "earliest").load().select(
+        from_avro("value", schema, {"mode": "FAILFAST"}).alias("m")
+    ).select("m.*")
+
+
+def window_completeness(windows: DataFrame, markers: DataFrame, topics: Collection[str] = ()) -> DataFrame:
+    """``window_completeness``: per window, which exporters confirmed it and which lost something in it.
+
+    The README's rule ("Completeness markers"): the exporters of a window are those with a marker
+    whose interval [since, until) overlaps it, or whose upTo reaches its start; one is confirmed
+    when some marker of it has upTo at or after the window's end; a marker interval with losses
+    that overlaps the window makes it lossy (losses counted once per exporter and interval: the
+    markers of each partition repeat them). Status: lossy, else complete when every exporter
+    confirmed it, else unconfirmed (yet).
+    """
+    from pyspark.sql import functions as F
+
+    if topics:  # exporters writing other flow topics may share the markers topic
+        markers = markers.where(F.col("topic").isin(list(topics)))
+    w = windows.select("window_start", "window_end").distinct()
+    # One row per exporter and interval: the markers of each partition repeat its node-wide losses.
+    m = markers.groupBy("exporterNode", "since", "until").agg(
+        F.max("upTo").alias("upTo"),
+        F.max(F.col("eventLosses") + F.col("connectionsGivenUp") + F.col("recordsGivenUp")).alias("lost"),
+    )
+    overlaps = (F.col("since") < F.col("window_end")) & (F.col("until") > F.col("window_start"))
+    joined = w.join(m, overlaps | (F.col("upTo") >= F.col("window_start")), "left")
+    per_exporter = joined.groupBy("window_start", "window_end", "exporterNode").agg(
+        F.max(F.col("upTo") >= F.col("window_end")).alias("confirmed"),
+        F.sum(F.when(overlaps, F.col("lost")).otherwise(F.lit(0))).alias("losses"),
+    )
+    return (
+        per_exporter.groupBy("window_start", "window_end")
+        .agg(
+            F.count("exporterNode").alias("exporters"),
+            F.count(F.when(F.col("confirmed"), True)).alias("confirmed_exporters"),
+            F.count(F.when(F.col("losses") > 0, True)).alias("lossy_exporters"),
+            F.coalesce(F.sum("losses"), F.lit(0)).cast("long").alias("losses"),
+        )
+        .withColumn(
+            "status",
+            F.when(F.col("lossy_exporters") > 0, "lossy")
+            .when((F.col("exporters") > 0) & (F.col("confirmed_exporters") == F.col("exporters")), "complete")
+            .otherwise("unconfirmed"),
+        )
+    )
+
+
 class _TableWriter:
     """The foreachBatch sinks: Parquet under ``output/<table>`` (one directory per batch), or the console.
 
     Each batch writes ``batch=<id>`` with overwrite, so a batch Spark replays after a crash
     replaces its own files instead of adding them twice. ``connection_totals`` (complete mode)
-    is rewritten whole.
+    is rewritten whole. With ``markers`` (a callable reading the markers topic), the windows a
+    batch closes get their ``window_completeness`` rows, from the markers on the topic then.
     """
 
-    def __init__(self, output: Path | None, top: int) -> None:
-        self.output, self.top = output, top
+    def __init__(self, output: Path | None, top: int, markers: Any = None, topics: Collection[str] = ()) -> None:
+        self.output, self.top, self.markers, self.topics = output, top, markers, topics
 
     def _write(self, df: DataFrame, table: str, batch_id: int | None = None) -> None:
         if self.output is None:
@@ -719,6 +785,9 @@ class _TableWriter:
         try:
             self._write(df, "flows_by_window", batch_id)
             self._write(top_talkers(df, self.top), "top_talkers", batch_id)
+            if self.markers is not None:
+                table = window_completeness(df, self.markers(), self.topics)
+                self._write(table, "window_completeness", batch_id)
         finally:
             df.unpersist()
 
@@ -733,7 +802,14 @@ def start(windows: DataFrame, connections: DataFrame, args: argparse.Namespace) 
         checkpoint = args.output / "_checkpoints" if args.output is not None else None
     if checkpoint is None:
         checkpoint = Path(tempfile.mkdtemp(prefix="spark-flows-checkpoint-"))
-    sink = _TableWriter(args.output, args.top)
+    markers = None
+    if args.markers_topic:
+        spark, options = windows.sparkSession, kafka_security_options(args)
+
+        def markers() -> DataFrame:
+            return read_markers(spark, args.bootstrap_servers, args.markers_topic, options)
+
+    sink = _TableWriter(args.output, args.top, markers, args.topic.split(","))
     queries = []
     for name, df, mode, batch in (
         ("flows_by_window", windows, "append", sink.windows),

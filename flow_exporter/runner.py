@@ -258,6 +258,7 @@ def start_events(cfg: Config, exporter: Exporter) -> ConntrackEvents | None:
             exporter.request_resync,
             netns=cfg["conntrack.netns"],
             zones=cfg["conntrack.zones"] or None,
+            rcvbuf=cfg["conntrack.eventBuffer"],
         )
     except OSError as exc:
         log.warning("conntrack events unavailable (%s); short-lived flows may be missed", exc)

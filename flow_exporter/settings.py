@@ -353,6 +353,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("conntrack.zones", parse_zones, (), "Conntrack zones to export; empty means all zones."),
     Setting("conntrack.pollInterval", positive_duration, 5.0, "How often the conntrack table is dumped."),
     Setting("conntrack.events", parse_bool, True, "Also listen to NEW/DESTROY events (short-lived flows)."),
+    Setting(
+        "conntrack.eventBuffer",
+        lambda k, v: parse_count(k, v, minimum=4096),
+        64 << 20,
+        "Receive buffer of the event socket, bytes (the kernel drops events beyond it).",
+    ),
     Setting("conntrack.setSysctls", parse_bool, True, "Turn on nf_conntrack_acct and _timestamp at start."),
     Setting("expiry.activeTimeout", positive_duration, 5.0, "A record every this long while a flow is active."),
     Setting("expiry.idleTimeout", positive_duration, 15.0, "A flow with no packets for this long is idle."),

@@ -18,6 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA: dict[str, Any] = json.loads((REPO / "schemas" / "flow_record.avsc").read_text())
+MARKER_SCHEMA: dict[str, Any] = json.loads((REPO / "schemas" / "completeness_marker.avsc").read_text())
 
 
 def _load_job() -> ModuleType:
@@ -160,6 +161,7 @@ def test_the_password_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch
         ["--registry-basic-auth", "u:p"],
         ["--schema-registry", "reg:8081"],
         ["--ssl-ca-location", "ca.pem"],
+        ["--markers-topic", "markers"],  # window_completeness is batch-only for now
     ],
 )
 def test_bad_combinations_exit_2(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
@@ -177,3 +179,79 @@ def test_views_apply_the_contract() -> None:
     assert "INTERVAL '60' SECOND" in views["records_by_window"]
     assert "`rank` <= 5" in views["top_talkers"]
     assert "GROUP BY connectionId" in views["connection_totals"]
+
+
+def test_the_job_reads_the_repos_marker_schema() -> None:
+    assert ff.MARKER_SCHEMA == REPO / "schemas" / "completeness_marker.avsc"
+
+
+def test_markers_table_is_the_whole_marker_schema_in_order() -> None:
+    """Markers are bare Avro: a column out of order or of another type would misread every marker."""
+    args = _args("--bounded", "--markers-topic", "markers", "--starting-offsets", "latest")
+    assert ff.check_args(args) is None
+    ddl = ff.markers_ddl(MARKER_SCHEMA, args)
+    assert ddl.startswith("CREATE TEMPORARY TABLE completeness_markers (\n")
+    assert _ddl_columns(ddl) == [f["name"] for f in MARKER_SCHEMA["fields"]]
+    for field in MARKER_SCHEMA["fields"]:
+        assert f"`{field['name']}` {_expected(field['type'])}" in ddl
+    assert "`since` BIGINT NOT NULL" in ddl and "`upTo` BIGINT NOT NULL" in ddl
+    assert "'topic' = 'markers'" in ddl
+    assert "'value.format' = 'avro'" in ddl
+    # From the start of the topic whatever --starting-offsets says; bounded like the flow topic.
+    assert "'scan.startup.mode' = 'earliest-offset'" in ddl
+    assert "'scan.bounded.mode' = 'latest-offset'" in ddl
+    assert "WATERMARK" not in ddl
+
+
+def test_markers_table_uses_the_flow_topics_kafka_security() -> None:
+    args = _args(
+        "--bounded",
+        "--markers-topic",
+        "markers",
+        "--security-protocol",
+        "SASL_PLAINTEXT",
+        "--sasl-username",
+        "alice",
+        "--schema-registry",
+        "http://reg:8081",
+    )
+    ddl = ff.markers_ddl(MARKER_SCHEMA, args, "pw")
+    for key, value in ff.kafka_properties(args, "pw").items():
+        assert f"'{key}' = '{value}'" in ddl
+    assert "'value.format' = 'avro'" in ddl  # never Confluent-framed, even with a registry for the flows
+    assert "avro-confluent" not in ddl
+
+
+def test_window_completeness_columns() -> None:
+    assert [name for name, _ in ff._RESULT_COLUMNS["window_completeness"]] == [
+        "window_start",
+        "window_end",
+        "exporters",
+        "confirmed_exporters",
+        "lossy_exporters",
+        "losses",
+        "status",
+    ]
+    assert "window_completeness" not in ff.TABLES  # added only with --markers-topic
+
+
+def test_completeness_views_apply_the_marker_rules() -> None:
+    views = ff.completeness_statements()
+    assert list(views)[-1] == "window_completeness"
+    assert "FROM flows_by_window" in views["completeness_windows"]
+    # Per-partition copies of an interval are one interval.
+    assert "GROUP BY exporterNode, `since`, `until`" in views["marker_intervals"]
+    assert "MAX(eventLosses + connectionsGivenUp + recordsGivenUp)" in views["marker_intervals"]
+    # Marker times converted as event time is (TO_TIMESTAMP_LTZ, then the UTC session zone).
+    assert "CAST(TO_TIMESTAMP_LTZ(`since`, 3) AS TIMESTAMP(3))" in views["marker_intervals"]
+    assert "CAST(TO_TIMESTAMP_LTZ(MAX(upTo), 3) AS TIMESTAMP(3))" in views["marker_progress"]
+    exporters = views["window_exporters"]
+    assert "i.since_time < w.window_end AND i.until_time > w.window_start" in exporters
+    assert "p.up_to >= w.window_start" in exporters
+    assert "p.up_to >= e.window_end" in exporters
+    # Every window of flows_by_window gets a row, with or without markers.
+    assert "LEFT JOIN window_exporters" in views["window_completeness_counts"]
+    status = views["window_completeness"]
+    assert status.index("'lossy'") < status.index("'complete'") < status.index("'unconfirmed'")
+    assert "exporters > 0 AND confirmed_exporters = exporters" in status
+    assert not set(views) & set(ff.view_statements(60, 5))  # no view is redefined
