@@ -1,4 +1,4 @@
-"""Throughput of the downstream Spark job (downstream/spark_flows.py) in local mode, records/s.
+"""Throughput of the downstream jobs (downstream/spark_flows.py, downstream/flink_flows.py) in local mode, records/s.
 
 Synthetic but realistic input: connections live for many export rounds (so the per-connection
 state and the dedup see repeated keys), records are built by the real store and encoded by the
@@ -177,6 +177,53 @@ def parquet_totals(out: Path) -> dict[tuple[str, str], tuple[int, int]]:
     return dict(sums)
 
 
+def run_flink(
+    bootstrap: str, topic: str, out: Path, expected: dict[tuple[str, str], tuple[int, int]], confluent: bool
+) -> dict[str, Any]:
+    """The Flink job, bounded, on the same topic: wall time, its net job time, records/s, and its totals' check.
+
+    With ``--confluent`` the values carry a header naming schema id 1, which the Flink job can only
+    read through a registry: not measured then.
+    """
+    if confluent:
+        return {"skipped": "the Flink job reads framed values only through a registry"}
+    cmd = [
+        str(ROOT / ".venv-flink" / "bin" / "python"),
+        str(ROOT / "downstream" / "flink_flows.py"),
+        "--bootstrap-servers",
+        bootstrap,
+        "--topic",
+        topic,
+        "--bounded",
+        "--output",
+        str(out),
+    ]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"flink job failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    summary = next(json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"flink_flows"'))["flink_flows"]
+    sums: dict[tuple[str, str], tuple[int, int]] = defaultdict(lambda: (0, 0))
+    for path in (out / "flows_by_window").rglob("*"):
+        if path.is_file() and not path.name.startswith((".", "_")):
+            for line in path.read_text().splitlines():
+                row = json.loads(line)
+                key = (row["source"], row["destination"])
+                sums[key] = (sums[key][0] + row["packets"], sums[key][1] + row["bytes"])
+    want_bytes = sum(b for _, b in expected.values())
+    got_bytes = sum(sums.get(k, (0, 0))[1] for k in expected)
+    return {
+        "wall_s": round(wall, 2),
+        "job_seconds": summary["seconds"],
+        "input_rows": summary["input_rows"],
+        "records_per_s_job": round(summary["input_rows"] / summary["seconds"]) if summary["seconds"] else None,
+        "records_per_s_wall": round(summary["input_rows"] / wall),
+        "totals_equal_expected": all(sums.get(k) == v for k, v in expected.items()),
+        "bytes_vs_expected": round(got_bytes / want_bytes, 4),
+    }
+
+
 def rates(summary: dict[str, Any]) -> dict[str, Any]:
     """Records/s overall and in steady state (data batches after the first)."""
     batches = [b for b in summary["per_batch"] if b["rows"] > 0]
@@ -196,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", type=int, default=100)
     ap.add_argument("--partitions", type=int, default=2)
     ap.add_argument("--batch", type=int, default=40_000, help="records per micro-batch (maxOffsetsPerTrigger)")
-    ap.add_argument("--modes", default="totals,deltas")
+    ap.add_argument("--modes", default="totals,deltas,flink", help="Spark modes, and flink for the Flink job")
     ap.add_argument("--confluent", action="store_true", help="values with the Confluent header (job --confluent)")
     ap.add_argument("--driver-java-options", default="", help="passed to the job")
     args = ap.parse_args(argv)
@@ -239,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         result["produce_s"] = round(produce(broker.bootstrap, "flows", records + clock, confluent=args.confluent), 2)
         for mode in args.modes.split(","):
             out = Path(tmp) / mode
+            if mode == "flink":
+                result["modes"][mode] = run_flink(broker.bootstrap, "flows", out, expected, args.confluent)
+                print(json.dumps({mode: result["modes"][mode]}), file=sys.stderr, flush=True)
+                continue
             wall, summary = run_job(broker.bootstrap, "flows", mode, out, *extra)
             got = parquet_totals(out)
             want_bytes = sum(b for _, b in expected.values())
