@@ -76,6 +76,9 @@ class MovingTable:
     def max_entries(self) -> int:
         return 1 << 20
 
+    def kernel_stats(self) -> dict[str, int]:
+        return {}
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.bench_pipeline")

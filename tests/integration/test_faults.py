@@ -201,6 +201,9 @@ class FlakySource:
     def max_entries(self) -> int:
         return self.real.max_entries()
 
+    def kernel_stats(self) -> dict[str, int]:
+        return self.real.kernel_stats()
+
 
 def test_failing_dumps_are_retried_with_backoff_and_counted(lab: Lab, kafka_broker: Any, kafka_topic: str) -> None:
     lab.tcp_exchange(lab.pods[0], lab.pods[1], 8300, 100, 100)

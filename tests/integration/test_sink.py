@@ -215,6 +215,9 @@ class ListSource:
     def max_entries(self) -> int:
         return 0
 
+    def kernel_stats(self) -> dict[str, int]:
+        return {}
+
 
 def test_loops_export_and_shutdown_flushes_forced_records(kafka_broker: Any) -> None:
     topic = f"loops-{time.time_ns()}"

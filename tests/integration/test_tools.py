@@ -243,6 +243,9 @@ def test_first_poll_line_has_thousands_separators(caplog: pytest.LogCaptureFixtu
         def max_entries(self) -> int:
             return 262_144
 
+        def kernel_stats(self) -> dict[str, int]:
+            return {}
+
     # Never connects (nothing is produced); log_level 0 keeps librdkafka's connect errors out of the output.
     sink = KafkaSink({"bootstrap.servers": "127.0.0.1:9", "log_level": 0}, "t", RecordEncoder(NODE).encode)
     exp = Exporter(Source(), sink, timeouts=Timeouts(1.0, 5.0, 15.0, 300.0), node_name=NODE)  # type: ignore[arg-type]
