@@ -10,8 +10,10 @@ from __future__ import annotations
 import errno
 import gc
 import socket
+import struct
 from collections.abc import Callable, Collection
 from types import TracebackType
+from typing import TypeVar
 
 from pyroute2.netlink import NETLINK_NETFILTER, NLM_F_DUMP, NLM_F_REQUEST
 from pyroute2.netlink.nfnetlink import NFNL_SUBSYS_CTNETLINK
@@ -35,6 +37,8 @@ SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 _STATS_TYPE = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET_STATS
 _STATS_CPU_TYPE = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_GET_STATS_CPU
 NLMSG_DONE = 3
+_NLMSGHDR = struct.Struct("<IHHI")  # length, type, flags, sequence (the port id is not needed)
+_T = TypeVar("_T")
 # The per-CPU conntrack statistics the health stream reports (CTA_STATS_*, summed over CPUs):
 # what `conntrack -S` prints. Cumulative since the network namespace was created.
 KERNEL_STATS = {
@@ -208,33 +212,34 @@ class ConntrackDumper:
             raise error_from_errno(errno.EINTR, what)
         return total
 
-    def _stats(self) -> tuple[int | None, int | None]:
-        """(entries, max entries) from IPCTNL_MSG_CT_GET_STATS, answered for the socket's netns."""
-        what = f"{self._where()}: stats"
+    def _query(self, msg_type: int, flags: int, what: str, answer: Callable[[int, bytes], _T | None]) -> _T:
+        """Send one ctnetlink request; feed each answer (type, whole message) to ``answer`` until it returns a result.
+
+        An NLMSG_ERROR with an error raises it; a bare acknowledgement is skipped. The stats
+        queries share this; the dump has its own loop (it decodes in place, batch by batch).
+        """
         sock = self._socket()
         seq = self._next_seq()
         ok = False
         try:
-            sock.send(_request(IPCTNL_MSG_CT_GET_STATS, NLM_F_REQUEST, seq))
+            sock.send(_request(msg_type, flags, seq))
             while True:
                 data = self._recv(sock, what)
                 off = 0
                 while off + 16 <= len(data):
-                    mlen = int.from_bytes(data[off:off + 4], "little")
-                    mtype = int.from_bytes(data[off + 4:off + 6], "little")
-                    mseq = int.from_bytes(data[off + 8:off + 12], "little")
+                    mlen, mtype, _, mseq = _NLMSGHDR.unpack_from(data, off)
                     if mlen < 16 or off + mlen > len(data):
                         break
-                    if mseq == seq and mtype == NLMSG_ERROR and mlen >= 20:
-                        err = int.from_bytes(data[off + 16:off + 20], "little", signed=True)
-                        if err:
-                            raise error_from_errno(-err, what)
-                    elif mseq == seq and mtype == _STATS_TYPE:
-                        msg = nfct_stats(bytes(data[off:off + mlen]))
-                        msg.decode()
-                        ok = True
-                        return (msg.get_attr("CTA_STATS_GLOBAL_ENTRIES"),
-                                msg.get_attr("CTA_STATS_GLOBAL_MAX_ENTRIES"))
+                    if mseq == seq:
+                        if mtype == NLMSG_ERROR and mlen >= 20:
+                            err = int.from_bytes(data[off + 16 : off + 20], "little", signed=True)
+                            if err:
+                                raise error_from_errno(-err, what)
+                        else:
+                            result = answer(mtype, bytes(data[off : off + mlen]))
+                            if result is not None:
+                                ok = True
+                                return result
                     off += (mlen + 3) & ~3
         except OSError as e:
             if isinstance(e, ConntrackError):
@@ -243,6 +248,18 @@ class ConntrackDumper:
         finally:
             if not ok:
                 self._discard()
+
+    def _stats(self) -> tuple[int | None, int | None]:
+        """(entries, max entries) from IPCTNL_MSG_CT_GET_STATS, answered for the socket's netns."""
+
+        def answer(mtype: int, data: bytes) -> tuple[int | None, int | None] | None:
+            if mtype != _STATS_TYPE:
+                return None
+            msg = nfct_stats(data)
+            msg.decode()
+            return (msg.get_attr("CTA_STATS_GLOBAL_ENTRIES"), msg.get_attr("CTA_STATS_GLOBAL_MAX_ENTRIES"))
+
+        return self._query(IPCTNL_MSG_CT_GET_STATS, NLM_F_REQUEST, f"{self._where()}: stats", answer)
 
     def kernel_stats(self) -> dict[str, int]:
         """The namespace's conntrack statistics summed over CPUs (``conntrack -S``; KERNEL_STATS names).
@@ -250,44 +267,22 @@ class ConntrackDumper:
         One dump request of IPCTNL_MSG_CT_GET_STATS_CPU: a message per CPU, then NLMSG_DONE.
         A statistic the kernel does not send (older kernels) is absent from the result.
         """
-        what = f"{self._where()}: per-CPU stats"
-        sock = self._socket()
-        seq = self._next_seq()
-        ok = False
         totals: dict[str, int] = {}
-        try:
-            sock.send(_request(IPCTNL_MSG_CT_GET_STATS_CPU, NLM_F_REQUEST | NLM_F_DUMP, seq))
-            while True:
-                data = self._recv(sock, what)
-                off = 0
-                while off + 16 <= len(data):
-                    mlen = int.from_bytes(data[off : off + 4], "little")
-                    mtype = int.from_bytes(data[off + 4 : off + 6], "little")
-                    mseq = int.from_bytes(data[off + 8 : off + 12], "little")
-                    if mlen < 16 or off + mlen > len(data):
-                        break
-                    if mseq == seq and mtype == NLMSG_ERROR and mlen >= 20:
-                        err = int.from_bytes(data[off + 16 : off + 20], "little", signed=True)
-                        if err:
-                            raise error_from_errno(-err, what)
-                    elif mseq == seq and mtype == NLMSG_DONE:
-                        ok = True
-                        return totals
-                    elif mseq == seq and mtype == _STATS_CPU_TYPE:
-                        msg = nfct_stats_cpu(bytes(data[off : off + mlen]))
-                        msg.decode()
-                        for attr, name in KERNEL_STATS.items():
-                            value = msg.get_attr(attr)
-                            if value is not None:
-                                totals[name] = totals.get(name, 0) + value
-                    off += (mlen + 3) & ~3
-        except OSError as e:
-            if isinstance(e, ConntrackError):
-                raise
-            raise error_from_errno(e.errno or errno.EIO, what) from e
-        finally:
-            if not ok:
-                self._discard()
+
+        def answer(mtype: int, data: bytes) -> dict[str, int] | None:
+            if mtype == NLMSG_DONE:
+                return totals
+            if mtype == _STATS_CPU_TYPE:
+                msg = nfct_stats_cpu(data)
+                msg.decode()
+                for attr, name in KERNEL_STATS.items():
+                    value = msg.get_attr(attr)
+                    if value is not None:
+                        totals[name] = totals.get(name, 0) + value
+            return None
+
+        what = f"{self._where()}: per-CPU stats"
+        return self._query(IPCTNL_MSG_CT_GET_STATS_CPU, NLM_F_REQUEST | NLM_F_DUMP, what, answer)
 
     def count(self) -> int:
         """Entries in the namespace's table (nf_conntrack_count of that netns)."""

@@ -211,6 +211,18 @@ def run_spark(
         f"--driver-java-options={SPARK_JVM}",
         *extra,
     ]
+    summary, elapsed = _run_job(cmd, workdir / "spark.log", "spark_flows", env)
+    assert summary["batches"] >= min_batches, summary
+    return JobRun(
+        read_parquet_rows(out / "flows_by_window"),
+        read_parquet_rows(out / "top_talkers"),
+        read_parquet_rows(out / "connection_totals"),
+        elapsed,
+    )
+
+
+def _run_job(cmd: list[str], log: Path, name: str, env: dict[str, str] | None) -> tuple[dict[str, Any], float]:
+    """Run a job to its end; (its summary line's ``name`` object, wall seconds). Its output goes to ``log``."""
     t0 = time.monotonic()
     proc = subprocess.run(
         cmd,
@@ -221,17 +233,11 @@ def run_spark(
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     elapsed = time.monotonic() - t0
-    (workdir / "spark.log").write_text(proc.stdout + proc.stderr)
+    log.write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith('{"spark_flows"')))["spark_flows"]
+    summary = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith(f'{{"{name}"')))[name]
     assert summary["input_rows"] > 0
-    assert summary["batches"] >= min_batches, summary
-    return JobRun(
-        read_parquet_rows(out / "flows_by_window"),
-        read_parquet_rows(out / "top_talkers"),
-        read_parquet_rows(out / "connection_totals"),
-        elapsed,
-    )
+    return summary, elapsed
 
 
 def ct_connection(e: CtEntry) -> tuple[int, str, int, str, int]:
@@ -288,20 +294,7 @@ def run_flink(bootstrap: str, topic: str, workdir: Path, *extra: str, env: dict[
         str(TOP),
         *extra,
     ]
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-    )
-    elapsed = time.monotonic() - t0
-    (workdir / "flink.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith('{"flink_flows"')))["flink_flows"]
-    assert summary["input_rows"] > 0
+    _, elapsed = _run_job(cmd, workdir / "flink.log", "flink_flows", env)
     return JobRun(
         read_json_rows(out / "flows_by_window"),
         read_json_rows(out / "top_talkers"),

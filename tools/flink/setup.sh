@@ -9,7 +9,7 @@ cd "$(dirname "$0")/../.."
 
 die() { echo "flink setup: $*" >&2; exit 1; }
 
-PY=${PYTHON:-python3.11}
+PY=${PYTHON:-$(command -v python3.11 || command -v python3 || echo python3.11)}
 command -v "$PY" >/dev/null || die "$PY not found (the apache-flink wheels in requirements/flink.lock are for CPython 3.11; set PYTHON=...)"
 "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || die "Python 3.11 is required (found: $("$PY" --version 2>&1))"
 command -v java >/dev/null || die "java not found (Flink needs a JRE 11 or 17: Debian package openjdk-17-jre-headless)"
