@@ -19,28 +19,21 @@ Command line: ``python -m devtools.flink fetch`` (resolve, print the jars).
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import importlib.metadata
 import os
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from devtools.maven import ANSI, MVN_TIMEOUT, mvn_failure
+from devtools.maven import Resolved, resolve_jars
 
 __all__ = ["CONNECTORS", "cache_dir", "ensure_flink_jars", "flink_version", "jar_urls"]
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 _POM = _REPO_ROOT / "tools" / "flink" / "pom.xml"
 _LOCK = _REPO_ROOT / "requirements" / "flink.lock"
-_MARKER = ".complete"
-# Full coordinates: a bare "dependency:" prefix needs plugin-group metadata first (see kafka.py).
-_LIST = "org.apache.maven.plugins:maven-dependency-plugin:3.8.1:list"
 # The artifacts the job cannot run without; the resolved list must have each of them.
 CONNECTORS = ("flink-sql-connector-kafka", "flink-sql-avro-confluent-registry")
 
@@ -81,30 +74,6 @@ def _digest(version: str) -> str:
     return h.hexdigest()
 
 
-def _parse_list(text: str) -> list[tuple[str, str, Path]]:
-    """(artifactId, version, file) from ``dependency:list`` output with absolute file names.
-
-    Lines look like ``g:a:jar:v:scope:/path/a-v.jar`` or ``g:a:jar:classifier:v:scope:/path``,
-    possibly followed by `` -- module name``.
-    """
-    out = []
-    for line in text.splitlines():
-        token = line.strip().split(" ", 1)[0]
-        parts = token.split(":")
-        if len(parts) < 6 or not parts[-1].endswith(".jar"):
-            continue
-        out.append((parts[1], parts[-3], Path(parts[-1])))
-    return out
-
-
-def _complete(jars_dir: Path, digest: str) -> list[Path] | None:
-    marker = jars_dir / _MARKER
-    if not (marker.is_file() and marker.read_text().splitlines()[:1] == [digest]):
-        return None
-    jars = [jars_dir / name for name in marker.read_text().splitlines()[1:]]
-    return jars if all(j.is_file() for j in jars) else None
-
-
 def _check_resolved(resolved: list[tuple[str, str, Path]], version: str, log: Path) -> None:
     """Both connectors present, and the Kafka connector built for this Flink minor (``x.y.z-2.2``)."""
     names = {a: v for a, v, _ in resolved}
@@ -122,71 +91,18 @@ def _check_resolved(resolved: list[tuple[str, str, Path]], version: str, log: Pa
 def ensure_flink_jars(version: str | None = None) -> list[Path]:
     """Resolve the connectors for ``version`` (default: see ``flink_version``) once; return the jars.
 
-    The marker (written last: pom digest, then the jar names) says a previous run completed, so
-    an interrupted run is redone rather than trusted; a file lock lets parallel runs share one
-    download. Raises RuntimeError with one line when Maven is missing or fails.
+    Both are shaded uber jars with nothing of Flink's own inside, so every resolved jar is kept
+    (devtools.maven.resolve_jars: marker, lock, one-line errors).
     """
     version = version or flink_version()
-    digest = _digest(version)
-    jars_dir = cache_dir(version) / "jars"
-    done = _complete(jars_dir, digest)
-    if done is not None:
-        return done
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise RuntimeError(
-            "mvn (Apache Maven) is not on PATH; it is needed once to fetch the Flink connector jars "
-            "(Debian package 'maven')"
-        )
-    jars_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(jars_dir.parent / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        done = _complete(jars_dir, digest)
-        if done is not None:
-            return done
-        staging = Path(tempfile.mkdtemp(prefix="jars.", dir=jars_dir.parent))
-        log = jars_dir.parent / "mvn.log"
-        listing = staging / "dependencies.txt"
-        cmd = [
-            mvn,
-            "-B",
-            "-Dstyle.color=never",
-            "-f",
-            str(_POM),
-            _LIST,
-            # Flink itself would be "provided" by any cluster; here pyflink/lib provides it.
-            "-DexcludeScope=provided",
-            f"-DoutputFile={listing}",
-            "-DoutputAbsoluteArtifactFilename=true",
-            "-DappendOutput=false",
-        ]
-        try:
-            try:
-                proc = subprocess.run(
-                    cmd, capture_output=True, text=True, timeout=MVN_TIMEOUT, check=False, stdin=subprocess.DEVNULL
-                )
-            except subprocess.TimeoutExpired as exc:
-                raise RuntimeError(
-                    f"mvn took over {MVN_TIMEOUT:.0f}s fetching the Flink jars (is Maven Central reachable?)"
-                ) from exc
-            output = ANSI.sub("", proc.stdout + proc.stderr)
-            log.write_text(output)
-            if proc.returncode != 0 or not listing.is_file():
-                raise RuntimeError(mvn_failure(output, log, f"the Flink {version} connector jars"))
-            resolved = _parse_list(listing.read_text())
-            _check_resolved(resolved, version, log)
-            kept = []
-            for _, _, path in resolved:
-                shutil.copy2(path, staging / path.name)
-                kept.append(path.name)
-            listing.unlink()
-            staging.chmod(0o755)  # mkdtemp made it private; the cache may be shared
-            shutil.rmtree(jars_dir, ignore_errors=True)
-            staging.rename(jars_dir)
-            (jars_dir / _MARKER).write_text("\n".join([digest, *sorted(kept)]) + "\n")
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return [jars_dir / name for name in sorted(kept)]
+
+    def select(resolved: Resolved, log: Path) -> Resolved:
+        _check_resolved(resolved, version, log)
+        return resolved
+
+    return resolve_jars(
+        _POM, [], cache_dir(version) / "jars", _digest(version), f"the Flink {version} connector jars", select
+    )
 
 
 def jar_urls(jars: list[Path]) -> str:
