@@ -24,7 +24,7 @@ if [ ! -x .venv-flink/bin/python ]; then
 fi
 stamp=.venv-flink/.installed
 if [ ! -f "$stamp" ] || [ requirements/flink.lock -nt "$stamp" ]; then
-    echo "flink setup: installing PyFlink from requirements/flink.lock (about 300 MB, a minute on a fresh machine)"
+    echo "flink setup: installing PyFlink from requirements/flink.lock (about 800 MB installed, a minute or two on a fresh machine)"
     .venv-flink/bin/python -m pip install -q --require-hashes -r requirements/flink.lock >"$pip_log" 2>&1 \
         || die "pip could not install requirements/flink.lock (is PyPI reachable?); log: $pip_log"
     .venv-flink/bin/python -m pip check >>"$pip_log" 2>&1 \
