@@ -39,7 +39,7 @@ unit: setup
 demo: setup setup-k8s
 	$(PY) -m devtools.demo
 
-bench: setup
+bench: setup setup-flink
 	$(PY) -m bench $(BENCH)
 
 clean:

@@ -1,7 +1,7 @@
 """``make bench``: every benchmark in turn; each updates its own section of BENCHMARKS.md.
 
 ``python -m bench [NAME ...]`` runs only the named ones (poll, export, app_export, node, capture, events,
-checkpoint, latency, k8s, spark).
+checkpoint, latency, k8s, spark: the Spark and Flink downstream jobs on one input).
 """
 
 from __future__ import annotations
