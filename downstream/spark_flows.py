@@ -702,17 +702,33 @@ def top_talkers(windows: DataFrame, top: int) -> DataFrame:
 MARKER_SCHEMA = _REPO_ROOT / "schemas" / "completeness_marker.avsc"
 
 
-def read_markers(spark: SparkSession, bootstrap: str, topic: str, kafka_options: dict[str, str]) -> DataFrame:
-    """Every completeness marker on ``topic`` now (a batch read; markers are a few per exporter and minute)."""
+# Clock skew allowed between the exporters' markers (Kafka timestamps) and the windows' event times.
+MARKER_SKEW_MS = 10 * 60 * 1000
+
+
+def read_markers(
+    spark: SparkSession, bootstrap: str, topic: str, kafka_options: dict[str, str], since_ms: int = 0
+) -> DataFrame:
+    """The completeness markers on ``topic`` produced since ``since_ms`` (a batch read).
+
+    A marker that matters to a window was built after the window started (its ``until`` is past the
+    window's start, and its confirming ``upTo`` past its end), so reading from the oldest window's
+    start, less ``MARKER_SKEW_MS``, finds them all without rereading the topic's whole history.
+    """
     from pyspark.sql.avro.functions import from_avro
 
     reader = spark.read.format("kafka").option("kafka.bootstrap.servers", bootstrap).option("subscribe", topic)
     for key, option in kafka_options.items():
         reader = reader.option(f"kafka.{key}", option)
+    if since_ms > MARKER_SKEW_MS:
+        # A partition with nothing that recent starts at its end rather than failing the batch.
+        reader = reader.option("startingTimestamp", str(since_ms - MARKER_SKEW_MS)).option(
+            "startingOffsetsByTimestampStrategy", "latest"
+        )
+    else:
+        reader = reader.option("startingOffsets", "earliest")
     schema = json.dumps(json.loads(MARKER_SCHEMA.read_text()))
-    return reader.option("startingOffsets", "earliest").load().select(
-        from_avro("value", schema, {"mode": "FAILFAST"}).alias("m")
-    ).select("m.*")
+    return reader.load().select(from_avro("value", schema, {"mode": "FAILFAST"}).alias("m")).select("m.*")
 
 
 def window_completeness(windows: DataFrame, markers: DataFrame, topics: Collection[str] = ()) -> DataFrame:
@@ -786,7 +802,10 @@ class _TableWriter:
             self._write(df, "flows_by_window", batch_id)
             self._write(top_talkers(df, self.top), "top_talkers", batch_id)
             if self.markers is not None:
-                table = window_completeness(df, self.markers(), self.topics)
+                from pyspark.sql import functions as F
+
+                oldest = df.select(F.min("window_start").cast("long")).first()[0]
+                table = window_completeness(df, self.markers(int(oldest) * 1000), self.topics)
                 self._write(table, "window_completeness", batch_id)
         finally:
             df.unpersist()
@@ -806,8 +825,8 @@ def start(windows: DataFrame, connections: DataFrame, args: argparse.Namespace) 
     if args.markers_topic:
         spark, options = windows.sparkSession, kafka_security_options(args)
 
-        def markers() -> DataFrame:
-            return read_markers(spark, args.bootstrap_servers, args.markers_topic, options)
+        def markers(since_ms: int) -> DataFrame:
+            return read_markers(spark, args.bootstrap_servers, args.markers_topic, options, since_ms)
 
     sink = _TableWriter(args.output, args.top, markers, args.topic.split(","))
     queries = []
