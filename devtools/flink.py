@@ -24,10 +24,9 @@ import importlib.metadata
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
-from devtools.maven import Resolved, resolve_jars
+from devtools.maven import Resolved, fetch_command, resolve_jars
 
 __all__ = ["CONNECTORS", "cache_dir", "ensure_flink_jars", "flink_version", "jar_urls"]
 
@@ -118,18 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     fetch.add_argument(
         "--version", help="Flink version (default: the installed apache-flink's, else requirements/flink.lock's)"
     )
-    args = ap.parse_args(argv)
-    t0 = time.monotonic()
-    try:
-        jars = ensure_flink_jars(args.version)
-    except RuntimeError as exc:
-        print(f"flink: {exc}", file=sys.stderr)
-        return 1
-    size = sum(j.stat().st_size for j in jars)
-    for jar in jars:
-        print(jar)
-    print(f"{len(jars)} jars, {size / 2**20:.1f} MiB ({time.monotonic() - t0:.1f}s)")
-    return 0
+    return fetch_command("flink", ensure_flink_jars, ap.parse_args(argv).version)
 
 
 if __name__ == "__main__":

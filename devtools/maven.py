@@ -6,7 +6,9 @@ import fcntl
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -132,3 +134,18 @@ def resolve_jars(
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return [jars_dir / name for name in sorted(kept)]
+
+
+def fetch_command(name: str, ensure: Callable[[str | None], list[Path]], version: str | None) -> int:
+    """The ``fetch`` command of a jar fetcher: resolve (once), list the jars and their size; 1 on failure."""
+    t0 = time.monotonic()
+    try:
+        jars = ensure(version)
+    except RuntimeError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 1
+    size = sum(j.stat().st_size for j in jars)
+    for jar in jars:
+        print(jar)
+    print(f"{len(jars)} jars, {size / 2**20:.1f} MiB ({time.monotonic() - t0:.1f}s)")
+    return 0

@@ -21,10 +21,9 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
-import time
 from pathlib import Path
 
-from devtools.maven import Resolved, resolve_jars
+from devtools.maven import Resolved, fetch_command, resolve_jars
 
 __all__ = ["SCALA_BINARY", "cache_dir", "ensure_spark_jars", "pyspark_jars_dir", "spark_version"]
 
@@ -113,18 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     fetch = sub.add_parser("fetch", help="resolve the connector jars for the installed pyspark (once)")
     fetch.add_argument("--version", help="Spark version (default: the installed pyspark's)")
-    args = ap.parse_args(argv)
-    t0 = time.monotonic()
-    try:
-        jars = ensure_spark_jars(args.version)
-    except RuntimeError as exc:
-        print(f"spark: {exc}", file=sys.stderr)
-        return 1
-    size = sum(j.stat().st_size for j in jars)
-    for jar in jars:
-        print(jar)
-    print(f"{len(jars)} jars, {size / 2**20:.1f} MiB ({time.monotonic() - t0:.1f}s)")
-    return 0
+    return fetch_command("spark", ensure_spark_jars, ap.parse_args(argv).version)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import tenacity
 
@@ -57,8 +58,8 @@ class ShutdownOutcome:
     lost: int = 0  # undelivered and no state directory: their counts are lost
 
 
-def _zone(c: Connection) -> int:
-    return c.zone
+# C-level attribute read: counting zones adds no Python call per dumped entry.
+_zone = attrgetter("zone")
 
 
 class Exporter:

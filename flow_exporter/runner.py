@@ -152,15 +152,18 @@ def start_health_stream(cfg: Config, exporter: Exporter) -> HealthStream | None:
     return HealthStream(cfg, exporter, topic)
 
 
+def side_producer(cfg: Config) -> Any:
+    """A producer of its own for a low-rate side stream (health, markers): the flows' settings, not their queue."""
+    from confluent_kafka import Producer
+
+    return Producer({"logger": logging.getLogger("flow_exporter.rdkafka"), **cfg.producer_config()})
+
+
 class HealthStream:
     """A :class:`HealthReporter` and the Kafka producer it writes with (same settings as the flows')."""
 
     def __init__(self, cfg: Config, exporter: Exporter, topic: str) -> None:
-        from confluent_kafka import Producer
-
-        conf = {"logger": logging.getLogger("flow_exporter.rdkafka"), **cfg.producer_config()}
-        conf.pop("stats_cb", None)
-        self._producer = Producer(conf)
+        self._producer = side_producer(cfg)
         self.topic = topic
 
         def produce(key: bytes, value: bytes) -> None:
@@ -195,9 +198,7 @@ class MarkerStream:
     """
 
     def __init__(self, cfg: Config, exporter: Exporter, completeness: Completeness, topic: str) -> None:
-        from confluent_kafka import Producer
-
-        self._producer = Producer({"logger": logging.getLogger("flow_exporter.rdkafka"), **cfg.producer_config()})
+        self._producer = side_producer(cfg)
         self.topic, self.node, self.interval = topic, cfg.node_name, cfg["markers.interval"]
         self._exporter, self._done = exporter, completeness
         self._stop = threading.Event()
