@@ -421,6 +421,7 @@ class Exporter:
                 cp.stats.journal_bytes,
             ),
             kafka_client=sc.client,
+            delivery_failures=dict(sc.failures_by_error),
             extra=extra or {},
         )
 

@@ -185,6 +185,15 @@ class _ReadingsCollector(Collector):
         for reason in GIVEN_UP_REASONS:
             given_up.add_metric([reason], r.given_up.get(reason, 0))
         yield given_up
+        failures = CounterMetricFamily(
+            "flow_exporter_delivery_failures",
+            "Deliveries that failed, by Kafka error code (KafkaError.name(), e.g. TOPIC_AUTHORIZATION_FAILED, "
+            "_MSG_TIMED_OUT); they add up to records_failed_total.",
+            labels=["error"],
+        )
+        for code, n in sorted(r.delivery_failures.items()):
+            failures.add_metric([code], n)
+        yield failures
         yield from _health_families(r)
         if r.checkpoint is not None:
             yield from _families(r.checkpoint, _CHECKPOINT_FAMILIES)
@@ -253,9 +262,12 @@ def readiness(
     kafka_reached: Callable[[], bool],
     caches_ready: Callable[[], bool] | None = None,
     kafka_failed: Callable[[], str | None] = lambda: None,
+    kafka_stalled: Callable[[], str | None] | None = None,
 ) -> Callable[[], tuple[bool, str]]:
     """Ready once the first poll is done, the caches synced and the producer reached the broker;
-    never again after a fatal producer error (the process is about to exit)."""
+    never again after a fatal producer error (the process is about to exit); not while
+    ``kafka_stalled`` gives a reason (records waiting for kafka.readyTimeout with no delivery,
+    e.g. a topic ACL removed after start: the exporter runs on, but its records reach no one)."""
 
     def check() -> tuple[bool, str]:
         failed = kafka_failed()
@@ -268,7 +280,10 @@ def readiness(
             missing.append("kubernetes caches")
         if not kafka_reached():
             missing.append("kafka")
-        return (False, "waiting for: " + ", ".join(missing)) if missing else (True, "ok")
+        if missing:
+            return (False, "waiting for: " + ", ".join(missing))
+        stalled = kafka_stalled() if kafka_stalled is not None else None
+        return (False, stalled) if stalled is not None else (True, "ok")
 
     return check
 
@@ -314,6 +329,7 @@ def catalogue() -> list[tuple[str, str, str, tuple[str, ...]]]:
     for f in dataclasses.fields(Readings):
         zero[f.name] = {} if f.name in ("given_up", "extra", "zone_entries", "conntrack_kernel") else 0
     zero["zone_entries"] = {0: 0}
+    zero["delivery_failures"] = {"TOPIC_AUTHORIZATION_FAILED": 0}
     zero["conntrack_kernel"] = {"drop": 0}
     zero["checkpoint"] = CheckpointReadings(**{f.name: 0 for f in dataclasses.fields(CheckpointReadings)})
     zero["extra"] = dict.fromkeys(EXTRA_FAMILIES, 0)

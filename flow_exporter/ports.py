@@ -9,7 +9,7 @@ waiting, a heartbeat while blocked) are given to the adapter when it is built, n
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from flow_exporter.connection import Connection
@@ -74,6 +74,7 @@ class SinkCounters:
     acked: int = 0
     failed: int = 0
     bytes_produced: int = 0
+    failures_by_error: dict[str, int] = field(default_factory=dict)  # failed, by Kafka error code name
     connected: bool = False  # the broker answered at least once (readiness)
     fatal: str | None = None  # a fatal producer error: nothing can be delivered any more (exit and restart)
     client: ClientStats | None = None  # the Kafka client's own statistics, when it reports them

@@ -76,3 +76,4 @@ class Readings:
     zone_entries: dict[int, int] = field(default_factory=dict)  # entries per conntrack zone, last dump
     conntrack_kernel: dict[str, int] = field(default_factory=dict)  # conntrack -S, summed over CPUs
     last_poll_seconds: float = 0.0
+    delivery_failures: dict[str, int] = field(default_factory=dict)  # failed deliveries by Kafka error code

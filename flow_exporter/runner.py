@@ -119,6 +119,9 @@ def start_health_server(
     else:
         metrics.bind(exporter.readings)
     sink = exporter.sink
+    # Records waiting kafka.readyTimeout with no delivery (a topic ACL removed, say): not ready; 0 turns it off.
+    ready_timeout = cfg["kafka.readyTimeout"]
+    stalled = partial(sink.health.stalled, ready_timeout) if isinstance(sink, KafkaSink) and ready_timeout else None
     # A poll may wait out the longest retry backoff; only silence beyond that is a hang.
     silence = max(3 * cfg["conntrack.pollInterval"], 60.0) + cfg["retry.maxBackoff"]
     try:
@@ -127,7 +130,11 @@ def start_health_server(
                 metrics,
                 liveness(exporter.lifecycle, silence),
                 readiness(
-                    exporter.lifecycle, lambda: sink.counters.connected, caches_ready, lambda: sink.counters.fatal
+                    exporter.lifecycle,
+                    lambda: sink.counters.connected,
+                    caches_ready,
+                    lambda: sink.counters.fatal,
+                    stalled,
                 ),
             ),
             cfg["metrics.address"],

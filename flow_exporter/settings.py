@@ -399,6 +399,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("kafka.tls.keyPasswordFile", parse_opt_str, None, "File holding the key's passphrase, if encrypted."),
     Setting("kafka.tls.verifyHostname", parse_bool, True, "Check the broker certificate matches its host name."),
     Setting("kafka.checkTopics", parse_bool, True, "Check at start that every topic exists."),
+    Setting(
+        "kafka.readyTimeout",
+        parse_duration,
+        120.0,
+        "Not ready (/readyz 503) once a topic's records waited this long with no delivery; 0: never.",
+    ),
     Setting("k8s.enabled", parse_bool, False, "Enrich records with pod, node and Service names from the API server."),
     Setting("k8s.kubeconfig", parse_opt_str, None, "Kubeconfig file; empty: in-cluster account, else ~/.kube/config."),
     Setting("k8s.scope", parse_k8s_scope, "cluster", "Pods to cache: cluster (all) or node (only this node's)."),

@@ -19,6 +19,7 @@ import tenacity
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
+from flow_exporter.delivery import DeliveryHealth
 from flow_exporter.flow import Export
 from flow_exporter.ports import BrokerStats, ClientStats, DeliveryReport, SinkCounters
 from flow_exporter.record import partition_key
@@ -190,7 +191,9 @@ class KafkaSink:
 
     ``stopping`` says when a produce blocked on a full local queue must give up (the
     composition root passes :meth:`Lifecycle.stopping`); ``on_wait`` is called while it waits,
-    so the expire loop's heartbeat goes on.
+    so the expire loop's heartbeat goes on. ``health`` (a :class:`~flow_exporter.delivery.DeliveryHealth`
+    on ``clock``) counts failures by error code, warns about them rate-limited and tells the
+    readiness check whether records still get delivered.
     """
 
     def __init__(
@@ -203,6 +206,7 @@ class KafkaSink:
         retry_max: float = DEFAULTS["retry.maxBackoff"],
         stopping: Callable[[], bool] = lambda: False,
         on_wait: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.topic = topic
         self.routes = tuple(routes)
@@ -214,6 +218,7 @@ class KafkaSink:
         self._producer = Producer(self.config)
         self._reports: deque[DeliveryReport] = deque()
         self.counters = SinkCounters()
+        self.health = DeliveryHealth(self.topics(), clock, self.counters.failures_by_error)
         self._last_error_log: dict[str | None, float] = {}  # by _security_failure(); None: other errors
         self._on_wait = on_wait
         self._retry = tenacity.Retrying(
@@ -269,16 +274,21 @@ class KafkaSink:
         assert value is not None and topic is not None, "produce() before prepare()"
         reports = self._reports
         counters = self.counters
+        health = self.health
+        st = health.topic(topic)
 
         def on_delivery(err: KafkaError | None, msg: Any, export: Export = export) -> None:
             # Runs inside poll()/flush() on the caller's thread; counters are read by metrics.
             if err is None:
                 counters.acked += 1
                 counters.connected = True
+                health.delivered(topic, st)
                 reports.append(DeliveryReport(export, True, partition=msg.partition(), offset=msg.offset()))
             else:
                 counters.failed += 1
-                reports.append(DeliveryReport(export, False, err.str(), err.code() in PERMANENT_ERRORS))
+                permanent = err.code() in PERMANENT_ERRORS
+                health.failed(topic, st, err.name(), err.str(), pending=True, permanent=permanent)
+                reports.append(DeliveryReport(export, False, err.str(), permanent))
 
         produce = self._producer.produce
         try:
@@ -290,15 +300,20 @@ class KafkaSink:
             # Only when stopping: the record never entered the queue.
             reports.append(DeliveryReport(export, False, "local queue full during shutdown"))
             counters.failed += 1
+            health.failed(topic, st, "_QUEUE_FULL", "local queue full during shutdown", pending=False, permanent=False)
             return
         except KafkaException as exc:
+            # E.g. TOPIC_AUTHORIZATION_FAILED once librdkafka's metadata says so: refused before queueing.
             err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
             permanent = err is not None and err.code() in PERMANENT_ERRORS
             reports.append(DeliveryReport(export, False, str(exc), permanent))
             counters.failed += 1
+            code, reason = (err.name(), err.str()) if err is not None else ("UNKNOWN", str(exc))
+            health.failed(topic, st, code, reason, pending=False, permanent=permanent)
             return
         counters.produced += 1
         counters.bytes_produced += len(value)
+        health.produced(st)
 
     def take_reports(self) -> list[DeliveryReport]:
         """The delivery reports collected by ``poll``/``flush`` since the last call."""

@@ -292,11 +292,13 @@ def test_every_reading_reaches_the_metrics_endpoint() -> None:
     table.stats = {"early_drop": 4, "insert_failed": 0}
     for _ in range(6):
         step(exp, broker, clock)
+    broker.counters.failures_by_error["TOPIC_AUTHORIZATION_FAILED"] = 2  # as the Kafka sink counts them
     metrics = Metrics()
     metrics.bind(lambda: exp.readings({"enrichment_lookups": 3}))
     text = generate_latest(metrics.registry).decode()
     exported = {attr for attr, *_ in _FAMILIES} | {"given_up", "checkpoint", "kafka_client", "extra"}
     exported |= {"zone_entries", "conntrack_kernel", "last_poll_seconds"}  # the health families
+    exported |= {"delivery_failures"}
     assert {f.name for f in dataclasses.fields(Readings)} == exported
     assert {attr for attr, *_ in _CHECKPOINT_FAMILIES} == {f.name for f in dataclasses.fields(CheckpointReadings)}
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
@@ -309,6 +311,7 @@ def test_every_reading_reaches_the_metrics_endpoint() -> None:
     assert values['flow_exporter_conntrack_zone_entries{zone="0"}'] == 1
     assert values['flow_exporter_conntrack_kernel_total{stat="early_drop"}'] == 4
     assert values["flow_exporter_last_poll_seconds"] == exp.stats.last_poll_seconds
+    assert values['flow_exporter_delivery_failures_total{error="TOPIC_AUTHORIZATION_FAILED"}'] == 2
 
 @pytest.fixture(autouse=True)
 def _no_threads_left() -> None:
