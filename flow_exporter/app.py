@@ -290,8 +290,15 @@ class Exporter:
                 continue
             if ready is not exports:
                 ready.append(e)
-        if self.checkpoint is not None:
-            self.checkpoint.sent(ready)
+        cp = self.checkpoint
+        if cp is not None:
+            cp.sent(ready)
+            if cp.stale:  # this journal write failed, and the old state could not be deleted: hold them back
+                now = self.clock()
+                with self.lock:
+                    for e in ready:
+                        self.store.acknowledge(e, False, now)  # kept as built; the fresh snapshot will hold them
+                return
         produce = sink.produce
         done = self.completeness
         for i, e in enumerate(ready):
@@ -321,9 +328,16 @@ class Exporter:
             records = list(self.store.in_flight())
         self.checkpoint.snapshot(rows, records)
 
+    def held_back(self) -> bool:
+        """Records may not be produced: the state directory holds an old state it could not delete
+        (a read-only volume), and one more record would make it lie. Until a snapshot succeeds."""
+        return self.checkpoint is not None and self.checkpoint.stale
+
     def expire_once(self) -> int:
         """Export everything that is due; returns the number of records produced."""
         self._apply_reports()
+        if self.held_back():
+            return 0  # as when Kafka is behind: due connections wait, coalescing, until a snapshot succeeds
         room = self.max_in_flight - self.sink.in_flight()
         if room <= 0:
             return 0  # Kafka is behind: due connections wait, coalescing, instead of piling up
@@ -419,6 +433,8 @@ class Exporter:
                 cp.stats.last_snapshot_bytes,
                 cp.stats.last_snapshot_seconds,
                 cp.stats.journal_bytes,
+                int(cp.broken),
+                int(cp.stale),
             ),
             kafka_client=sc.client,
             delivery_failures=dict(sc.failures_by_error),
@@ -456,7 +472,10 @@ class Exporter:
         # Connections with a record in flight get their final one once it settles,
         # so no counts are sent twice.
         sent = 0
+        cp = self.checkpoint
         while True:
+            if cp is not None and cp.stale and cp.due():
+                self.snapshot()  # held back until one succeeds (the records built so far are in it)
             with self.lock:
                 exports = self.store.export_all(self.clock(), FORCED_END)
             if exports:
@@ -481,8 +500,16 @@ class Exporter:
             self.sink.purge()  # so closing the producer does not wait on a broker that is gone
             self._apply_reports()  # purged records come back as failed: they stay in the store
         self.outcome.final_records = sent
-        if self.checkpoint is not None and not self.checkpoint.broken:
-            self.snapshot()
+        if cp is not None:
+            self.snapshot()  # also when a write failed before: the disk may have room again
+        if cp is not None and cp.stale:
+            self.outcome.kept = left
+            log.error(
+                "shutdown: state.dir could not be written, %d records held back (not produced); the next start "
+                "continues every connection exactly from the old state there",
+                left,
+            )
+        elif cp is not None and not cp.broken:
             self.outcome.kept = left
             if left:
                 log.warning(

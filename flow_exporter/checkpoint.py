@@ -17,8 +17,20 @@ Two files (plus a lock):
 * ``journal``: appended before each batch is produced (the records, as above) and
   after each batch of delivery reports (which ones arrived), so even SIGKILL loses
   nothing: a record reaches Kafka only after its journal entry is written. A new
-  snapshot starts a new journal. Entries carry a CRC; a torn tail (killed during a
-  write, before the produce that would have followed) is ignored.
+  snapshot starts a new journal. Entries carry a CRC; a torn tail (an entry cut by
+  the end of the file: killed during a write, before the produce that would have
+  followed) is ignored. Any other bad entry (whole but failing its CRC, or
+  followed by more entries) means the journal cannot be trusted: the whole state
+  is dropped and a new lineage starts.
+
+A write that fails (or writes less than asked: a full disk) drops the state: the
+checkpoint, the journal and a half-written ``checkpoint.tmp`` are deleted, so a
+restart starts a new lineage instead of reusing sequences. The memory state is
+intact, so the exporter writes a fresh snapshot as soon as one succeeds again
+(``due`` asks for one every few seconds, with backoff, while ``broken``). If the
+old checkpoint cannot be deleted (a read-only volume), the state is ``stale``: it
+stays true only while nothing more is produced, so the exporter holds records back
+until a snapshot succeeds.
 
 A checkpoint from another boot is dropped (the kernel's table is new too); so is
 one for another table (``conntrack.netns``) or one that cannot be read: the
@@ -42,7 +54,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +73,9 @@ LOCK = "lock"
 # A new snapshot once the journal outgrows this, or twice the last snapshot: journal writes stay
 # within ~3x what was sent, and a restart replays at most that much.
 MIN_JOURNAL_BYTES = 8 << 20
+# While the state directory cannot be written: a fresh snapshot is tried after 1 s, doubling to 8 s.
+RETRY_INITIAL = 1.0
+RETRY_MAX = 8.0
 
 _HEAD = struct.Struct("!4sHQ")  # magic, version, snapshot id (both files)
 _META = struct.Struct("!16s8sQII")  # boot id, lineage, written at (ns), rows, records
@@ -166,15 +181,34 @@ def _record(
 
 
 class Checkpoint:
-    """One exporter's state directory (locked for the life of the process)."""
+    """One exporter's state directory (locked for the life of the process).
 
-    def __init__(self, directory: str | os.PathLike[str], table: str = "", boot: bytes | None = None) -> None:
+    ``write`` and ``unlink`` are the two file operations that can fail under a full disk or a
+    read-only volume (``os.write``, ``os.unlink``); tests pass their own, as they pass ``clock``.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        table: str = "",
+        boot: bytes | None = None,
+        *,
+        write: Callable[[int, bytes], int] = os.write,
+        unlink: Callable[[Path], None] = os.unlink,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.dir = Path(directory)
         self.table = table  # which conntrack table: the netns name, "" for the exporter's own
         self.boot = boot if boot is not None else boot_id()
         self.stats = CheckpointStats()
         self.lineage = b""
-        self.broken = False  # a write failed: state is dropped and no longer kept
+        self.broken = False  # a write failed: the state on disk is not kept up to date (see stale)
+        self._stale = False  # ... and the old checkpoint could not be deleted
+        self._write = write
+        self._unlink = unlink
+        self._clock = clock
+        self._retry_at = 0.0
+        self._retry_delay = RETRY_INITIAL
         self._snapshot_id = 0
         self._journal: int | None = None
         self._lock_fd: int | None = None
@@ -239,7 +273,10 @@ class Checkpoint:
             return Loaded(b"", why=f"checkpoint of another conntrack table ({table or 'the host'}); ignored")
         by_id: dict[int, Any] = {f[10]: f for f in rows}
         pending: dict[tuple[int, int], Any] = {(r[2], r[3]): r for r in records}
-        replayed, torn = self._replay(snap_id, by_id, pending)
+        try:
+            replayed, torn = self._replay(snap_id, by_id, pending)
+        except (ValueError, struct.error, UnicodeDecodeError) as exc:
+            return Loaded(b"", why=f"journal damaged ({exc}); the state is not used")
         # Rows and records stay raw (unpacked fields, offsets) until here: many are superseded.
         restored = [_restored(f) for f in by_id.values()]
         resends = [_record(*r) for r in pending.values()]
@@ -285,7 +322,12 @@ class Checkpoint:
         return snap_id, (boot, lineage, written, nrows, nrecs, table), rows, records
 
     def _replay(self, snap_id: int, rows: dict[int, Any], pending: dict[tuple[int, int], Any]) -> tuple[int, str]:
-        """Apply the journal written after snapshot ``snap_id``; returns (entries applied, note on a bad tail)."""
+        """Apply the journal written after snapshot ``snap_id``; returns (entries applied, note on a torn tail).
+
+        Only an entry cut by the end of the file is a torn tail (its records were never produced).
+        An entry that is whole yet fails its CRC or cannot be read raises ValueError: entries were
+        written after a damaged one (a disk that was full, then not), so the state cannot be trusted.
+        """
         try:
             data = memoryview((self.dir / JOURNAL).read_bytes())
         except OSError:
@@ -298,22 +340,28 @@ class Checkpoint:
         off = _HEAD.size
         applied = 0
         while off < len(data):
-            if off + _ENTRY.size > len(data):
+            end = off + _ENTRY.size
+            if end > len(data):
                 return applied, "torn journal tail ignored"
             kind, length, crc = _ENTRY.unpack_from(data, off)
-            payload = data[off + _ENTRY.size : off + _ENTRY.size + length]
-            if len(payload) != length or zlib.crc32(payload) != crc:
+            if end + length > len(data):
                 return applied, "torn journal tail ignored"
+            payload = data[end : end + length]
+            where = f"entry {applied + 1}, {len(data) - end - length:,} bytes after it"
+            if zlib.crc32(payload) != crc:
+                raise ValueError(f"{where}: checksum mismatch")
             try:
                 if kind == _SENT:
                     self._apply_sent(payload, rows, pending)
-                elif kind == _ACKED:
+                elif kind == _ACKED and length % _ACK.size == 0:
                     for i in range(0, length, _ACK.size):
                         pending.pop(_ACK.unpack_from(payload, i), None)
+                else:
+                    raise ValueError(f"entry type {kind}, {length} bytes")
             except (ValueError, struct.error, UnicodeDecodeError) as exc:
-                return applied, f"journal entry damaged ({exc}); the rest ignored"
+                raise ValueError(f"{where}: {exc}") from None
             applied += 1
-            off += _ENTRY.size + length
+            off = end + length
         return applied, ""
 
     @staticmethod
@@ -382,16 +430,38 @@ class Checkpoint:
         assert self._journal is not None
         entry = _ENTRY.pack(kind, len(payload), zlib.crc32(payload)) + payload
         try:
-            os.write(self._journal, entry)
+            self._write_all(self._journal, entry)
         except OSError as exc:
             self._fail(f"journal write failed: {exc.strerror}")
             return
         self.stats.journal_bytes += len(entry)
 
+    def _write_all(self, fd: int, data: bytes) -> None:
+        """One write of all of ``data``: a short count (a full disk) is a failure like an OSError.
+
+        Not retried for the rest: the entry would be torn in the middle of the journal, and every
+        entry after it would be lost at the next replay (or, with the fix there, the whole state).
+        """
+        n = self._write(fd, data)
+        if n != len(data):
+            raise OSError(errno.ENOSPC, f"short write, {n:,} of {len(data):,} bytes (disk full)")
+
+    @property
+    def stale(self) -> bool:
+        """A write failed and the old checkpoint could not be deleted (a read-only volume).
+
+        It still describes every record produced so far; one more would make it lie (a restart
+        would build that sequence again with other counts), so none may go out until a snapshot
+        succeeds and clears this.
+        """
+        return self._stale
+
     def due(self) -> bool:
-        """Time for a new snapshot (the journal outgrew the last one)."""
+        """Time for a new snapshot: the journal outgrew the last one, or a write failed and the retry is due."""
+        if self.broken:
+            return self._clock() >= self._retry_at
         st = self.stats
-        return not self.broken and st.journal_bytes >= max(MIN_JOURNAL_BYTES, 2 * st.last_snapshot_bytes)
+        return st.journal_bytes >= max(MIN_JOURNAL_BYTES, 2 * st.last_snapshot_bytes)
 
     def begin(self, loaded: Loaded) -> None:
         """Start this process's journal on a snapshot of what was loaded (so every entry follows a snapshot)."""
@@ -403,8 +473,6 @@ class Checkpoint:
         Callers pass the store's reported connections and records in flight as of one
         moment, from the thread that journals (so no entry falls between the two).
         """
-        if self.broken:
-            return
         t0 = time.perf_counter()
         with gc_policy.paused():  # see load(): no cycles here, and the collector would rescan the heap repeatedly
             rows = [_pack_row(r) for r in reported]
@@ -424,8 +492,11 @@ class Checkpoint:
         data = body + struct.pack("!I", zlib.crc32(body))
         tmp = self.dir / (CHECKPOINT + ".tmp")
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                self._write_all(fd, data)
+            finally:
+                os.close(fd)
             os.replace(tmp, self.dir / CHECKPOINT)
             self._open_journal(snap_id)
         except OSError as exc:
@@ -436,30 +507,72 @@ class Checkpoint:
         st.snapshots += 1
         st.last_snapshot_bytes = len(data)
         st.last_snapshot_seconds = time.perf_counter() - t0
+        self._retry_delay = RETRY_INITIAL
+        if self.broken:
+            self.broken = self._stale = False
+            log.warning(
+                "state.dir %s: written again: a fresh snapshot holds the whole state (%s connections, %s records "
+                "awaiting delivery); records go out, and a restart continues every connection exactly",
+                self.dir,
+                f"{len(rows):,}",
+                f"{len(records):,}",
+            )
 
     def _open_journal(self, snap_id: int) -> None:
         if self._journal is not None:
             os.close(self._journal)
             self._journal = None
         fd = os.open(self.dir / JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
-        os.write(fd, _HEAD.pack(JOURNAL_MAGIC, VERSION, snap_id))
+        try:
+            self._write_all(fd, _HEAD.pack(JOURNAL_MAGIC, VERSION, snap_id))
+        except OSError:
+            os.close(fd)
+            raise
         self._journal = fd
         self.stats.journal_bytes = _HEAD.size
 
     def _fail(self, why: str) -> None:
-        """Writing failed: drop the state rather than leave one that a restart would misread."""
+        """Writing failed: delete the state rather than leave one that a restart would misread.
+
+        The checkpoint goes first, and the journal only once it is gone: a checkpoint kept
+        without its journal would be older than what was produced. If it cannot be deleted (a
+        read-only volume), the state is ``stale``. Either way the memory state is intact, and a
+        fresh snapshot is tried again with backoff (``due``); logged once per change, not per try.
+        """
         self.stats.errors += 1
-        self.broken = True
-        log.error(
-            "state.dir %s: %s; exporter state is no longer kept (a restart will start a new lineage)", self.dir, why
-        )
-        for name in (CHECKPOINT, JOURNAL):
-            with contextlib.suppress(OSError):
-                os.unlink(self.dir / name)
         if self._journal is not None:
             with contextlib.suppress(OSError):
                 os.close(self._journal)
             self._journal = None
+        kept = ""
+        for name in (CHECKPOINT + ".tmp", CHECKPOINT, JOURNAL):
+            try:
+                self._unlink(self.dir / name)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                if name == CHECKPOINT:
+                    kept = exc.strerror or str(exc)
+                    break
+        was_broken, was_stale = self.broken, self._stale
+        self.broken, self._stale = True, bool(kept)
+        self._retry_at = self._clock() + self._retry_delay
+        self._retry_delay = min(self._retry_delay * 2, RETRY_MAX)
+        if was_broken and was_stale == self._stale:
+            log.debug("state.dir %s: still cannot be written: %s", self.dir, why)
+        elif self._stale:
+            log.error(
+                "state.dir %s: %s; the old checkpoint cannot be deleted (%s), so records are held back (not produced; "
+                "connections coalesce) until a fresh snapshot succeeds, tried every %.0f s at most; a restart "
+                "meanwhile continues from the old state, exactly",
+                self.dir, why, kept, RETRY_MAX,
+            )  # fmt: skip
+        else:
+            log.error(
+                "state.dir %s: %s; the state is deleted: records still go out, a restart now starts a new lineage; "
+                "a fresh snapshot is tried every %.0f s at most",
+                self.dir, why, RETRY_MAX,
+            )  # fmt: skip
 
     def close(self) -> None:
         if self._journal is not None:

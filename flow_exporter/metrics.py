@@ -100,10 +100,12 @@ _FAMILIES: tuple[tuple[str, str, str, str], ...] = (
 )
 _CHECKPOINT_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     ("snapshots", "checkpoint_snapshots", "Checkpoint snapshots written.", "counter"),
-    ("errors", "checkpoint_errors", "Checkpoint writes that failed (state then dropped).", "counter"),
+    ("errors", "checkpoint_errors", "Checkpoint writes that failed, retries included.", "counter"),
     ("last_snapshot_bytes", "checkpoint_last_snapshot_bytes", "Size of the last checkpoint snapshot.", "gauge"),
     ("last_snapshot_seconds", "checkpoint_last_snapshot_seconds", "Time to write the last snapshot.", "gauge"),
     ("journal_bytes", "checkpoint_journal_bytes", "Size of the journal since the last snapshot.", "gauge"),
+    ("broken", "checkpoint_broken", "1 while state.dir cannot be written (a snapshot is retried).", "gauge"),
+    ("stale", "checkpoint_stale", "1 while state.dir keeps an old state it cannot delete: records held back.", "gauge"),
 )
 GIVEN_UP_REASONS = ("cap_refused", "cap_idle")
 # Counters other parts hand in through Readings.extra (the runner: Kubernetes enrichment), with their help.
@@ -263,16 +265,20 @@ def readiness(
     caches_ready: Callable[[], bool] | None = None,
     kafka_failed: Callable[[], str | None] = lambda: None,
     kafka_stalled: Callable[[], str | None] | None = None,
+    held_back: Callable[[], bool] = lambda: False,
 ) -> Callable[[], tuple[bool, str]]:
     """Ready once the first poll is done, the caches synced and the producer reached the broker;
     never again after a fatal producer error (the process is about to exit); not while
     ``kafka_stalled`` gives a reason (records waiting for kafka.readyTimeout with no delivery,
-    e.g. a topic ACL removed after start: the exporter runs on, but its records reach no one)."""
+    e.g. a topic ACL removed after start: the exporter runs on, but its records reach no one);
+    not while ``held_back`` (a read-only state.dir with an old state in it)."""
 
     def check() -> tuple[bool, str]:
         failed = kafka_failed()
         if failed is not None:
             return (False, "kafka producer failed: " + failed)
+        if held_back():  # Exporter.held_back: nothing goes out until a snapshot succeeds
+            return (False, "records held back: state.dir cannot be written and holds an old state it cannot delete")
         missing = []
         if not lifecycle.first_poll_done.is_set():
             missing.append("first poll")

@@ -29,6 +29,8 @@ class CheckpointReadings:
     last_snapshot_bytes: int
     last_snapshot_seconds: float
     journal_bytes: int
+    broken: int = 0  # 1 while the state directory cannot be written (Checkpoint.broken)
+    stale: int = 0  # 1 while it holds an old state it could not delete: records held back (Checkpoint.stale)
 
 
 @dataclass(frozen=True, slots=True)

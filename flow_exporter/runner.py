@@ -135,6 +135,7 @@ def start_health_server(
                     caches_ready,
                     lambda: sink.counters.fatal,
                     stalled,
+                    held_back=exporter.held_back,
                 ),
             ),
             cfg["metrics.address"],

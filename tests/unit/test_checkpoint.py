@@ -6,20 +6,38 @@ records, a second Checkpoint reads them back as a restarted process would.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import io
 import os
+import struct
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
+import fastavro
 import pytest
 
-from flow_exporter.checkpoint import CHECKPOINT, JOURNAL, Checkpoint, CheckpointError
+from flow_exporter.app import Exporter
+from flow_exporter.checkpoint import CHECKPOINT, JOURNAL, Checkpoint, CheckpointError, Loaded
 from flow_exporter.flow import Export, Restored
+from flow_exporter.metrics import readiness
+from flow_exporter.record import load_schema
+from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.store import ConnectionStore
 from flow_exporter.timeouts import Timeouts
+from tests.support import contract
+from tests.support.fakes import FakeBroker, FakeTable
 from tests.support.store_builders import Clock, poll, tcp
 
 BOOT = b"B" * 16
+SCHEMA = fastavro.parse_schema(load_schema())
+
+
+def decode_record(value: bytes) -> dict[str, Any]:
+    return fastavro.schemaless_reader(io.BytesIO(value), SCHEMA, SCHEMA)  # type: ignore[return-value]
 
 
 def store_with_records(clock: Clock, lineage: bytes, n: int = 3) -> tuple[ConnectionStore, list[Export]]:
@@ -186,3 +204,274 @@ def test_rows_round_trip_ipv6_and_unknown_start(tmp_path: Path) -> None:
     cp.snapshot(rows, [])
     got = Checkpoint(tmp_path, boot=BOOT).load()
     assert sorted(got.rows, key=lambda r: r.flow_id) == sorted(rows, key=lambda r: r.flow_id)
+
+
+# ------------------------------------------------- a full disk, a read-only volume (issue 22, items 3 and 6)
+
+
+class Disk:
+    """The state directory's disk, through the checkpoint's two ports (``write``, ``unlink``).
+
+    ``mode``: "ok"; "full" (ENOSPC); "short" (a write stops half-way and says so only by its
+    count, as os.write does when the disk fills during it); "ro" (EROFS: nothing is written,
+    nothing can be deleted).
+    """
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.undeletable: set[str] = set()  # names whose unlink fails (EPERM), whatever the mode
+
+    def write(self, fd: int, data: bytes) -> int:
+        if self.mode in ("full", "ro"):
+            code = errno.ENOSPC if self.mode == "full" else errno.EROFS
+            raise OSError(code, os.strerror(code))
+        if self.mode == "short":
+            return os.write(fd, data[: len(data) // 2])
+        return os.write(fd, data)
+
+    def unlink(self, path: Path) -> None:
+        if self.mode == "ro" or path.name in self.undeletable:
+            code = errno.EROFS if self.mode == "ro" else errno.EPERM
+            raise OSError(code, os.strerror(code))
+        os.unlink(path)
+
+
+def on_disk(path: Path, disk: Disk, clock: Clock) -> tuple[Checkpoint, Loaded]:
+    cp = Checkpoint(path, boot=BOOT, write=disk.write, unlink=disk.unlink, clock=lambda: clock.now)
+    assert cp.lock()
+    loaded = cp.load()
+    cp.begin(loaded)
+    return cp, loaded
+
+
+@pytest.mark.parametrize("mode", ["short", "full"])
+def test_a_short_or_failed_journal_write_deletes_the_state(tmp_path: Path, mode: str) -> None:
+    clock, disk = Clock(), Disk()
+    cp, _ = on_disk(tmp_path, disk, clock)
+    _, out = store_with_records(clock, cp.lineage)
+    cp.sent(out[:1])
+    disk.mode = mode
+    cp.sent(out[1:])  # a short count raises nothing: it must still count as a failure
+    assert cp.broken and not cp.stale and cp.stats.errors == 1
+    assert sorted(os.listdir(tmp_path)) == ["lock"]
+    got = Checkpoint(tmp_path, boot=BOOT).load()
+    assert not got.valid and got.why.startswith("no checkpoint")  # a restart: a new lineage, never reused sequences
+
+
+@pytest.mark.parametrize("mode", ["short", "full"])
+def test_a_failed_snapshot_leaves_no_tmp_file_holding_space(tmp_path: Path, mode: str) -> None:
+    clock, disk = Clock(), Disk()
+    cp, _ = on_disk(tmp_path, disk, clock)
+    store, _ = store_with_records(clock, cp.lineage)
+    disk.mode = mode
+    cp.snapshot(store.reported(), store.in_flight())
+    assert cp.broken and not cp.stale and cp.stats.errors == 1
+    assert sorted(os.listdir(tmp_path)) == ["lock"]
+
+
+@pytest.mark.parametrize("failing", ["journal write", "snapshot"])
+def test_a_state_that_cannot_be_deleted_is_stale_and_kept_whole(tmp_path: Path, failing: str) -> None:
+    """Read-only volume: nothing is deleted, the old state stays loadable and the checkpoint says it is stale."""
+    clock, disk = Clock(), Disk()
+    cp, _ = on_disk(tmp_path, disk, clock)
+    store, out = store_with_records(clock, cp.lineage)
+    cp.sent(out[:1])
+    disk.mode = "ro"
+    if failing == "snapshot":
+        cp.snapshot(store.reported(), store.in_flight())
+    else:
+        cp.sent(out[1:])
+    assert cp.broken and cp.stale and cp.stats.errors == 1
+    got = Checkpoint(tmp_path, boot=BOOT).load()  # what a restart would continue from: what was journaled
+    assert got.valid and got.lineage == cp.lineage and [e.flow_id for e in got.resends] == [out[0].flow_id]
+
+
+def test_a_checkpoint_that_cannot_be_deleted_keeps_its_journal(tmp_path: Path) -> None:
+    """Without its journal the checkpoint would be older than what was produced: both stay, or both go."""
+    clock, disk = Clock(), Disk()
+    cp, _ = on_disk(tmp_path, disk, clock)
+    _, out = store_with_records(clock, cp.lineage)
+    cp.sent(out[:1])
+    disk.mode, disk.undeletable = "full", {CHECKPOINT}
+    cp.sent(out[1:])
+    assert cp.stale and sorted(os.listdir(tmp_path)) == ["checkpoint", "journal", "lock"]
+    assert [e.flow_id for e in Checkpoint(tmp_path, boot=BOOT).load().resends] == [out[0].flow_id]
+    disk.undeletable = set()
+    clock.tick(1)
+    assert cp.due()
+    cp.snapshot([], [])  # still full, but now the old state can go: no longer stale, records may go out
+    assert cp.broken and not cp.stale and sorted(os.listdir(tmp_path)) == ["lock"]
+
+
+def journal_entries(path: Path) -> tuple[bytes, list[bytes]]:
+    """The journal's header and its entries, as written."""
+    data = (path / JOURNAL).read_bytes()
+    off, entries = 14, []  # magic, version, snapshot id
+    while off < len(data):
+        (length,) = struct.unpack_from("!I", data, off + 1)
+        entries.append(data[off : off + 9 + length])
+        off += 9 + length
+    return data[:14], entries
+
+
+@pytest.mark.parametrize(
+    "damage, valid",
+    [
+        ("header cut by the end", True),
+        ("payload cut by the end", True),
+        ("torn, then more entries", False),  # what a full disk, then room again, left before the fix
+        ("last entry whole, bad checksum", False),
+        ("middle entry, bad checksum", False),
+        ("unknown entry type in the middle", False),
+    ],
+)
+def test_only_a_torn_tail_is_ignored_any_other_bad_entry_drops_the_state(
+    tmp_path: Path, damage: str, valid: bool
+) -> None:
+    clock = Clock()
+    cp, _ = opened(tmp_path)
+    _, out = store_with_records(clock, cp.lineage, n=3)
+    for e in out:
+        cp.sent([e])
+    head, (e1, e2, e3) = journal_entries(tmp_path)
+    assert len(e3) >= len(e2) - len(e2) // 2  # torn e2 then e3: e2's declared length fits in the file
+    flip = lambda b, i: b[:i] + bytes([b[i] ^ 0x40]) + b[i + 1 :]  # noqa: E731
+    body = {
+        "header cut by the end": e1 + e2 + e3[:5],
+        "payload cut by the end": e1 + e2 + e3[:-3],
+        "torn, then more entries": e1 + e2[: len(e2) // 2] + e3,
+        "last entry whole, bad checksum": e1 + e2 + flip(e3, 40),
+        "middle entry, bad checksum": e1 + flip(e2, 40) + e3,
+        "unknown entry type in the middle": e1 + bytes([9]) + e2[1:] + e3,
+    }[damage]
+    (tmp_path / JOURNAL).write_bytes(head + body)
+    got = Checkpoint(tmp_path, boot=BOOT).load()
+    assert got.valid is valid, got.why
+    if valid:
+        assert "torn" in got.why and [e.flow_id for e in got.resends] == [e.flow_id for e in out[:2]]
+    else:
+        assert "journal damaged" in got.why and got.rows == [] and got.lineage != cp.lineage
+
+
+def test_a_snapshot_is_retried_with_backoff_and_the_state_is_whole_again(tmp_path: Path) -> None:
+    clock, disk = Clock(), Disk()
+    cp, _ = on_disk(tmp_path, disk, clock)
+    store, out = store_with_records(clock, cp.lineage)
+    disk.mode = "full"
+    cp.sent(out)  # fails: the state is deleted, the records still go out
+    assert cp.broken and not cp.stale and not cp.due()
+    retries = []
+    for _ in range(16):  # one second at a time: a snapshot when due(), failing while the disk is full
+        clock.tick(1)
+        if cp.due():
+            retries.append(clock.now)
+            cp.snapshot(store.reported(), store.in_flight())
+    assert [t - retries[0] for t in retries] == [0, 2, 6, 14]  # 1 s after the failure, then 2, 4, 8, 8 ...
+    assert cp.stats.errors == 5 and cp.broken
+    for e in out[:1]:
+        store.acknowledge(e, True, clock.now)  # delivered meanwhile: the journal could not say so
+    disk.mode = "ok"
+    while not cp.due():
+        clock.tick(1)
+    cp.snapshot(store.reported(), store.in_flight())
+    assert not cp.broken and not cp.due() and cp.stats.snapshots == 2
+    cp.delivered(out[1:2])  # the journal goes on after the fresh snapshot
+    got = Checkpoint(tmp_path, boot=BOOT).load()
+    assert got.valid and got.lineage == cp.lineage
+    assert sorted((r.flow_id, r.next_seq, r.base) for r in got.rows) == sorted(
+        (e.flow_id, e.sequence + 1, e.totals) for e in out
+    )
+    assert [(e.flow_id, e.value) for e in got.resends] == [(e.flow_id, e.value) for e in out[2:]]
+
+
+# The expire loop's turn, as Exporter.expire_loop runs it: export, snapshot when due, serve deliveries.
+def turn(exp: Exporter, broker: FakeBroker, clock: Clock, table: FakeTable, packets: int) -> None:
+    clock.tick(1)
+    table.entries = [tcp(46000 + i, packets=packets + i) for i in range(3)]
+    exp.poll_once()
+    exp.expire_once()
+    cp = exp.checkpoint
+    assert cp is not None
+    if cp.due():
+        exp.snapshot()
+    broker.poll(0)
+
+
+def continues_exactly(path: Path, broker: FakeBroker) -> None:
+    """A restart from what is on disk now: every connection at the sequence after its last record produced,
+    with that record's totals as its base; records awaiting delivery are ones produced, as the same bytes."""
+    got = Checkpoint(path, boot=BOOT).load()
+    assert got.valid, got.why
+    last: dict[int, tuple[int, tuple[int, ...]]] = {}
+    for a in broker.accepted:
+        r = decode_record(a.value)
+        totals = tuple(r[f] for f in contract.TOTALS)
+        last[a.flow_id] = max(last.get(a.flow_id, (-1, ())), (a.sequence, totals))
+    assert {r.flow_id: (r.next_seq - 1, r.base) for r in got.rows} == last
+    sent = {(a.flow_id, a.sequence): a.value for a in broker.accepted}
+    assert all(sent[(e.flow_id, e.sequence)] == e.value for e in got.resends)
+
+
+def exporter_on(path: Path, disk: Disk, clock: Clock) -> tuple[Exporter, FakeTable, FakeBroker]:
+    cp, loaded = on_disk(path, disk, clock)
+    table, broker = FakeTable(), FakeBroker(RecordEncoder("node-a").encode)
+    exp = Exporter(table, broker, timeouts=Timeouts(poll_interval=1.0, active=5.0, idle=15.0, stale=30.0),
+                   node_name="node-a", clock=lambda: clock.now, wall_ns=clock.wall, checkpoint=cp,
+                   adopt=not loaded.valid)  # fmt: skip
+    return exp, table, broker
+
+
+@pytest.mark.parametrize("mode", ["full", "ro"])
+def test_the_exporter_while_its_state_dir_cannot_be_written(tmp_path: Path, mode: str) -> None:
+    """Full disk: records go on, the state is deleted. Read-only: records are held back, /readyz 503,
+    a restart continues from the old state. Then room again: a fresh snapshot, and nothing lost."""
+    clock, disk = Clock(), Disk()
+    exp, table, broker = exporter_on(tmp_path, disk, clock)
+    ready = readiness(exp.lifecycle, lambda: True, held_back=exp.held_back)
+    packets = 1
+    for _ in range(8):
+        packets += 2
+        turn(exp, broker, clock, table, packets)
+    before = len(broker.accepted)
+    assert before == 3 and ready() == (True, "ok")
+    disk.mode = mode
+    for _ in range(8):  # past the next active timeout: a journal write fails
+        packets += 2
+        turn(exp, broker, clock, table, packets)
+    r = exp.readings().checkpoint
+    assert r is not None and (r.broken, r.stale) == (1, int(mode == "ro"))
+    if mode == "ro":
+        assert len(broker.accepted) == before < exp.store.stats.records_built  # held back, kept in the store
+        assert ready()[0] is False and "held back" in ready()[1]
+        continues_exactly(tmp_path, broker)  # the old state still tells the truth
+    else:
+        assert len(broker.accepted) == exp.store.stats.records_built > before  # still produced; the state is gone
+        assert ready() == (True, "ok") and sorted(os.listdir(tmp_path)) == ["lock"]
+    disk.mode = "ok"
+    for _ in range(10):
+        packets += 2
+        turn(exp, broker, clock, table, packets)
+    r = exp.readings().checkpoint
+    assert r is not None and (r.broken, r.stale) == (0, 0) and ready() == (True, "ok")
+    continues_exactly(tmp_path, broker)  # the fresh snapshot and its journal: a restart continues exactly
+    exp.shutdown()
+    recs = [decode_record(a.value) for a in broker.accepted]
+    groups = contract.check(recs)
+    final = {46000 + i: (packets + i, (packets + i) * 100, packets + i, (packets + i) * 200) for i in range(3)}
+    assert {rs[0]["sourcePort"]: contract.consumer_sum(rs) for rs in groups.values()} == final
+
+
+def test_shutdown_while_stale_produces_nothing_and_the_old_state_continues(tmp_path: Path) -> None:
+    clock, disk = Clock(), Disk()
+    exp, table, broker = exporter_on(tmp_path, disk, clock)
+    for packets in range(8):
+        turn(exp, broker, clock, table, packets + 1)
+    disk.mode = "ro"
+    for packets in range(8, 16):
+        turn(exp, broker, clock, table, packets + 1)
+    assert exp.held_back()
+    before = len(broker.accepted)
+    assert exp.shutdown(time.monotonic() + 0.3) == 0
+    assert len(broker.accepted) == before  # no final record either: the old state would no longer be true
+    assert dataclasses.astuple(exp.outcome) == (0, 3, 0)  # three records held back, none lost
+    continues_exactly(tmp_path, broker)
