@@ -48,7 +48,7 @@ def measure(n: int) -> dict[str, Any]:
     from flow_exporter.timeouts import Timeouts
 
     enc = RecordEncoder("bench-node")
-    store = ConnectionStore(Timeouts(5, 5, 15, 300), lineage=b"benchlin", adopt=False)
+    store = ConnectionStore(Timeouts(5, 5, 15, 300), adopt=False)
     now, wall = 1000.0, 1_700_000_000_000_000_000
     store.update(connections(n, 1), now, wall)
     now += 5
@@ -117,7 +117,7 @@ def measure(n: int) -> dict[str, Any]:
         got = Checkpoint(work / "state", boot=b"b" * 16).load()
         loads.append(time.perf_counter() - t0)
     assert got.valid and len(got.rows) == n, (got.why, len(got.rows))
-    restored = ConnectionStore(Timeouts(5, 5, 15, 300), lineage=got.lineage)
+    restored = ConnectionStore(Timeouts(5, 5, 15, 300))
     t0 = time.perf_counter()
     restored.restore(got.rows, got.resends)
     restored.update(connections(n, 5), now, wall)

@@ -84,7 +84,6 @@ class Exporter:
         wall_ns: Callable[[], int] = time.time_ns,
         is_fatal: Callable[[BaseException], bool] = lambda e: False,  # the runner knows the real source's errors
         checkpoint: Checkpoint | None = None,
-        lineage: bytes = b"",
         adopt: bool = True,
         timings: Timings | None = None,
         completeness: Completeness | None = None,
@@ -100,7 +99,7 @@ class Exporter:
         self.clock = clock
         self.wall_ns = wall_ns
         self.store = ConnectionStore(
-            timeouts, on_new=on_new, max_connections=max_connections, lineage=lineage, adopt=adopt
+            timeouts, on_new=on_new, max_connections=max_connections, adopt=adopt
         )
         self.checkpoint = checkpoint
         self.events: EventSource | None = None
@@ -138,7 +137,7 @@ class Exporter:
         store = self.store
         lock = self.lock
         with lock:
-            store.begin_poll()
+            store.begin_poll(self.wall_ns())
 
         zone_counts: Counter[int] = Counter()
 
@@ -156,7 +155,7 @@ class Exporter:
         if events is not None and not events.caught_up(time.monotonic(), min(2.0, self.timeouts.poll_interval)):
             self.stats.barrier_timeouts += 1
         with lock:
-            store.end_poll(self.clock())
+            store.end_poll(self.clock(), self.wall_ns())
         elapsed = time.perf_counter() - t0
         if self._timings is not None:
             self._timings.observe_poll(elapsed)
@@ -415,6 +414,8 @@ class Exporter:
             counter_resets=st.counter_resets,
             connections_restored=st.restored,
             connections_restored_gone=st.restored_gone,
+            connections_readmitted=st.readmitted,
+            tombstones_dropped_early=st.tombstones_dropped_early,
             unreported_ends=st.unreported_ends,
             given_up=dict(st.given_up),
             records_built=st.records_built,

@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from flow_exporter import gc_policy
-from flow_exporter.flow import Export, Restored
+from flow_exporter.flow import RECORD_FLAGS, ROW_ENDED, Export, Restored
 
 log = logging.getLogger(__name__)
 
@@ -374,10 +374,10 @@ class Checkpoint:
             off += st.size
             flow_id = f[10]
             tlen, klen, vlen = f[18], f[19], f[20]
-            if f[17]:
-                rows.pop(flow_id, None)  # it left the table: only its record matters now
+            if f[17] and not f[16] & ROW_ENDED:
+                rows.pop(flow_id, None)  # destroyed: only its record matters now
             else:
-                rows[flow_id] = f[:17]
+                rows[flow_id] = f[:17]  # live, given up, or ended but still to be recognised (flow.ROW_*)
             pending[(flow_id, f[11] - 1)] = (payload, off, flow_id, f[11] - 1, f[12:16], tlen, klen, vlen)
             off += tlen + klen + vlen
             if off > len(payload):
@@ -407,7 +407,8 @@ class Checkpoint:
             append(
                 _SENT_ROW[len(src)].pack(
                     len(src), zone & 0xFFFF, proto, sport, dport, src, dst, e.ct_id & 0xFFFFFFFF, e.start_ns,
-                    e.first_seen_ns, e.flow_id, e.sequence + 1, t[0], t[1], t[2], t[3], e.flags & 0xFF,
+                    e.first_seen_ns, e.flow_id, e.sequence + 1, t[0], t[1], t[2], t[3],
+                    (e.flags & RECORD_FLAGS) | e.row_kind,
                     ended, len(topic), len(key), len(value),
                 )
             )

@@ -87,6 +87,10 @@ class Connection:
     icmp_type: int | None = None
     icmp_code: int | None = None
     icmp_id: int | None = None
+    # Whether the kernel gave counter attributes: an entry created while nf_conntrack_acct was
+    # off has none (its zeros mean "not counted"), a zeroed one (conntrack -Z) has them at 0.
+    # NEW events carry none either (the kernel sends counters with DESTROY only).
+    counted: bool = True
 
     @property
     def key(self) -> ConnectionKey:

@@ -15,8 +15,7 @@ The accounting contract these types carry (README, "Counting: the contract"):
 
 from __future__ import annotations
 
-import hashlib
-import struct
+import os
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -56,42 +55,62 @@ IPS_OFFLOAD / IPS_HW_OFFLOAD): packets forwarded by the flowtable reach conntrac
 only in batches (software) or not at all (hardware), so the counters may trail the traffic.
 Set from the first record after the offload and kept."""
 
+# Row kinds a checkpoint keeps besides live connections, in the high bits of a row's flags byte
+# (record flags use the low four): what the store must remember across a restart so that it
+# never meets a reported incarnation as new.
+ROW_ENDED = 0x80
+"""Its end was reported and its entry may still be met (swept, not destroyed): a dump row of it continues it."""
+ROW_GIVEN_UP = 0x40
+"""Given up at the cap: not taken back while its entry lasts."""
+ROW_RESET = 0x20
+"""With ROW_ENDED: ended by a counter reset; its entry goes on under a successor connectionId."""
+RECORD_FLAGS = 0x0F
+
 Totals = tuple[int, int, int, int]  # packets, bytes, reverse packets, reverse bytes
 ZERO: Totals = (0, 0, 0, 0)
 
 
-def connection_id(lineage: bytes, key: ConnectionKey, ct_id: int, start_ns: int, first_seen_ns: int = 0) -> int:
-    """A signed 64-bit id (fits Avro ``long``) for one incarnation of a conntrack entry.
+class IdAllocator:
+    """Hands out connectionIds: each one once, never computed again from a connection's fields.
 
-    ``start_ns`` is the kernel's start timestamp; when it is unknown (timestamps off, or a
-    NEW event, which carries none) the time the exporter first saw the entry stands in:
-    the kernel reuses conntrack ids for a re-created tuple, so tuple and id alone do not
-    tell two incarnations apart. ``lineage`` is a random value kept
-    in the exporter's state directory (a new one per process without one): an exporter that
-    lost its state can never reuse an id, and so never give an old (id, sequence) new content.
+    Why allocated and not derived: an id that is a function of the connection (tuple,
+    conntrack id, start) comes out the same whenever the store meets an incarnation it
+    had forgotten (given up at the cap, swept, restored and dropped), and the connection
+    then starts over at sequence 0 under its old id, giving one (connectionId, sequence)
+    a second content. An allocated id cannot be met again: a forgotten incarnation seen
+    again gets a new id, and at worst is counted twice under two ids (README, "Counting:
+    the contract"), never twice under one pair.
+
+    The ids of one allocator are a Weyl sequence (a random start, an odd step, modulo
+    2**64) passed through SplitMix64's finalizer, a bijection on 64-bit values: within one
+    process no two ids are equal, and they look random (Kafka keys, Spark partitions).
+    Every process starts from fresh random bits, so no counter has to be journaled: the
+    ids a restarted process continues come from the checkpoint's rows, and the ids it
+    allocates collide with earlier processes' only by chance (about n**2 / 2**65 for n ids).
+    Written by hand: a few integer operations per new connection, cheaper than a hash call
+    on the first poll's hot path (bench/bench_poll.py).
     """
-    zone, proto, src, sport, dst, dport = key
-    # One hash call over the concatenation: the same digest as feeding the parts one by one, at
-    # half the cost (every new connection pays it; bench/bench_poll.py, first poll).
-    if start_ns:
-        tail = _TAIL(sport, dport, ct_id & 0xFFFFFFFF, start_ns & 0xFFFFFFFFFFFFFFFF, 1)
-    else:  # never equal to a start-stamped id: the last byte tells the two kinds apart
-        tail = _TAIL(sport, dport, ct_id & 0xFFFFFFFF, first_seen_ns & 0xFFFFFFFFFFFFFFFF, 0)
-    digest = _blake2b(b"".join((lineage, _HEAD(zone & 0xFFFF, proto), src, dst, tail)), digest_size=8).digest()
-    return _from_bytes(digest, "big", signed=True)
+
+    __slots__ = ("_next", "allocated")
+
+    def __init__(self, seed: bytes | None = None) -> None:
+        self._next = int.from_bytes(seed if seed is not None else os.urandom(8), "big") & _MASK64
+        self.allocated = 0
+
+    def __call__(self) -> int:
+        """A new signed 64-bit id (fits Avro ``long``)."""
+        self.allocated += 1
+        x = self._next = (self._next + _GOLDEN) & _MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+        x ^= x >> 31
+        return x - _TWO64 if x >= _TWO63 else x
 
 
-_HEAD = struct.Struct("!HB").pack
-_TAIL = struct.Struct("!HHIQB").pack
-_blake2b = hashlib.blake2b
-_from_bytes = int.from_bytes
-
-
-def next_segment_id(flow_id: int) -> int:
-    """The connectionId that continues an entry whose counters were reset (derived, so no state is needed)."""
-    h = hashlib.blake2b(b"counters-reset", digest_size=8)
-    h.update(flow_id.to_bytes(8, "big", signed=True))
-    return int.from_bytes(h.digest(), "big", signed=True)
+_MASK64 = (1 << 64) - 1
+_TWO64 = 1 << 64
+_TWO63 = 1 << 63
+_GOLDEN = 0x9E3779B97F4A7C15  # odd: the Weyl sequence visits every 64-bit value once
 
 
 class NewConnection(Protocol):
@@ -146,6 +165,7 @@ class Export:
     key: bytes | None = None
     attempts: int = 0
     export_ms: int = 0  # the exportTime written into ``value`` (0: unknown, a record restored from a checkpoint)
+    row_kind: int = 0  # ROW_* bits for the checkpoint row this record leaves, when it ends its connection
 
 
 class Restored(NamedTuple):

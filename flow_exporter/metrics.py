@@ -85,6 +85,18 @@ _FAMILIES: tuple[tuple[str, str, str, str], ...] = (
         "counter",
     ),
     (
+        "connections_readmitted",
+        "connections_readmitted",
+        "Incarnations met again after the store forgot them: a new connectionId flagged adopted.",
+        "counter",
+    ),
+    (
+        "tombstones_dropped_early",
+        "tombstones_dropped_early",
+        "Ended connections forgotten before their tombstone's time, to stay within limits.maxConnections.",
+        "counter",
+    ),
+    (
         "unreported_ends",
         "unreported_ends",
         "Final counters that could not be reported (connection given up, or unknown).",

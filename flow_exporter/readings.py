@@ -61,6 +61,8 @@ class Readings:
     counter_resets: int
     connections_restored: int
     connections_restored_gone: int
+    connections_readmitted: int
+    tombstones_dropped_early: int
     unreported_ends: int
     given_up: dict[str, int]
     records_built: int

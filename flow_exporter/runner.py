@@ -17,7 +17,7 @@ from confluent_kafka import KafkaException
 from flow_exporter import gc_policy
 from flow_exporter.app import Exporter
 from flow_exporter.checkpoint import Checkpoint, CheckpointError, Loaded
-from flow_exporter.completeness import Completeness, Losses, encode_marker
+from flow_exporter.completeness import Completeness, Delivered, Losses, MarkerRounds
 from flow_exporter.config import Config, ConfigError
 from flow_exporter.conntrack.events import ConntrackEvents
 from flow_exporter.health import HealthReporter
@@ -201,16 +201,26 @@ class HealthStream:
 class MarkerStream:
     """Completeness markers (flow_exporter.completeness) every markers.interval, on a producer of their own.
 
-    A round of markers counts as sent once Kafka acknowledged all of them; until then the
-    next round covers the same interval again, so no loss count is dropped with a lost marker.
+    :class:`MarkerRounds` decides what goes: one round in flight at a time, a failed marker sent
+    again as the same bytes, so no count is in two markers and none is dropped with a lost one.
     """
 
     def __init__(self, cfg: Config, exporter: Exporter, completeness: Completeness, topic: str) -> None:
         self._producer = side_producer(cfg)
         self.topic, self.node, self.interval = topic, cfg.node_name, cfg["markers.interval"]
-        self._exporter, self._done = exporter, completeness
+        self._exporter = exporter
+        key = self.node.encode()
+
+        def produce(value: bytes, delivered: Delivered) -> None:
+            def report(err: Any, _msg: Any) -> None:
+                delivered(None if err is None else str(err))
+
+            self._producer.produce(topic, value, key, on_delivery=report)
+
+        self.rounds = MarkerRounds(
+            completeness, self.node, produce, wall_ms=lambda: time.time_ns() // 1_000_000, losses=self._losses
+        )
         self._stop = threading.Event()
-        self.rounds_confirmed = 0
         self._thread = threading.Thread(target=self._run, name="markers", daemon=True)
         self._thread.start()
         log.info("completeness markers every %.0fs to %s", self.interval, topic)
@@ -220,32 +230,13 @@ class MarkerStream:
         return Losses(r.event_losses, sum(r.given_up.values()), r.records_given_up)
 
     def send_round(self) -> None:
-        losses = self._losses()
-        markers, until = self._done.markers(self.node, time.time_ns() // 1_000_000, losses)
-        pending = [len(markers)]
-
-        def delivered(err: Any, _msg: Any) -> None:
-            if err is not None:
-                log.warning("completeness marker not delivered: %s (the next round covers its interval)", err)
-                return
-            pending[0] -= 1
-            if pending[0] == 0:
-                self._done.confirmed(until, losses)
-                self.rounds_confirmed += 1
-
-        key = self.node.encode()
-        for marker in markers:
-            try:
-                self._producer.produce(self.topic, encode_marker(marker), key, on_delivery=delivered)
-            except Exception as exc:  # the flow records matter more: never let this stop anything
-                log.warning("completeness marker not sent: %s", exc)
-                return
+        self.rounds.tick()
         self._producer.poll(0)
 
     def _run(self) -> None:
         due = time.monotonic() + self.interval
         while not self._stop.wait(min(0.2, self.interval)):
-            self._producer.poll(0)  # delivery reports: a confirmed round starts the next interval
+            self._producer.poll(0)  # delivery reports: a confirmed round lets the next one be built
             if time.monotonic() >= due:
                 due += self.interval
                 self.send_round()
@@ -253,8 +244,10 @@ class MarkerStream:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(5)
+        deadline = time.monotonic() + 5  # the same 5 s as one flush: a broker that is gone costs no more
+        self._producer.flush(5)  # the round in flight first: the final one starts where it ends
         self.send_round()  # after the last flush: what this process sent, confirmed up to now
-        self._producer.flush(5)
+        self._producer.flush(max(deadline - time.monotonic(), 0))
 
 
 def start_events(cfg: Config, exporter: Exporter) -> ConntrackEvents | None:
@@ -378,7 +371,6 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         is_fatal=is_fatal_source_error,
         on_new=enricher,
         checkpoint=checkpoint,
-        lineage=loaded.lineage if loaded else b"",
         adopt=not (loaded and loaded.valid),
         lifecycle=lifecycle,
         timings=metrics,

@@ -38,7 +38,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import os
 import socket
 import struct
 from array import array
@@ -59,13 +58,16 @@ from flow_exporter.flow import (
     LACK_OF_RESOURCES,
     NO_COUNTERS,
     OFFLOADED,
+    RECORD_FLAGS,
+    ROW_ENDED,
+    ROW_GIVEN_UP,
+    ROW_RESET,
     ZERO,
     Export,
+    IdAllocator,
     NewConnection,
     Restored,
     Totals,
-    connection_id,
-    next_segment_id,
 )
 from flow_exporter.settings import DEFAULTS
 from flow_exporter.timeouts import Timeouts
@@ -90,6 +92,16 @@ DESTROYED = 4  # a DESTROY event gave its final counters: dump rows of it are st
 FINAL_DUE = 8  # a record must still go out for its end
 CLOSED = 16  # shutdown: its forced-end record was built
 ORPHAN = 32  # out of the keyed table (replaced, reset or given up): settles on its own
+LAST_ACTIVE = 64  # its last record was an active-timeout record: its end still owes an end-of-flow record
+UNCOUNTED = 128  # its rows carry no counter attributes (created with accounting off)
+
+# A tombstone lives at least this long (seconds) after its connection was forgotten: a DESTROY
+# event read later than that (listener lag under load, a large conntrack.eventBuffer) finds no
+# record of it. limits.maxConnections also bounds how many are kept (oldest go first, counted).
+TOMBSTONE_MIN_TTL = 60.0
+
+# Slack (ns) between the kernel's start stamp and our reading of the clock before a dump.
+_DUMP_MARGIN_NS = 100_000_000
 
 # Static fields besides the key, packed once per connection: orig_dport, reply_sport,
 # reply_dport and which ICMP fields the kernel gave, after the two destination addresses.
@@ -99,6 +111,17 @@ _MIN_GROW = 1024
 # peers and Services): one object per distinct value saves ~100 B per connection at 250k.
 # The table is dropped when it grows past this, so a scan of many addresses cannot grow it.
 _INTERN_MAX = 1 << 17
+
+
+@dataclass(slots=True)
+class GivenUp:
+    """A connection given up at the cap: remembered (and checkpointed) while its entry lasts."""
+
+    ct_id: int
+    start_ns: int
+    first_seen_ns: int
+    flow_id: int
+    last_seen: float | None  # monotonic time of the last dump that showed it; None: restored, not seen yet
 
 
 @dataclass(slots=True)
@@ -114,6 +137,7 @@ class Tombstone:
     flags: int
     destroyed: bool
     deadline: float
+    reset: bool = False  # ended by a counter reset: its entry lives on under a successor id
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +166,8 @@ class StoreStats:
     counter_resets: int = 0
     restored: int = 0  # continued from the checkpoint
     restored_gone: int = 0  # in the checkpoint, no longer in the table: ended while no exporter ran
+    tombstones_dropped_early: int = 0  # forgotten before their time to make room (limits.maxConnections)
+    readmitted: int = 0  # an incarnation met again after it was forgotten: a new id, flagged adopted
     resends: int = 0  # records scheduled again after a failed delivery
     given_up: dict[str, int] = field(default_factory=dict)  # by reason
     unreported_ends: int = 0  # final counters the store could not report (given up, or no known connection)
@@ -213,12 +239,11 @@ class ConnectionStore:
     timeouts: Timeouts = field(default_factory=Timeouts)
     on_new: Callable[[NewConnection], None] | None = None  # enrichment hook, called once per new connection
     max_connections: int = DEFAULTS["limits.maxConnections"]  # bounded memory: beyond this, connections are given up
-    lineage: bytes = b""  # part of every connectionId; random unless the checkpoint gives one
     adopt: bool = True  # no state to continue from: connections found live are flagged ADOPTED
+    id_seed: bytes | None = None  # the id allocator's start (tests); random by default
 
     def __post_init__(self) -> None:
-        if not self.lineage:
-            self.lineage = os.urandom(8)
+        self._new_id = IdAllocator(self.id_seed)
         self.connections: dict[ConnectionKey, int] = {}  # key -> slot of the incarnation that holds the tuple
         self.queue = ExpiryQueue()
         self._orphans: dict[int, int] = {}  # flow_id -> slot: out of the table, final record pending
@@ -226,7 +251,7 @@ class ConnectionStore:
         self._orphan_due: list[int] = []
         self._tombs: dict[tuple[ConnectionKey, int], Tombstone] = {}
         self._tomb_order: deque[tuple[float, tuple[ConnectionKey, int]]] = deque()
-        self._given_up: dict[ConnectionKey, list[int]] = {}  # key -> [ct_id, start_ns, generation seen]
+        self._given_up: dict[ConnectionKey, GivenUp] = {}
         self._idle: dict[int, None] = {}  # slots of idle connections, oldest first: eviction candidates
         self._restored: dict[ConnectionKey, list[Restored]] = {}
         self._loose: dict[tuple[int, int], Export] = {}  # restored records in flight: no connection holds them
@@ -238,7 +263,12 @@ class ConnectionStore:
         self._cap_logged_at = float("-inf")
         self._cap_unlogged: dict[str, int] = {}
         self.stats = StoreStats()
-        self.tombstone_ttl = max(2 * self.timeouts.poll_interval, 10.0)
+        self.tombstone_ttl = max(4 * self.timeouts.poll_interval, TOMBSTONE_MIN_TTL)
+        self.max_tombstones = max(self.max_connections, 1024)
+        # Wall-clock (begin, end) of recent complete dumps: an entry that lived through one of them was
+        # seen by it, so meeting it as unknown means it was forgotten (bounded: a few hours of polls).
+        self._dumps: deque[tuple[int, int]] = deque(maxlen=4096)
+        self._dump_begin = 0
         # Slot columns (one element per slot; see the module docstring).
         self._keys: list[ConnectionKey | None] = []  # None: a free slot
         self._static: list[bytes | None] = []
@@ -328,7 +358,7 @@ class ConnectionStore:
         self._first[s] = first_seen
         self._last_active[s] = conn.stop_ns or wall_ns
         self._seen[s] = self._generation
-        self._bits[s] = PRESENT | ACTIVE
+        self._bits[s] = PRESENT | ACTIVE if conn.counted else PRESENT | ACTIVE | UNCOUNTED
         if flags:
             self._flags[s] = flags
         if next_seq:
@@ -352,6 +382,7 @@ class ConnectionStore:
 
     def _set_row(self, s: int, conn: Connection) -> None:
         """Write a row's changing fields (counters, state, ids) into slot ``s``."""
+        self._bits[s] = self._bits[s] & ~UNCOUNTED if conn.counted else self._bits[s] | UNCOUNTED
         self._op[s] = conn.orig_packets
         self._ob[s] = conn.orig_bytes
         self._rp[s] = conn.reply_packets
@@ -491,7 +522,10 @@ class ConnectionStore:
         """
         self.adopt = False
         for row in rows:
-            self._restored.setdefault(row.key, []).append(row)
+            if row.flags & ROW_GIVEN_UP:
+                self._given_up[row.key] = GivenUp(row.ct_id, row.start_ns, row.first_seen_ns, row.flow_id, None)
+            else:
+                self._restored.setdefault(row.key, []).append(row)
         for e in resends:
             self._loose[(e.flow_id, e.sequence)] = e
             heapq.heappush(self._resend, (float("-inf"), next(self._resend_seq), e))
@@ -499,29 +533,90 @@ class ConnectionStore:
     # ----------------------------------------------------------------- polling
     def update(self, dumped: Iterable[Connection], now: float, wall_ns: int) -> None:
         """Apply one full conntrack dump: add or update what is in it, then sweep what is not."""
-        self.begin_poll()
+        self.begin_poll(wall_ns)
         self.update_batch(dumped, now, wall_ns)
-        self.end_poll(now)
+        self.end_poll(now, wall_ns)
 
-    def begin_poll(self) -> None:
-        """Start applying a dump that arrives in batches (``update_batch``, then ``end_poll``)."""
+    def begin_poll(self, wall_ns: int = 0) -> None:
+        """Start applying a dump that arrives in batches (``update_batch``, then ``end_poll``).
+
+        ``wall_ns``: the real time before the dump was requested (0: unknown).
+        """
         self._generation += 1
+        self._dump_begin = wall_ns
 
-    def end_poll(self, now: float) -> None:
-        """The dump is complete: whatever it did not contain has left the table."""
+    def end_poll(self, now: float, wall_ns: int = 0) -> None:
+        """The dump is complete: whatever it did not contain has left the table.
+
+        ``wall_ns``: the real time after the dump's last entry was read (0: unknown).
+        """
         self._sweep(now, self._generation)
         self._polls_done += 1
+        if self._dump_begin and wall_ns:
+            self._dumps.append((self._dump_begin, wall_ns))
         if self._polls_done == 1:
             self.adopt = False  # from now on, a connection the exporter has not seen is new
             if self._restored:
-                gone = sum(len(rows) for rows in self._restored.values())
+                # Rows no dump showed: their entries ended while no exporter ran, or just before this
+                # dump (the listener may still bring their DESTROY): remembered as tombstones, so a late
+                # event continues them instead of meeting them as new.
+                gone = 0
+                for rows in self._restored.values():
+                    for row in rows:
+                        gone += 1
+                        self._bury_row(row, now)
                 self.stats.restored_gone += gone
                 log.info(
                     "%d connections of the checkpoint ended while no exporter ran; "
-                    "counts after their last record are unknown",
+                    "counts after their last record are unknown unless their DESTROY is still read",
                     gone,
                 )
                 self._restored.clear()
+
+    def _bury_row(self, row: Restored, now: float) -> None:
+        """A checkpoint row no dump matched: keep it as a tombstone for late events."""
+        flags = row.flags
+        self._add_tomb(
+            (row.key, row.ct_id),
+            Tombstone(
+                row.flow_id, row.ct_id, row.start_ns, row.first_seen_ns, row.next_seq, row.base,
+                flags & RECORD_FLAGS, False, now + self.tombstone_ttl,
+                bool(flags & ROW_ENDED and flags & ROW_RESET),
+            ),
+            now,
+        )  # fmt: skip
+
+    def _add_tomb(self, tkey: tuple[ConnectionKey, int], tomb: Tombstone, now: float) -> None:
+        """Remember a forgotten connection until its deadline; past the bound, the oldest goes first."""
+        tombs = self._tombs
+        tombs[tkey] = tomb
+        order = self._tomb_order
+        order.append((tomb.deadline, tkey))
+        while len(tombs) > self.max_tombstones and order:
+            deadline, old = order.popleft()
+            t = tombs.get(old)
+            if t is not None and t.deadline == deadline:
+                del tombs[old]
+                if deadline > now:
+                    self.stats.tombstones_dropped_early += 1
+
+    def _forgotten(self, conn: Connection, wall_ns: int) -> bool:
+        """Whether ``conn`` lived through a complete dump of this process, so the store saw and then forgot it.
+
+        A dump shows every entry that exists from its begin to its end. An entry the store meets
+        as unknown although it started before such a dump, and ended after it (or lives on),
+        was tracked once and forgotten (its tombstone or give-up record went before it did):
+        it gets a new connectionId flagged adopted, and ``readmitted`` counts it.
+        """
+        start = conn.start_ns
+        dumps = self._dumps
+        if not start or not dumps or start > dumps[-1][0] - _DUMP_MARGIN_NS:
+            return False
+        stop = conn.stop_ns or wall_ns
+        for begin, end in dumps:
+            if begin - _DUMP_MARGIN_NS >= start:
+                return end <= stop
+        return False
 
     def update_batch(self, dumped: Iterable[Connection], now: float, wall_ns: int) -> None:
         """Add or update the connections of one part of the current dump.
@@ -574,6 +669,11 @@ class ConnectionStore:
             b = bits[s]
             if b & DESTROYED:
                 continue  # a dump older than its DESTROY event: the event's counters are final
+            if not conn.counted:
+                if not b & UNCOUNTED:
+                    bits[s] = b = b | UNCOUNTED
+            elif b & UNCOUNTED:
+                bits[s] = b = b & ~UNCOUNTED
             packets = conn.orig_packets
             rpackets = conn.reply_packets
             old_packets = op[s]
@@ -653,11 +753,13 @@ class ConnectionStore:
                     del self._tombs[(key, ct_id)]
             g = self._given_up.get(key)
             if g is not None:
-                if not g[0] or not ct_id or g[0] == ct_id:
+                if not g.ct_id or not ct_id or g.ct_id == ct_id:
                     continue  # the given-up entry itself
                 del self._given_up[key]
-            if self._admit(key, conn, now, wall_ns, adopted=False) is not None:
+            s = self._admit(key, conn, now, wall_ns, adopted=False)
+            if s is not None:
                 self.stats.added_from_events += 1
+                self._bits[s] &= ~UNCOUNTED  # a NEW event never carries counters: the rows will tell
         for conn in destroyed:
             self._apply_destroy(conn, now, wall_ns)
 
@@ -694,7 +796,7 @@ class ConnectionStore:
             self._destroy(s, conn, now, wall_ns)
             return
         g = self._given_up.get(key)
-        if g is not None and _same_incarnation(g[0], g[1], conn):
+        if g is not None and _same_incarnation(g.ct_id, g.start_ns, conn):
             del self._given_up[key]
             self.stats.unreported_ends += 1  # given up at the cap: its last counts are not reported
             return
@@ -718,8 +820,9 @@ class ConnectionStore:
     def _unkeyed(self, key: ConnectionKey, conn: Connection, wall_ns: int, adopted: bool) -> int:
         """A new connection that will not enter the keyed table (it only owes its one record)."""
         first_seen = conn.start_ns or self._stamp(wall_ns)
-        flow_id = connection_id(self.lineage, key, conn.ct_id, conn.start_ns, first_seen)
-        s = self._alloc(key, conn, flow_id, first_seen, wall_ns, ADOPTED if adopted else 0)
+        flow_id = self._new_id()
+        flags = ADOPTED if adopted or (self._dumps and self._readmitted(conn, wall_ns)) else 0
+        s = self._alloc(key, conn, flow_id, first_seen, wall_ns, flags)
         if self.on_new is not None:
             self.on_new(_Newcomer(self, s, flow_id, conn))
         return s
@@ -752,8 +855,8 @@ class ConnectionStore:
         """A dump row for a tuple the store does not hold."""
         g = self._given_up.get(key)
         if g is not None:
-            if _same_incarnation(g[0], g[1], conn):
-                g[2] = self._generation
+            if _same_incarnation(g.ct_id, g.start_ns, conn, g.first_seen_ns):
+                g.last_seen = now
                 return
             del self._given_up[key]
         if self._tombs:
@@ -773,29 +876,60 @@ class ConnectionStore:
     def _continue(
         self, key: ConnectionKey, conn: Connection, known: Tombstone | Restored, now: float, wall_ns: int
     ) -> int:
-        """Track ``conn`` again under the identity and reported state it had (a tombstone or a checkpoint row)."""
-        return self._track(
-            key, conn, known.flow_id, known.first_seen_ns, now, wall_ns, known.flags, known.next_seq, known.base
-        )
+        """Track ``conn`` again under the identity and reported state it had (a tombstone or a checkpoint row).
+
+        A connectionId that ended with a counter reset is not continued: its entry goes on under a
+        successor id from the reset on (flag 2), whose counts were never reported. Counters below
+        what was reported mean a reset the store did not see (while no exporter ran): the old id
+        ends with a forced-end record at its last totals, and a successor continues from zero.
+        """
+        flags = known.flags & RECORD_FLAGS
+        reset = known.reset if isinstance(known, Tombstone) else bool(known.flags & ROW_RESET)
+        if reset:
+            flags = (flags & ~ADOPTED) | COUNTERS_RESET
+            return self._track(key, conn, self._new_id(), known.first_seen_ns, now, wall_ns, flags)
+        base = known.base
+        if conn.orig_packets < base[0] or conn.orig_bytes < base[1] or conn.reply_packets < base[2] or (
+            conn.reply_bytes < base[3]
+        ):
+            s = self._track(
+                key, _with_totals(conn, base), known.flow_id, known.first_seen_ns, now, wall_ns, flags,
+                known.next_seq, base,
+            )  # fmt: skip
+            return self._reset(s, conn, now, wall_ns)
+        return self._track(key, conn, known.flow_id, known.first_seen_ns, now, wall_ns, flags, known.next_seq, base)
 
     def _admit(self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int, *, adopted: bool) -> int | None:
         """Track a connection the store does not hold, unless the cap refuses it."""
         if self._restored:
             rows = self._restored.get(key)
             if rows is not None:
-                for i, row in enumerate(rows):
-                    if _same_incarnation(row.ct_id, row.start_ns, conn, row.first_seen_ns):
-                        del rows[i]
-                        if not rows:
-                            del self._restored[key]
-                        self.stats.restored += 1
-                        return self._continue(key, conn, row, now, wall_ns)
+                # A live row before an ended one: a reset successor with records outranks its ended predecessor.
+                match = [
+                    (bool(row.flags & ROW_ENDED), i)
+                    for i, row in enumerate(rows)
+                    if _same_incarnation(row.ct_id, row.start_ns, conn, row.first_seen_ns)
+                ]
+                if match:
+                    row = rows[min(match)[1]]
+                    for _, i in sorted(match, reverse=True):
+                        del rows[i]  # every row of this incarnation is answered by this one
+                    if not rows:
+                        del self._restored[key]
+                    self.stats.restored += 1
+                    return self._continue(key, conn, row, now, wall_ns)
         if len(self.connections) + len(self._orphans) >= self.max_connections and not self._evict_idle(now):
             self._refuse(key, conn, now, wall_ns, adopted)
             return None
         first_seen = conn.start_ns or self._stamp(wall_ns)
-        flow_id = connection_id(self.lineage, key, conn.ct_id, conn.start_ns, first_seen)
-        return self._track(key, conn, flow_id, first_seen, now, wall_ns, ADOPTED if adopted else 0)
+        flags = ADOPTED if adopted or (self._dumps and self._readmitted(conn, wall_ns)) else 0
+        return self._track(key, conn, self._new_id(), first_seen, now, wall_ns, flags)
+
+    def _readmitted(self, conn: Connection, wall_ns: int) -> bool:
+        if not self._forgotten(conn, wall_ns):
+            return False
+        self.stats.readmitted += 1
+        return True
 
     def _stamp(self, wall_ns: int) -> int:
         """First-seen time for an entry without a kernel start time: strictly increasing, so unique."""
@@ -854,7 +988,7 @@ class ConnectionStore:
         """Stop tracking slot ``s``: one lack-of-resources record with its counts, then never again while it lasts."""
         key = self._keys[s]
         assert key is not None
-        self._given_up[key] = [self._ct[s], self._start[s], self._generation]
+        self._given_up[key] = GivenUp(self._ct[s], self._start[s], self._first[s], self._fid[s], now)
         self.stats.given_up[why] = self.stats.given_up.get(why, 0) + 1
         self._cap_unlogged[why] = self._cap_unlogged.get(why, 0) + 1
         self._orphan(s, LACK_OF_RESOURCES, now, keyed=keyed)
@@ -889,7 +1023,7 @@ class ConnectionStore:
         """Slot ``s`` ended for the exporter: schedule the record that reports it, or forget it if there is none."""
         self._reason[s] = reason
         b = self._bits[s]
-        if force_record or self._seq[s] == 0 or self._totals_of(s) != self._base_of(s):
+        if force_record or self._seq[s] == 0 or b & LAST_ACTIVE or self._totals_of(s) != self._base_of(s):
             self._bits[s] = b | FINAL_DUE
             if b & ORPHAN:
                 self._orphan_due.append(s)
@@ -908,11 +1042,10 @@ class ConnectionStore:
         key = self._keys[s]
         assert key is not None
         meta = self._meta[s]
-        flow_id = self._fid[s]
         first_seen = self._first[s]
         flags = self._flags[s]
         self._orphan(s, FORCED_END, now)
-        new = self._alloc(key, conn, next_segment_id(flow_id), first_seen, wall_ns, (flags & ~ADOPTED) | COUNTERS_RESET)
+        new = self._alloc(key, conn, self._new_id(), first_seen, wall_ns, (flags & ~ADOPTED) | COUNTERS_RESET)
         self._meta[new] = meta
         self.connections[self._keys[new]] = new
         self.queue.push(new, now + self.timeouts.active, now + self.timeouts.idle)
@@ -936,19 +1069,14 @@ class ConnectionStore:
         elif self.connections.get(key) == s:
             del self.connections[key]
             self.stats.deleted += 1
-        tkey = (key, ct_id)
-        self._tombs[tkey] = Tombstone(
-            self._fid[s],
-            ct_id,
-            self._start[s],
-            self._first[s],
-            self._seq[s],
-            self._base_of(s),
-            self._flags[s],
-            bool(self._bits[s] & DESTROYED),
-            now + self.tombstone_ttl,
-        )
-        self._tomb_order.append((now + self.tombstone_ttl, tkey))
+        self._add_tomb(
+            (key, ct_id),
+            Tombstone(
+                self._fid[s], ct_id, self._start[s], self._first[s], self._seq[s], self._base_of(s),
+                self._flags[s], bool(self._bits[s] & DESTROYED), now + self.tombstone_ttl,
+            ),
+            now,
+        )  # fmt: skip
         self._release(s)
 
     def _sweep(self, now: float, gen: int) -> None:
@@ -963,7 +1091,10 @@ class ConnectionStore:
             if not self._reason[s]:
                 self._end(s, END_OF_FLOW, now)
         if self._given_up:
-            for key in [k for k, g in self._given_up.items() if g[2] != gen]:
+            # Kept while dumps show it, and a tombstone's life after: one dump that misses an entry
+            # does not make it new again (a given-up connection is not taken back while it lasts).
+            ttl = self.tombstone_ttl
+            for key in [k for k, g in self._given_up.items() if g.last_seen is None or now - g.last_seen > ttl]:
                 del self._given_up[key]
         order = self._tomb_order
         while order and order[0][0] <= now:
@@ -1087,7 +1218,8 @@ class ConnectionStore:
         flags = self._flags[s]
         # Counter fidelity (flow.NO_COUNTERS, flow.OFFLOADED): kept once seen; the cached
         # prefix holds the old flags, so it goes.
-        seen = (NO_COUNTERS if o0 == 0 and o2 == 0 else 0) | (
+        b = self._bits[s]
+        seen = (NO_COUNTERS if b & UNCOUNTED else 0) | (
             OFFLOADED if self._status[s] & (IPS_OFFLOAD | IPS_HW_OFFLOAD) else 0
         )
         if seen & ~flags:
@@ -1122,8 +1254,15 @@ class ConnectionStore:
         self._brp[s] = o2
         self._brb[s] = o3
         self._pending[s] = e
+        # An active-timeout record leaves the connection's end unreported: its end owes one more record.
+        b = b | LAST_ACTIVE if reason == ACTIVE_TIMEOUT else b & ~LAST_ACTIVE
         if end_reason:
-            self._bits[s] &= ~FINAL_DUE
+            b &= ~FINAL_DUE
+            if end_reason == LACK_OF_RESOURCES:
+                e.row_kind = ROW_GIVEN_UP
+            elif not b & DESTROYED:  # a destroyed entry cannot be met again: its row can go
+                e.row_kind = ROW_ENDED | (ROW_RESET if end_reason == FORCED_END else 0)
+        self._bits[s] = b
         self.stats.records_built += 1
         return e
 
@@ -1173,9 +1312,9 @@ class ConnectionStore:
         last checkpoint that no dump has matched yet; not the orphans that ended.
         """
         seq = self._seq
-        slots = [s for s in self.connections.values() if seq[s]]
-        reason = self._reason
-        slots += [s for s in self._orphans.values() if seq[s] and reason[s] == LACK_OF_RESOURCES]
+        fl = self._flags
+        # Reset successors before their first record too: their ended predecessor no longer says so.
+        slots = [s for s in self.connections.values() if seq[s] or fl[s] & COUNTERS_RESET]
         # One pass with the columns in locals and a NamedTuple made without its __new__: a snapshot
         # reads 250k of these every few seconds at 50k records/s (bench/bench_pipeline.py).
         new = tuple.__new__
@@ -1186,6 +1325,12 @@ class ConnectionStore:
                                  flags[s]))  # fmt: skip
         for rows in self._restored.values():
             yield from rows
+        for key, g in self._given_up.items():
+            yield Restored(key, g.ct_id, g.start_ns, g.first_seen_ns, g.flow_id, 1, ZERO, ROW_GIVEN_UP)
+        for (key, _), t in self._tombs.items():
+            if not t.destroyed:  # a destroyed entry cannot be met again by a later process
+                kind = ROW_ENDED | (ROW_RESET if t.reset else 0)
+                yield Restored(key, t.ct_id, t.start_ns, t.first_seen_ns, t.flow_id, t.next_seq, t.base, t.flags | kind)
 
     def in_flight(self) -> Iterator[Export]:
         """Every record built and not known to be delivered (in flight or waiting to be resent)."""

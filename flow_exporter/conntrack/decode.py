@@ -234,7 +234,7 @@ _Source = tuple[Any, ...]
 
 
 def _sources(has: Container[str], family: int, proto: int) -> list[_Source]:
-    """Maps decoded value names to the 25 Connection arguments, in field order."""
+    """Maps decoded value names to the 26 Connection arguments, in field order."""
 
     def pick(*names: str, default: Any = 0) -> _Source:
         for name in names:
@@ -281,6 +281,7 @@ def _sources(has: Container[str], family: int, proto: int) -> list[_Source]:
         pick("start"),
         pick("stop"),
         *icmp_fields,
+        ("c", any(n in has for n in ("o_packets", "o_packets32", "r_packets", "r_packets32"))),
     ]
 
 
@@ -332,8 +333,8 @@ def _template(mlen: int, w: _Walk, msg: bytes, srcs: list[_Source]) -> tuple[int
         local[name] = f"a{i}"
 
     def const(value: Any) -> str:
-        if value is not None and type(value) is not int:
-            raise TypeError(value)  # only ints and None are ever inlined
+        if value is not None and type(value) not in (int, bool):
+            raise TypeError(value)  # only ints, bools and None are ever inlined
         return repr(value)
 
     args = []

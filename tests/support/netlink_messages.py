@@ -80,6 +80,10 @@ def connection_from_pyroute2(msg: Any) -> Connection:
         icmp_type=icmp[0],
         icmp_code=icmp[1],
         icmp_id=icmp[2],
+        counted=any(
+            c is not None and any(c.get_attr(f"{p}_PACKETS") is not None for p in ("CTA_COUNTERS", "CTA_COUNTERS32"))
+            for c in (msg.get_attr("CTA_COUNTERS_ORIG"), msg.get_attr("CTA_COUNTERS_REPLY"))
+        ),
     )
 
 

@@ -41,7 +41,7 @@ def decode_record(value: bytes) -> dict[str, Any]:
 
 
 def store_with_records(clock: Clock, lineage: bytes, n: int = 3) -> tuple[ConnectionStore, list[Export]]:
-    store = ConnectionStore(Timeouts(), lineage=lineage, adopt=False)
+    store = ConnectionStore(Timeouts(), adopt=False)
     poll(store, clock, *(tcp(1000 + i, packets=2) for i in range(n)))
     clock.tick(5)
     poll(store, clock, *(tcp(1000 + i, packets=3) for i in range(n)))
@@ -106,7 +106,7 @@ def test_snapshot_then_journal_then_snapshot(tmp_path: Path) -> None:
     cp.delivered(out)
     got = Checkpoint(tmp_path, boot=BOOT).load()
     assert got.resends == [] and len(got.rows) == 3
-    restored = ConnectionStore(Timeouts(), lineage=got.lineage)
+    restored = ConnectionStore(Timeouts())
     restored.restore(got.rows, got.resends)
     poll(restored, clock, *(tcp(1000 + i, packets=7) for i in range(3)))
     clock.tick(5)

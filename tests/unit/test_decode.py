@@ -107,6 +107,7 @@ def entries(draw: st.DrawFn) -> tuple[bytes, Connection, bool]:
                ("CTA_PROTOINFO_TCP_FLAGS_ORIGINAL", (draw(u8), draw(u8)))]
         attrs.append(nest("CTA_PROTOINFO", [nest("CTA_PROTOINFO_TCP", draw(st.permutations(tcp)))]))
         exp["tcp_state"] = state
+    exp["counted"] = False  # no counter attributes: accounting was off when the entry was created
     for direction in ("ORIG", "REPLY"):
         width = draw(st.sampled_from([None, 64, 32]))
         if width is not None:
@@ -115,6 +116,7 @@ def entries(draw: st.DrawFn) -> tuple[bytes, Connection, bool]:
             attrs.append(nest(f"CTA_COUNTERS_{direction}", [(f"{prefix}_PACKETS", pk), (f"{prefix}_BYTES", by)]))
             d = direction.lower()
             exp[f"{d}_packets"], exp[f"{d}_bytes"] = pk, by
+            exp["counted"] = True
     ts = draw(st.sampled_from(["none", "start", "both"]))
     if ts != "none":
         start, stop = draw(u64), draw(u64)
