@@ -57,7 +57,7 @@ def health_record(r: Readings, node: str, now_ms: int, interval: float, flows: b
         "time": now_ms,
         "intervalSeconds": float(interval),
         "flowExport": flows,
-        "conntrackEntries": r.table_count,
+        "conntrackEntries": r.table_count,  # read after the last poll's dump, not now: the schema says so
         "conntrackMax": r.table_max,
         "zoneEntries": {str(z): n for z, n in sorted(r.zone_entries.items())},
         "polls": r.polls,
