@@ -39,8 +39,9 @@ REASON_NAMES = {
 # Record ``flags`` bits: facts about the connectionId. ADOPTED and COUNTERS_RESET are the same in
 # all of its records; NO_COUNTERS and OFFLOADED are set from the first record that shows them.
 ADOPTED = 1
-"""First seen already live by an exporter with no state to continue from: the first record's
-deltas include counts from before, which an earlier exporter on this node may have reported."""
+"""First seen already live by an exporter with no state to continue from, or met again after the
+store forgot it (the kernel's stamps show it lived through a dump): the first record's deltas
+include counts from before, which an earlier exporter, or an earlier connectionId, may have reported."""
 COUNTERS_RESET = 2
 """The kernel counters of this conntrack entry went down (``conntrack -Z``): this connectionId
 continues the entry from the reset, its predecessor ended with a forced-end record."""

@@ -392,6 +392,8 @@ class ConnectionStore:
         self._status[s] = conn.status
         if conn.stop_ns:
             self._last_active[s] = conn.stop_ns
+        if conn.start_ns and not self._start[s]:
+            self._learn_start(s, conn.start_ns)
         self._start[s] = conn.start_ns
         if self._ct[s] != conn.ct_id or self._mark[s] != conn.mark or self._labels.get(s) != conn.labels:
             self._ct[s] = conn.ct_id
@@ -400,6 +402,17 @@ class ConnectionStore:
                 self._labels.pop(s, None)
             else:
                 self._labels[s] = conn.labels
+            self._invalidate(s)
+
+    def _learn_start(self, s: int, start_ns: int) -> None:
+        """The kernel's start stamp of an entry first met in a NEW event (which carries none).
+
+        Before its first record it replaces the first-seen stamp as ``flowStart``, so every
+        connectionId of the incarnation (one met again after it was forgotten, too) carries the
+        kernel's start, the totals rule's key. After a record, ``flowStart`` stays as sent.
+        """
+        if self._seq[s] == 0 and start_ns < self._first[s]:
+            self._first[s] = start_ns
             self._invalidate(s)
 
     def _invalidate(self, s: int) -> None:
@@ -698,6 +711,8 @@ class ConnectionStore:
                 last_active[s] = conn.stop_ns
             if old_start != cstart:
                 start[s] = cstart
+                if not old_start:
+                    self._learn_start(s, cstart)
             lab = conn.labels
             if old_ct != cid or mark[s] != conn.mark or ((lab is not None or labels) and labels.get(s) != lab):
                 self._set_row(s, conn)  # an id, mark or labels change: the record prefix changes too

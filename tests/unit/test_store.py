@@ -840,3 +840,22 @@ def test_fidelity_flags_reach_the_encoded_records() -> None:
     first_offloaded = flags.index(OFFLOADED)
     assert flags[:first_offloaded] == [0] * first_offloaded and first_offloaded >= 1
     assert flags[first_offloaded:] == [OFFLOADED] * (len(flags) - first_offloaded) and len(flags) > first_offloaded
+
+
+def test_flow_start_of_an_entry_first_met_in_a_new_event_is_the_kernels_start() -> None:
+    """A NEW event has no start stamp; the first row that has one sets flowStart, if no record went out yet."""
+    clock = Clock()
+    store = make(clock)
+    poll(store, clock)
+    kernel_start = clock.wall() + 5
+    clock.tick(0.2)
+    store.apply_events([udp(9, packets=0, start_ns=0)], [], clock.now, clock.wall())  # read 200 ms late
+    poll(store, clock, udp(9, packets=2, start_ns=kernel_start))
+    clock.tick(5)
+    poll(store, clock, udp(9, packets=3, start_ns=kernel_start))
+    (first,) = expire(store, clock)
+    assert first.first_seen_ns == kernel_start
+    clock.tick(5)
+    poll(store, clock, udp(9, packets=4, start_ns=kernel_start))
+    (second,) = expire(store, clock)
+    assert second.first_seen_ns == kernel_start and second.sequence == 1
