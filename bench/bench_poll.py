@@ -40,9 +40,9 @@ def _stock_pyroute2(netns: str) -> int:
 def _poll(store, dumper) -> None:
     """One poll as Exporter.poll_once does it: the dump handed to the store batch by batch, then the sweep."""
     now, wall = time.monotonic(), time.time_ns()
-    store.begin_poll()
+    store.begin_poll(wall)
     dumper.dump_into(lambda batch: store.update_batch(batch, now, wall))
-    store.end_poll(now)
+    store.end_poll(now, time.time_ns())
 
 
 def _memory_child(netns: str) -> None:

@@ -1,99 +1,68 @@
-"""Connection store: the latest state of every tracked connection and what has been reported of it.
+"""Following the kernel's table: which connection holds each tuple, and what the store remembers.
 
-Pure logic, no I/O and no clock of its own: the caller passes ``now`` (monotonic
-seconds, for deadlines) and ``wall_ns`` (real time, for record timestamps), so
-tests drive it with a fake clock.
+Behaviour follows Antrea's ConntrackConnectionStore (mark-and-sweep on presence, dying
+detection, re-queue on renewed activity); what differs is there to keep the accounting
+contract (README, "Counting: the contract"):
 
-Behaviour follows Antrea's ConntrackConnectionStore (mark-and-sweep on presence,
-dying detection, active/idle timeouts, re-queue on renewed activity); what differs
-is there to keep the accounting contract (README, "Counting: the contract"):
+* a connection that left the table is reported at once and remembered for a while afterwards
+  (a tombstone), so a DESTROY event read after the sweep, or a dump row of an entry the
+  previous dump missed, continues its sequence instead of starting over;
+* a 5-tuple reused by a new conntrack entry (new id or start time) and counters that went down
+  (``conntrack -Z``) end the old connectionId and start a new one;
+* past ``max_connections`` the store gives connections up, each once, with a lack-of-resources
+  record, and does not take them back while they last;
+* connectionIds are allocated (flow.IdAllocator), never derived again from a connection's
+  fields: what the store forgot and meets again is a new connection, flagged adopted when the
+  kernel's stamps show it was seen before.
 
-* everything due is exported, with no per-tick cap;
-* a record is frozen when built and its totals become the base of the next delta at
-  once; a failed delivery is resent as the same record (the sink keeps its bytes), so
-  (connectionId, sequence) never carries two contents and the deltas always add up;
-* a connection has at most one record in flight: while Kafka is slow its counts
-  coalesce into the next record instead of queueing;
-* a connection that left the table is reported at once and remembered for a while
-  afterwards (a tombstone), so a DESTROY event read after the sweep, or a dump row of
-  an entry the previous dump missed, continues its sequence instead of starting over;
-* a 5-tuple reused by a new conntrack entry (new id or start time) and counters that
-  went down (``conntrack -Z``) end the old connectionId and start a new one;
-* past ``max_connections`` the store gives connections up, each once, with a
-  lack-of-resources record, and does not take them back while they last.
-
-Layout: connections live in slots of flat columns (``array`` and ``bytearray``), not
-in one object each. A Python object per connection, its counters as int objects and
-a fresh row object per poll cost about 1,500 bytes of RSS per connection at 250k;
-columns cost a fixed few bytes per field, a poll writes numbers in place and keeps
-no object of the dump (bench/bench_poll.py, memory). What is left per connection is
-its key tuple (the dict key), one packed ``bytes`` of static fields and the slot
-number. Columns are hand-written because no library keeps dict-keyed, growable,
-mixed-type columns at this cost; numpy would add a large dependency for a few
-element reads per row, where it is slower than ``array``.
+Ending a connection for the exporter (scheduling the record that reports it) is the ledger's
+(``_end``, :mod:`flow_exporter.store.ledger`); this layer decides when.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
-import socket
-import struct
-from array import array
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
-from flow_exporter.connection import IPS_HW_OFFLOAD, IPS_OFFLOAD, Connection, ConnectionKey, is_dying
-from flow_exporter.expiry import ExpiryQueue
+from flow_exporter.connection import Connection, ConnectionKey
 from flow_exporter.flow import (
-    ACTIVE_TIMEOUT,
     ADOPTED,
     COUNTERS_RESET,
     END_OF_FLOW,
     FORCED_END,
-    IDLE_TIMEOUT,
     LACK_OF_RESOURCES,
-    NO_COUNTERS,
-    OFFLOADED,
     RECORD_FLAGS,
     ROW_ENDED,
-    ROW_GIVEN_UP,
     ROW_RESET,
     ZERO,
-    Export,
     IdAllocator,
     NewConnection,
     Restored,
     Totals,
 )
-from flow_exporter.settings import DEFAULTS
+from flow_exporter.store.columns import (
+    ACTIVE,
+    DESTROYED,
+    FINAL_DUE,
+    ORPHAN,
+    PRESENT,
+    UNCOUNTED,
+    Columns,
+)
+from flow_exporter.store.stats import StoreStats
 from flow_exporter.timeouts import Timeouts
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("flow_exporter.store")
 
-# How soon a connection whose record is still in flight is looked at again.
-RETRY_DELAY = 1.0
-# A failed record is resent after RETRY_DELAY, doubling per attempt up to this.
-RESEND_MAX_DELAY = 30.0
 # The cap's log line comes at most this often (seconds), with the counts since the last one.
 CAP_LOG_INTERVAL = 60.0
 
 # Labels of the give-up counter (metrics: flow_exporter_connections_given_up_total{reason}).
 GIVE_UP_REFUSED = "cap_refused"  # a new connection found the store full
 GIVE_UP_IDLE = "cap_idle"  # an idle, fully reported connection made room for a new one
-
-# Bits of a slot's state column.
-PRESENT = 1  # in the kernel's table, as far as the last dump or event tells
-ACTIVE = 2  # cleared once an idle record went out, until the counters move again
-DESTROYED = 4  # a DESTROY event gave its final counters: dump rows of it are stale
-FINAL_DUE = 8  # a record must still go out for its end
-CLOSED = 16  # shutdown: its forced-end record was built
-ORPHAN = 32  # out of the keyed table (replaced, reset or given up): settles on its own
-LAST_ACTIVE = 64  # its last record was an active-timeout record: its end still owes an end-of-flow record
-UNCOUNTED = 128  # its rows carry no counter attributes (created with accounting off)
 
 # A tombstone lives at least this long (seconds) after its connection was forgotten: a DESTROY
 # event read later than that (listener lag under load, a large conntrack.eventBuffer) finds no
@@ -102,15 +71,6 @@ TOMBSTONE_MIN_TTL = 60.0
 
 # Slack (ns) between the kernel's start stamp and our reading of the clock before a dump.
 _DUMP_MARGIN_NS = 100_000_000
-
-# Static fields besides the key, packed once per connection: orig_dport, reply_sport,
-# reply_dport and which ICMP fields the kernel gave, after the two destination addresses.
-_STATIC = struct.Struct("!HHHB")
-_MIN_GROW = 1024
-# Addresses and ports of keys are shared between connections (a node's pods talk to a few
-# peers and Services): one object per distinct value saves ~100 B per connection at 250k.
-# The table is dropped when it grows past this, so a scan of many addresses cannot grow it.
-_INTERN_MAX = 1 << 17
 
 
 @dataclass(slots=True)
@@ -153,26 +113,6 @@ class TrackedState:
     base: Totals
 
 
-@dataclass
-class StoreStats:
-    added: int = 0
-    deleted: int = 0
-    reused_tuples: int = 0
-    records_built: int = 0
-    added_from_events: int = 0
-    destroyed_events: int = 0
-    resurrected: int = 0  # continued from a tombstone by a late event or row
-    late_destroys_dropped: int = 0  # late DESTROY events with nothing new to report
-    counter_resets: int = 0
-    restored: int = 0  # continued from the checkpoint
-    restored_gone: int = 0  # in the checkpoint, no longer in the table: ended while no exporter ran
-    tombstones_dropped_early: int = 0  # forgotten before their time to make room (limits.maxConnections)
-    readmitted: int = 0  # an incarnation met again after it was forgotten: a new id, flagged adopted
-    resends: int = 0  # records scheduled again after a failed delivery
-    given_up: dict[str, int] = field(default_factory=dict)  # by reason
-    unreported_ends: int = 0  # final counters the store could not report (given up, or no known connection)
-
-
 def _same_incarnation(ct_id: int, start_ns: int, conn: Connection, first_seen_ns: int = 0) -> bool:
     """Whether ``conn`` is the entry known by (ct_id, start_ns); unknown values (0) match anything.
 
@@ -191,14 +131,8 @@ def _totals(c: Connection) -> Totals:
     return (c.orig_packets, c.orig_bytes, c.reply_packets, c.reply_bytes)
 
 
-def _static(conn: Connection) -> bytes:
-    icmp = (
-        (1 if conn.icmp_type is not None else 0)
-        | (2 if conn.icmp_code is not None else 0)
-        | (4 if conn.icmp_id is not None else 0)
-    )
-    tail = _STATIC.pack(conn.orig_dport, conn.reply_sport, conn.reply_dport, icmp)
-    return conn.orig_dst + conn.reply_dst + tail
+def _with_totals(conn: Connection, totals: Totals) -> Connection:
+    return replace(conn, orig_packets=totals[0], orig_bytes=totals[1], reply_packets=totals[2], reply_bytes=totals[3])
 
 
 class _Newcomer:
@@ -206,7 +140,7 @@ class _Newcomer:
 
     __slots__ = ("_flow_id", "_slot", "_store", "conn")
 
-    def __init__(self, store: ConnectionStore, slot: int, flow_id: int, conn: Connection) -> None:
+    def __init__(self, store: Table, slot: int, flow_id: int, conn: Connection) -> None:
         self._store = store
         self._slot = slot
         self._flow_id = flow_id
@@ -232,31 +166,24 @@ class _Newcomer:
         return not self._owns() or self._store._settled(self._slot)
 
 
-@dataclass
-class ConnectionStore:
-    """Tracked connections keyed by :class:`ConnectionKey`, and their expiry queue."""
+class Table(Columns):
+    """The keyed table of tracked connections, and the memory of what left it."""
 
-    timeouts: Timeouts = field(default_factory=Timeouts)
-    on_new: Callable[[NewConnection], None] | None = None  # enrichment hook, called once per new connection
-    max_connections: int = DEFAULTS["limits.maxConnections"]  # bounded memory: beyond this, connections are given up
-    adopt: bool = True  # no state to continue from: connections found live are flagged ADOPTED
-    id_seed: bytes | None = None  # the id allocator's start (tests); random by default
+    timeouts: Timeouts
+    on_new: Callable[[NewConnection], None] | None
+    max_connections: int
+    adopt: bool
+    id_seed: bytes | None
 
-    def __post_init__(self) -> None:
+    def _init_table(self) -> None:
         self._new_id = IdAllocator(self.id_seed)
         self.connections: dict[ConnectionKey, int] = {}  # key -> slot of the incarnation that holds the tuple
-        self.queue = ExpiryQueue()
         self._orphans: dict[int, int] = {}  # flow_id -> slot: out of the table, final record pending
         self._orphan_index: dict[tuple[ConnectionKey, int], int] = {}  # (tuple, ct_id) -> slot, for DESTROY
-        self._orphan_due: list[int] = []
         self._tombs: dict[tuple[ConnectionKey, int], Tombstone] = {}
         self._tomb_order: deque[tuple[float, tuple[ConnectionKey, int]]] = deque()
         self._given_up: dict[ConnectionKey, GivenUp] = {}
-        self._idle: dict[int, None] = {}  # slots of idle connections, oldest first: eviction candidates
         self._restored: dict[ConnectionKey, list[Restored]] = {}
-        self._loose: dict[tuple[int, int], Export] = {}  # restored records in flight: no connection holds them
-        self._resend: list[tuple[float, int, Export]] = []  # heap of failed records waiting to go again
-        self._resend_seq = itertools.count()
         self._generation = 0
         self._last_stamp = 0
         self._polls_done = 0
@@ -269,243 +196,14 @@ class ConnectionStore:
         # seen by it, so meeting it as unknown means it was forgotten (bounded: a few hours of polls).
         self._dumps: deque[tuple[int, int]] = deque(maxlen=4096)
         self._dump_begin = 0
-        # Slot columns (one element per slot; see the module docstring).
-        self._keys: list[ConnectionKey | None] = []  # None: a free slot
-        self._static: list[bytes | None] = []
-        self._meta: list[dict[str, Any] | None] = []
-        self._prefix: list[bytes | None] = []  # the encoder's record prefix, cached while active
-        self._pending: list[Export | None] = []  # the record in flight: at most one per connection
-        self._labels: dict[int, bytes] = {}  # the few slots whose entry has conntrack labels
-        self._ct = array("I")
-        self._status = array("I")
-        self._mark = array("I")
-        self._seen = array("I")  # generation of the last dump that contained it
-        self._start = array("q")
-        self._first = array("q")  # first-seen stamp (the kernel's start when known)
-        self._last_active = array("q")  # the kernel's stop stamp once known, else the last movement seen
-        self._fid = array("q")  # connectionId
-        self._op = array("Q")  # current totals: packets, bytes, reverse packets, reverse bytes
-        self._ob = array("Q")
-        self._rp = array("Q")
-        self._rb = array("Q")
-        self._bp = array("Q")  # base: the totals of the last record built
-        self._bb = array("Q")
-        self._brp = array("Q")
-        self._brb = array("Q")
-        self._seq = array("I")  # next sequence
-        self._epoch = array("I")  # prefix-cache stamp (wrapping): changes whenever the prefix would
-        self._tcp = array("b")  # TCP state, -1 for none
-        self._flags = bytearray()
-        self._reason = bytearray()  # why it ended for the exporter (0: it has not)
-        self._bits = bytearray()
-        self._numeric = (
-            self._ct, self._status, self._mark, self._seen, self._start, self._first,
-            self._last_active, self._fid, self._op, self._ob, self._rp, self._rb, self._bp, self._bb,
-            self._brp, self._brb, self._seq, self._epoch, self._tcp,
-        )  # fmt: skip
-        self._free: list[int] = []
-        self._intern: dict[bytes | int, Any] = {}
-        self._next_slot = 0
-        self._epochs = itertools.count(1)
+
+    def _end(self, s: int, reason: int, now: float, *, force_record: bool = False) -> None:
+        """Slot ``s`` ended for the exporter: the ledger schedules the record that reports it."""
+        raise NotImplementedError
 
     def __len__(self) -> int:
         return len(self.connections) + len(self._orphans)
 
-    # ------------------------------------------------------------------- slots
-    def _grow(self) -> None:
-        n = len(self._keys)
-        more = max(_MIN_GROW, n // 2)  # the slack is touched memory: keep it small
-        for col in self._numeric:
-            col.frombytes(bytes(col.itemsize * more))
-        for b in (self._flags, self._reason, self._bits):
-            b.extend(bytes(more))
-        pad: list[Any] = [None] * more
-        for lst in (self._keys, self._static, self._meta, self._prefix, self._pending):
-            lst.extend(pad)
-        self.queue.grow(n + more)
-
-    def _alloc(
-        self,
-        key: ConnectionKey,
-        conn: Connection,
-        flow_id: int,
-        first_seen: int,
-        wall_ns: int,
-        flags: int = 0,
-        next_seq: int = 0,
-        base: Totals = ZERO,
-    ) -> int:
-        """A slot holding ``conn`` as a new connection (not keyed, not queued).
-
-        A slot comes back from ``_release`` with its sequence, base, reason and flags zero, as
-        a fresh one is: only other values are written (the first poll's hot path).
-        """
-        if self._free:
-            s = self._free.pop()
-        else:
-            s = self._next_slot
-            if s == len(self._keys):
-                self._grow()
-            self._next_slot = s + 1
-        zone, proto, src, sport, dst, dport = key
-        iv = self._intern
-        if len(iv) > _INTERN_MAX:
-            iv.clear()
-        get = iv.setdefault
-        self._keys[s] = (zone, proto, get(src, src), get(sport, sport), get(dst, dst), get(dport, dport))
-        self._static[s] = _static(conn)
-        self._fid[s] = flow_id
-        self._first[s] = first_seen
-        self._last_active[s] = conn.stop_ns or wall_ns
-        self._seen[s] = self._generation
-        self._bits[s] = PRESENT | ACTIVE if conn.counted else PRESENT | ACTIVE | UNCOUNTED
-        if flags:
-            self._flags[s] = flags
-        if next_seq:
-            self._seq[s] = next_seq
-        if base is not ZERO:
-            self._bp[s], self._bb[s], self._brp[s], self._brb[s] = base
-        # The row's fields, as _set_row writes them; a fresh or released slot has no cached prefix.
-        self._op[s] = conn.orig_packets
-        self._ob[s] = conn.orig_bytes
-        self._rp[s] = conn.reply_packets
-        self._rb[s] = conn.reply_bytes
-        ts = conn.tcp_state
-        self._tcp[s] = -1 if ts is None else ts
-        self._status[s] = conn.status
-        self._start[s] = conn.start_ns
-        self._ct[s] = conn.ct_id
-        self._mark[s] = conn.mark
-        if conn.labels is not None:
-            self._labels[s] = conn.labels
-        return s
-
-    def _set_row(self, s: int, conn: Connection) -> None:
-        """Write a row's changing fields (counters, state, ids) into slot ``s``."""
-        self._bits[s] = self._bits[s] & ~UNCOUNTED if conn.counted else self._bits[s] | UNCOUNTED
-        self._op[s] = conn.orig_packets
-        self._ob[s] = conn.orig_bytes
-        self._rp[s] = conn.reply_packets
-        self._rb[s] = conn.reply_bytes
-        ts = conn.tcp_state
-        self._tcp[s] = -1 if ts is None else ts
-        self._status[s] = conn.status
-        if conn.stop_ns:
-            self._last_active[s] = conn.stop_ns
-        if conn.start_ns and not self._start[s]:
-            self._learn_start(s, conn.start_ns)
-        self._start[s] = conn.start_ns
-        if self._ct[s] != conn.ct_id or self._mark[s] != conn.mark or self._labels.get(s) != conn.labels:
-            self._ct[s] = conn.ct_id
-            self._mark[s] = conn.mark
-            if conn.labels is None:
-                self._labels.pop(s, None)
-            else:
-                self._labels[s] = conn.labels
-            self._invalidate(s)
-
-    def _learn_start(self, s: int, start_ns: int) -> None:
-        """The kernel's start stamp of an entry first met in a NEW event (which carries none).
-
-        Before its first record it replaces the first-seen stamp as ``flowStart``, so every
-        connectionId of the incarnation (one met again after it was forgotten, too) carries the
-        kernel's start, the totals rule's key. After a record, ``flowStart`` stays as sent.
-        """
-        if self._seq[s] == 0 and start_ns < self._first[s]:
-            self._first[s] = start_ns
-            self._invalidate(s)
-
-    def _invalidate(self, s: int) -> None:
-        """Something the record prefix holds changed: the cached one, and any in flight, are stale."""
-        self._prefix[s] = None
-        self._epoch[s] = next(self._epochs) & 0xFFFFFFFF
-
-    def _release(self, s: int) -> None:
-        self._keys[s] = None
-        self._static[s] = None
-        self._meta[s] = None
-        self._prefix[s] = None
-        self._pending[s] = None
-        self._labels.pop(s, None)
-        self._ct[s] = 0
-        self._mark[s] = 0
-        self._seq[s] = 0
-        self._bp[s] = self._bb[s] = self._brp[s] = self._brb[s] = 0
-        self._reason[s] = 0
-        self._flags[s] = 0
-        self.queue.remove(s)
-        self._idle.pop(s, None)
-        self._free.append(s)
-
-    def _totals_of(self, s: int) -> Totals:
-        return (self._op[s], self._ob[s], self._rp[s], self._rb[s])
-
-    def _base_of(self, s: int) -> Totals:
-        return (self._bp[s], self._bb[s], self._brp[s], self._brb[s])
-
-    def _dying(self, s: int) -> bool:
-        key = self._keys[s]
-        ts = self._tcp[s]
-        return key is not None and is_dying(key[1], None if ts < 0 else ts, self._status[s])
-
-    def _went_down(self, s: int, new: Connection) -> bool:
-        return (
-            new.orig_bytes < self._ob[s]
-            or new.reply_bytes < self._rb[s]
-            or new.orig_packets < self._op[s]
-            or new.reply_packets < self._rp[s]
-        )
-
-    def _settled(self, s: int) -> bool:
-        """Ended, reported to the last byte, nothing in flight: safe to forget."""
-        return (
-            self._reason[s] != 0
-            and self._pending[s] is None
-            and not self._bits[s] & FINAL_DUE
-            and self._seq[s] > 0
-            and self._totals_of(s) == self._base_of(s)
-        )
-
-    def _view(self, s: int) -> Connection:
-        """The connection as a row again (static fields plus the latest counters), to encode a record prefix."""
-        key = self._keys[s]
-        static = self._static[s]
-        assert key is not None and static is not None
-        zone, proto, src, sport, dst, _ = key
-        n = len(src)
-        orig_dport, reply_sport, reply_dport, icmp = _STATIC.unpack_from(static, 2 * n)
-        ts = self._tcp[s]
-        # Positional (the field order of Connection): a keyword call costs twice as much, once per
-        # connection's first record.
-        return Connection(
-            socket.AF_INET if n == 4 else socket.AF_INET6,
-            proto,
-            src,
-            static[:n],
-            sport,
-            orig_dport,
-            dst,
-            static[n : 2 * n],
-            reply_sport,
-            reply_dport,
-            zone,
-            self._ct[s],
-            self._mark[s],
-            self._labels.get(s),
-            self._status[s],
-            None if ts < 0 else ts,
-            self._op[s],
-            self._ob[s],
-            self._rp[s],
-            self._rb[s],
-            self._start[s],
-            0,
-            orig_dport >> 8 if icmp & 1 else None,
-            orig_dport & 0xFF if icmp & 2 else None,
-            sport if icmp & 4 else None,
-        )
-
-    # ------------------------------------------------------------- inspection
     def lookup(self, key: ConnectionKey) -> TrackedState | None:
         """What the store holds for the incarnation that has ``key`` (a copy), or None."""
         s = self.connections.get(key)
@@ -524,26 +222,6 @@ class ConnectionStore:
             return None
         return (self.queue.active[s], self.queue.idle[s])
 
-    # ----------------------------------------------------------------- restore
-    def restore(self, rows: Iterable[Restored], resends: Iterable[Export]) -> None:
-        """Continue from a previous process's checkpoint (before the first poll).
-
-        Rows are matched to the table by tuple and incarnation as the first dump (or an
-        event) shows them; the ones no dump shows ended while no exporter ran. Resends are
-        records the previous process built but could not see delivered: they go out
-        again as they were, and their totals are already in the rows' bases.
-        """
-        self.adopt = False
-        for row in rows:
-            if row.flags & ROW_GIVEN_UP:
-                self._given_up[row.key] = GivenUp(row.ct_id, row.start_ns, row.first_seen_ns, row.flow_id, None)
-            else:
-                self._restored.setdefault(row.key, []).append(row)
-        for e in resends:
-            self._loose[(e.flow_id, e.sequence)] = e
-            heapq.heappush(self._resend, (float("-inf"), next(self._resend_seq), e))
-
-    # ----------------------------------------------------------------- polling
     def update(self, dumped: Iterable[Connection], now: float, wall_ns: int) -> None:
         """Apply one full conntrack dump: add or update what is in it, then sweep what is not."""
         self.begin_poll(wall_ns)
@@ -904,8 +582,11 @@ class ConnectionStore:
             flags = (flags & ~ADOPTED) | COUNTERS_RESET
             return self._track(key, conn, self._new_id(), known.first_seen_ns, now, wall_ns, flags)
         base = known.base
-        if conn.orig_packets < base[0] or conn.orig_bytes < base[1] or conn.reply_packets < base[2] or (
-            conn.reply_bytes < base[3]
+        if (
+            conn.orig_packets < base[0]
+            or conn.orig_bytes < base[1]
+            or conn.reply_packets < base[2]
+            or (conn.reply_bytes < base[3])
         ):
             s = self._track(
                 key, _with_totals(conn, base), known.flow_id, known.first_seen_ns, now, wall_ns, flags,
@@ -973,7 +654,6 @@ class ConnectionStore:
         self.queue.push(s, now + t.active, now + t.idle)
         return s
 
-    # --------------------------------------------------------------------- cap
     def _evict_idle(self, now: float) -> bool:
         """Give up the longest-idle connection with nothing unreported, to make room; False if none."""
         idle = self._idle
@@ -1018,7 +698,6 @@ class ConnectionStore:
             )
             self._cap_unlogged.clear()
 
-    # ----------------------------------------------------------- ending things
     def _orphan(self, s: int, reason: int, now: float, *, keyed: bool = True) -> None:
         """Take slot ``s`` out of the keyed table (its tuple is taken, or it is given up); it ends with ``reason``."""
         key = self._keys[s]
@@ -1033,23 +712,6 @@ class ConnectionStore:
         self._orphans[self._fid[s]] = s
         self._orphan_index[(key, self._ct[s])] = s
         self._end(s, reason, now, force_record=reason in (FORCED_END, LACK_OF_RESOURCES))
-
-    def _end(self, s: int, reason: int, now: float, *, force_record: bool = False) -> None:
-        """Slot ``s`` ended for the exporter: schedule the record that reports it, or forget it if there is none."""
-        self._reason[s] = reason
-        b = self._bits[s]
-        if force_record or self._seq[s] == 0 or b & LAST_ACTIVE or self._totals_of(s) != self._base_of(s):
-            self._bits[s] = b | FINAL_DUE
-            if b & ORPHAN:
-                self._orphan_due.append(s)
-            elif s in self.queue:
-                self.queue.update(s, active_expire=now)
-            else:
-                self.queue.push(s, now, now)
-        else:
-            self._bits[s] = b & ~FINAL_DUE
-            if self._pending[s] is None:
-                self._forget(s, now)
 
     def _reset(self, s: int, conn: Connection, now: float, wall_ns: int) -> int:
         """Counters went down (zeroed): end this connectionId with what it had, continue under a new one."""
@@ -1117,244 +779,3 @@ class ConnectionStore:
             tomb = self._tombs.get(tkey)
             if tomb is not None and tomb.deadline <= now:
                 del self._tombs[tkey]
-
-    # ---------------------------------------------------------------- expiring
-    def next_deadline(self) -> float | None:
-        if any(self._pending[s] is None for s in self._orphan_due):
-            return float("-inf")
-        deadline = self.queue.next_deadline()
-        if self._resend:
-            due = self._resend[0][0]
-            deadline = due if deadline is None else min(deadline, due)
-        return deadline
-
-    def expire(self, now: float, wall_ns: int, limit: int | None = None) -> list[Export]:
-        """Records for every connection that is due at ``now`` (at most ``limit``), resends first.
-
-        What the limit holds back stays due and is exported later with its latest
-        counters: while Kafka is slow, connections coalesce instead of queueing.
-        """
-        out: list[Export] = []
-        resend = self._resend
-        while resend and resend[0][0] <= now and (limit is None or len(out) < limit):
-            out.append(heapq.heappop(resend)[2])
-        pending = self._pending
-        bits = self._bits
-        reason = self._reason
-        if self._orphan_due:
-            waiting = []
-            for s in self._orphan_due:
-                if pending[s] is not None or (limit is not None and len(out) >= limit):
-                    waiting.append(s)  # goes when its record in flight settles
-                elif bits[s] & FINAL_DUE and bits[s] & ORPHAN and self._keys[s] is not None:
-                    out.append(self._build(s, reason[s], now))
-            self._orphan_due = waiting
-        active = self.timeouts.active
-        queue = self.queue
-        requeue = queue.requeue
-        idle_expire = queue.idle
-        append = out.append
-        build = self._build
-        retry: list[int] = []
-        for s in queue.pop_due(now):
-            if limit is not None and len(out) >= limit:
-                queue.push(s, queue.active[s], idle_expire[s])
-                break
-            if pending[s] is not None:
-                retry.append(s)
-                continue
-            r = reason[s]
-            if r:
-                if bits[s] & FINAL_DUE:
-                    append(build(s, r, now))
-                continue
-            if self._dying(s):
-                # TIME_WAIT or CLOSE: still in the table, but over; later movement queues it again.
-                append(build(s, END_OF_FLOW, now))
-                continue
-            if idle_expire[s] <= now:
-                bits[s] &= ~ACTIVE
-                self._idle[s] = None
-                append(build(s, IDLE_TIMEOUT, now))
-                continue
-            append(build(s, ACTIVE_TIMEOUT, now))
-            requeue(s, now + active, idle_expire[s])
-        for s in retry:
-            queue.push(s, now + RETRY_DELAY, now + RETRY_DELAY)
-        return out
-
-    def export_all(self, now: float, reason: int = FORCED_END) -> list[Export]:
-        """Shutdown: a last record for every connection with something unreported (or never reported).
-
-        Live connections get ``reason`` (forced end); ones that already ended get their own
-        end reason. A connection with a record in flight gets its turn once that settles,
-        so no counts are sent twice; resends go out as they are.
-        """
-        out = [e for _, _, e in self._resend]
-        self._resend.clear()
-        bits = self._bits
-        for s in [*self._orphans.values(), *self.connections.values()]:
-            if self._pending[s] is not None or bits[s] & CLOSED:
-                continue
-            r = self._reason[s]
-            if r:
-                if bits[s] & FINAL_DUE:
-                    out.append(self._build(s, r, now))
-                continue
-            bits[s] |= CLOSED
-            if self._dying(s) and self._seq[s] and self._totals_of(s) == self._base_of(s):
-                continue  # its end-of-flow record told it all (TIME_WAIT)
-            self.queue.remove(s)
-            out.append(self._build(s, reason, now))
-        self._orphan_due = []
-        return out
-
-    def unfinished(self) -> int:
-        """Records built and not delivered, plus connections still owing one (shutdown)."""
-        n = len(self._loose)
-        bits = self._bits
-        for s in [*self._orphans.values(), *self.connections.values()]:
-            if self._pending[s] is not None or (bits[s] & FINAL_DUE if self._reason[s] else not bits[s] & CLOSED):
-                n += 1
-        return n
-
-    def _build(self, s: int, reason: int, now: float) -> Export:
-        # One call per record (bench/bench_app_export.py): column reads and conditionals, no max() calls.
-        o0 = self._op[s]
-        o1 = self._ob[s]
-        o2 = self._rp[s]
-        o3 = self._rb[s]
-        d0 = o0 - self._bp[s]
-        d1 = o1 - self._bb[s]
-        d2 = o2 - self._brp[s]
-        d3 = o3 - self._brb[s]
-        end_reason = self._reason[s]
-        prefix = self._prefix[s]
-        flags = self._flags[s]
-        # Counter fidelity (flow.NO_COUNTERS, flow.OFFLOADED): kept once seen; the cached
-        # prefix holds the old flags, so it goes.
-        b = self._bits[s]
-        seen = (NO_COUNTERS if b & UNCOUNTED else 0) | (
-            OFFLOADED if self._status[s] & (IPS_OFFLOAD | IPS_HW_OFFLOAD) else 0
-        )
-        if seen & ~flags:
-            flags = self._flags[s] = flags | seen
-            prefix = self._prefix[s] = None
-        seq = self._seq[s]
-        ts = self._tcp[s]
-        e = Export(
-            reason,
-            seq,
-            (o0, o1, o2, o3),
-            (d0 if d0 > 0 else 0, d1 if d1 > 0 else 0, d2 if d2 > 0 else 0, d3 if d3 > 0 else 0),
-            end_reason != 0,
-            self._last_active[s],
-            self._fid[s],
-            self._first[s],
-            self._keys[s],
-            self._ct[s],
-            self._start[s],
-            flags,
-            end_reason != 0 and end_reason != LACK_OF_RESOURCES,
-            None if ts < 0 else ts,
-            self._meta[s],
-            None if prefix is not None else self._view(s),
-            prefix,
-            s,
-            self._epoch[s],
-        )
-        self._seq[s] = seq + 1
-        self._bp[s] = o0
-        self._bb[s] = o1
-        self._brp[s] = o2
-        self._brb[s] = o3
-        self._pending[s] = e
-        # An active-timeout record leaves the connection's end unreported: its end owes one more record.
-        b = b | LAST_ACTIVE if reason == ACTIVE_TIMEOUT else b & ~LAST_ACTIVE
-        if end_reason:
-            b &= ~FINAL_DUE
-            if end_reason == LACK_OF_RESOURCES:
-                e.row_kind = ROW_GIVEN_UP
-            elif not b & DESTROYED:  # a destroyed entry cannot be met again: its row can go
-                e.row_kind = ROW_ENDED | (ROW_RESET if end_reason == FORCED_END else 0)
-        self._bits[s] = b
-        self.stats.records_built += 1
-        return e
-
-    # ------------------------------------------------------------ acknowledging
-    def acknowledge(self, export: Export, delivered: bool, now: float, *, permanent: bool = False) -> None:
-        """Settle a record after Kafka's delivery report.
-
-        Failed: the same record (same bytes) goes again after a backoff, and the
-        connection's newer counts wait for the record after it. Delivered, or failed
-        for good (``permanent``: a record Kafka will never take, counted by the caller):
-        the connection may have its next record, or be forgotten if it has ended.
-        """
-        if not delivered and not permanent:
-            self.stats.resends += 1
-            delay = min(RETRY_DELAY * (2 ** min(export.attempts, 16)), RESEND_MAX_DELAY)
-            export.attempts += 1
-            heapq.heappush(self._resend, (now + delay, next(self._resend_seq), export))
-            return
-        s = export.slot
-        if s < 0:
-            self._loose.pop((export.flow_id, export.sequence), None)
-            return
-        if self._pending[s] is not export:
-            return
-        self._pending[s] = None
-        b = self._bits[s]
-        if self._reason[s]:
-            if b & FINAL_DUE or self._totals_of(s) != self._base_of(s):
-                self._bits[s] = b | FINAL_DUE  # more counts arrived (a late DESTROY) after its record was built
-                if b & ORPHAN:
-                    self._orphan_due.append(s)
-                elif s not in self.queue:
-                    self.queue.push(s, now, now)
-            elif self._settled(s):
-                self._forget(s, now)
-        elif b & ACTIVE:
-            if export.prefix is not None and export.epoch == self._epoch[s]:
-                self._prefix[s] = export.prefix  # the encoder's work, kept for the next record
-        else:
-            self._prefix[s] = None  # idle: free the cached record prefix until it is needed again
-
-    # -------------------------------------------------------------- checkpoint
-    def reported(self) -> Iterator[Restored]:
-        """What a checkpoint keeps: every connection a restarted exporter may meet again with a record built.
-
-        Tracked connections, connections given up at the cap, and rows restored from the
-        last checkpoint that no dump has matched yet; not the orphans that ended.
-        """
-        seq = self._seq
-        fl = self._flags
-        # Reset successors before their first record too: their ended predecessor no longer says so.
-        slots = [s for s in self.connections.values() if seq[s] or fl[s] & COUNTERS_RESET]
-        # One pass with the columns in locals and a NamedTuple made without its __new__: a snapshot
-        # reads 250k of these every few seconds at 50k records/s (bench/bench_pipeline.py).
-        new = tuple.__new__
-        keys, ct, start, first, fid, flags = self._keys, self._ct, self._start, self._first, self._fid, self._flags
-        bp, bb, brp, brb = self._bp, self._bb, self._brp, self._brb
-        for s in slots:
-            yield new(Restored, (keys[s], ct[s], start[s], first[s], fid[s], seq[s], (bp[s], bb[s], brp[s], brb[s]),
-                                 flags[s]))  # fmt: skip
-        for rows in self._restored.values():
-            yield from rows
-        for key, g in self._given_up.items():
-            yield Restored(key, g.ct_id, g.start_ns, g.first_seen_ns, g.flow_id, 1, ZERO, ROW_GIVEN_UP)
-        for (key, _), t in self._tombs.items():
-            if not t.destroyed:  # a destroyed entry cannot be met again by a later process
-                kind = ROW_ENDED | (ROW_RESET if t.reset else 0)
-                yield Restored(key, t.ct_id, t.start_ns, t.first_seen_ns, t.flow_id, t.next_seq, t.base, t.flags | kind)
-
-    def in_flight(self) -> Iterator[Export]:
-        """Every record built and not known to be delivered (in flight or waiting to be resent)."""
-        yield from self._loose.values()  # restored from a checkpoint: no connection holds them
-        for s in [*self.connections.values(), *self._orphans.values()]:
-            e = self._pending[s]
-            if e is not None:
-                yield e
-
-
-def _with_totals(conn: Connection, totals: Totals) -> Connection:
-    return replace(conn, orig_packets=totals[0], orig_bytes=totals[1], reply_packets=totals[2], reply_bytes=totals[3])

@@ -1,0 +1,293 @@
+"""The ledger of what was reported: records built, in flight, acknowledged, and what a checkpoint keeps.
+
+What it holds to keep the accounting contract (README, "Counting: the contract"):
+
+* everything due is exported, with no per-tick cap;
+* a record is frozen when built and its totals become the base of the next delta at once; a
+  failed delivery is resent as the same record (the sink keeps its bytes), so (connectionId,
+  sequence) never carries two contents and the deltas always add up;
+* a connection has at most one record in flight: while Kafka is slow its counts coalesce into
+  the next record instead of queueing.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator
+
+from flow_exporter.connection import IPS_HW_OFFLOAD, IPS_OFFLOAD
+from flow_exporter.flow import (
+    ACTIVE_TIMEOUT,
+    COUNTERS_RESET,
+    END_OF_FLOW,
+    FORCED_END,
+    IDLE_TIMEOUT,
+    LACK_OF_RESOURCES,
+    NO_COUNTERS,
+    OFFLOADED,
+    ROW_ENDED,
+    ROW_GIVEN_UP,
+    ROW_RESET,
+    ZERO,
+    Export,
+    Restored,
+)
+from flow_exporter.store.columns import (
+    ACTIVE,
+    DESTROYED,
+    FINAL_DUE,
+    LAST_ACTIVE,
+    ORPHAN,
+    UNCOUNTED,
+)
+from flow_exporter.store.table import GivenUp, Table
+
+# How soon a connection whose record is still in flight is looked at again.
+RETRY_DELAY = 1.0
+# A failed record is resent after RETRY_DELAY, doubling per attempt up to this.
+RESEND_MAX_DELAY = 30.0
+
+
+class Ledger(Table):
+    """Records: building them when due, settling their delivery, and the state a checkpoint keeps."""
+
+    def _init_ledger(self) -> None:
+        self._orphan_due: list[int] = []
+        self._loose: dict[tuple[int, int], Export] = {}  # restored records in flight: no connection holds them
+        self._resend: list[tuple[float, int, Export]] = []  # heap of failed records waiting to go again
+        self._resend_seq = itertools.count()
+
+    def restore(self, rows: Iterable[Restored], resends: Iterable[Export]) -> None:
+        """Continue from a previous process's checkpoint (before the first poll).
+
+        Rows are matched to the table by tuple and incarnation as the first dump (or an
+        event) shows them; the ones no dump shows ended while no exporter ran. Resends are
+        records the previous process built but could not see delivered: they go out
+        again as they were, and their totals are already in the rows' bases.
+        """
+        self.adopt = False
+        for row in rows:
+            if row.flags & ROW_GIVEN_UP:
+                self._given_up[row.key] = GivenUp(row.ct_id, row.start_ns, row.first_seen_ns, row.flow_id, None)
+            else:
+                self._restored.setdefault(row.key, []).append(row)
+        for e in resends:
+            self._loose[(e.flow_id, e.sequence)] = e
+            heapq.heappush(self._resend, (float("-inf"), next(self._resend_seq), e))
+
+    def _end(self, s: int, reason: int, now: float, *, force_record: bool = False) -> None:
+        """Slot ``s`` ended for the exporter: schedule the record that reports it, or forget it if there is none."""
+        self._reason[s] = reason
+        b = self._bits[s]
+        if force_record or self._seq[s] == 0 or b & LAST_ACTIVE or self._totals_of(s) != self._base_of(s):
+            self._bits[s] = b | FINAL_DUE
+            if b & ORPHAN:
+                self._orphan_due.append(s)
+            elif s in self.queue:
+                self.queue.update(s, active_expire=now)
+            else:
+                self.queue.push(s, now, now)
+        else:
+            self._bits[s] = b & ~FINAL_DUE
+            if self._pending[s] is None:
+                self._forget(s, now)
+
+    def next_deadline(self) -> float | None:
+        if any(self._pending[s] is None for s in self._orphan_due):
+            return float("-inf")
+        deadline = self.queue.next_deadline()
+        if self._resend:
+            due = self._resend[0][0]
+            deadline = due if deadline is None else min(deadline, due)
+        return deadline
+
+    def expire(self, now: float, wall_ns: int, limit: int | None = None) -> list[Export]:
+        """Records for every connection that is due at ``now`` (at most ``limit``), resends first.
+
+        What the limit holds back stays due and is exported later with its latest
+        counters: while Kafka is slow, connections coalesce instead of queueing.
+        """
+        out: list[Export] = []
+        resend = self._resend
+        while resend and resend[0][0] <= now and (limit is None or len(out) < limit):
+            out.append(heapq.heappop(resend)[2])
+        pending = self._pending
+        bits = self._bits
+        reason = self._reason
+        if self._orphan_due:
+            waiting = []
+            for s in self._orphan_due:
+                if pending[s] is not None or (limit is not None and len(out) >= limit):
+                    waiting.append(s)  # goes when its record in flight settles
+                elif bits[s] & FINAL_DUE and bits[s] & ORPHAN and self._keys[s] is not None:
+                    out.append(self._build(s, reason[s], now))
+            self._orphan_due = waiting
+        active = self.timeouts.active
+        queue = self.queue
+        requeue = queue.requeue
+        idle_expire = queue.idle
+        append = out.append
+        build = self._build
+        retry: list[int] = []
+        for s in queue.pop_due(now):
+            if limit is not None and len(out) >= limit:
+                queue.push(s, queue.active[s], idle_expire[s])
+                break
+            if pending[s] is not None:
+                retry.append(s)
+                continue
+            r = reason[s]
+            if r:
+                if bits[s] & FINAL_DUE:
+                    append(build(s, r, now))
+                continue
+            if self._dying(s):
+                # TIME_WAIT or CLOSE: still in the table, but over; later movement queues it again.
+                append(build(s, END_OF_FLOW, now))
+                continue
+            if idle_expire[s] <= now:
+                bits[s] &= ~ACTIVE
+                self._idle[s] = None
+                append(build(s, IDLE_TIMEOUT, now))
+                continue
+            append(build(s, ACTIVE_TIMEOUT, now))
+            requeue(s, now + active, idle_expire[s])
+        for s in retry:
+            queue.push(s, now + RETRY_DELAY, now + RETRY_DELAY)
+        return out
+
+    def _build(self, s: int, reason: int, now: float) -> Export:
+        # One call per record (bench/bench_app_export.py): column reads and conditionals, no max() calls.
+        o0 = self._op[s]
+        o1 = self._ob[s]
+        o2 = self._rp[s]
+        o3 = self._rb[s]
+        d0 = o0 - self._bp[s]
+        d1 = o1 - self._bb[s]
+        d2 = o2 - self._brp[s]
+        d3 = o3 - self._brb[s]
+        end_reason = self._reason[s]
+        prefix = self._prefix[s]
+        flags = self._flags[s]
+        # Counter fidelity (flow.NO_COUNTERS, flow.OFFLOADED): kept once seen; the cached
+        # prefix holds the old flags, so it goes.
+        b = self._bits[s]
+        seen = (NO_COUNTERS if b & UNCOUNTED else 0) | (
+            OFFLOADED if self._status[s] & (IPS_OFFLOAD | IPS_HW_OFFLOAD) else 0
+        )
+        if seen & ~flags:
+            flags = self._flags[s] = flags | seen
+            prefix = self._prefix[s] = None
+        seq = self._seq[s]
+        ts = self._tcp[s]
+        e = Export(
+            reason,
+            seq,
+            (o0, o1, o2, o3),
+            (d0 if d0 > 0 else 0, d1 if d1 > 0 else 0, d2 if d2 > 0 else 0, d3 if d3 > 0 else 0),
+            end_reason != 0,
+            self._last_active[s],
+            self._fid[s],
+            self._first[s],
+            self._keys[s],
+            self._ct[s],
+            self._start[s],
+            flags,
+            end_reason != 0 and end_reason != LACK_OF_RESOURCES,
+            None if ts < 0 else ts,
+            self._meta[s],
+            None if prefix is not None else self._view(s),
+            prefix,
+            s,
+            self._epoch[s],
+        )
+        self._seq[s] = seq + 1
+        self._bp[s] = o0
+        self._bb[s] = o1
+        self._brp[s] = o2
+        self._brb[s] = o3
+        self._pending[s] = e
+        # An active-timeout record leaves the connection's end unreported: its end owes one more record.
+        b = b | LAST_ACTIVE if reason == ACTIVE_TIMEOUT else b & ~LAST_ACTIVE
+        if end_reason:
+            b &= ~FINAL_DUE
+            if end_reason == LACK_OF_RESOURCES:
+                e.row_kind = ROW_GIVEN_UP
+            elif not b & DESTROYED:  # a destroyed entry cannot be met again: its row can go
+                e.row_kind = ROW_ENDED | (ROW_RESET if end_reason == FORCED_END else 0)
+        self._bits[s] = b
+        self.stats.records_built += 1
+        return e
+
+    def acknowledge(self, export: Export, delivered: bool, now: float, *, permanent: bool = False) -> None:
+        """Settle a record after Kafka's delivery report.
+
+        Failed: the same record (same bytes) goes again after a backoff, and the
+        connection's newer counts wait for the record after it. Delivered, or failed
+        for good (``permanent``: a record Kafka will never take, counted by the caller):
+        the connection may have its next record, or be forgotten if it has ended.
+        """
+        if not delivered and not permanent:
+            self.stats.resends += 1
+            delay = min(RETRY_DELAY * (2 ** min(export.attempts, 16)), RESEND_MAX_DELAY)
+            export.attempts += 1
+            heapq.heappush(self._resend, (now + delay, next(self._resend_seq), export))
+            return
+        s = export.slot
+        if s < 0:
+            self._loose.pop((export.flow_id, export.sequence), None)
+            return
+        if self._pending[s] is not export:
+            return
+        self._pending[s] = None
+        b = self._bits[s]
+        if self._reason[s]:
+            if b & FINAL_DUE or self._totals_of(s) != self._base_of(s):
+                self._bits[s] = b | FINAL_DUE  # more counts arrived (a late DESTROY) after its record was built
+                if b & ORPHAN:
+                    self._orphan_due.append(s)
+                elif s not in self.queue:
+                    self.queue.push(s, now, now)
+            elif self._settled(s):
+                self._forget(s, now)
+        elif b & ACTIVE:
+            if export.prefix is not None and export.epoch == self._epoch[s]:
+                self._prefix[s] = export.prefix  # the encoder's work, kept for the next record
+        else:
+            self._prefix[s] = None  # idle: free the cached record prefix until it is needed again
+
+    def reported(self) -> Iterator[Restored]:
+        """What a checkpoint keeps: every connection a restarted exporter may meet again with a record built.
+
+        Tracked connections, connections given up at the cap, and rows restored from the
+        last checkpoint that no dump has matched yet; not the orphans that ended.
+        """
+        seq = self._seq
+        fl = self._flags
+        # Reset successors before their first record too: their ended predecessor no longer says so.
+        slots = [s for s in self.connections.values() if seq[s] or fl[s] & COUNTERS_RESET]
+        # One pass with the columns in locals and a NamedTuple made without its __new__: a snapshot
+        # reads 250k of these every few seconds at 50k records/s (bench/bench_pipeline.py).
+        new = tuple.__new__
+        keys, ct, start, first, fid, flags = self._keys, self._ct, self._start, self._first, self._fid, self._flags
+        bp, bb, brp, brb = self._bp, self._bb, self._brp, self._brb
+        for s in slots:
+            yield new(Restored, (keys[s], ct[s], start[s], first[s], fid[s], seq[s], (bp[s], bb[s], brp[s], brb[s]),
+                                 flags[s]))  # fmt: skip
+        for rows in self._restored.values():
+            yield from rows
+        for key, g in self._given_up.items():
+            yield Restored(key, g.ct_id, g.start_ns, g.first_seen_ns, g.flow_id, 1, ZERO, ROW_GIVEN_UP)
+        for (key, _), t in self._tombs.items():
+            if not t.destroyed:  # a destroyed entry cannot be met again by a later process
+                kind = ROW_ENDED | (ROW_RESET if t.reset else 0)
+                yield Restored(key, t.ct_id, t.start_ns, t.first_seen_ns, t.flow_id, t.next_seq, t.base, t.flags | kind)
+
+    def in_flight(self) -> Iterator[Export]:
+        """Every record built and not known to be delivered (in flight or waiting to be resent)."""
+        yield from self._loose.values()  # restored from a checkpoint: no connection holds them
+        for s in [*self.connections.values(), *self._orphans.values()]:
+            e = self._pending[s]
+            if e is not None:
+                yield e

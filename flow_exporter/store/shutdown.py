@@ -1,0 +1,49 @@
+"""Shutdown: a last record for every connection, and what is still owed."""
+
+from __future__ import annotations
+
+from flow_exporter.flow import (
+    FORCED_END,
+    Export,
+)
+from flow_exporter.store.columns import CLOSED, FINAL_DUE
+from flow_exporter.store.ledger import Ledger
+
+
+class Shutdown(Ledger):
+    """What SIGTERM needs of the store: final records, and how many are still to come."""
+
+    def export_all(self, now: float, reason: int = FORCED_END) -> list[Export]:
+        """Shutdown: a last record for every connection with something unreported (or never reported).
+
+        Live connections get ``reason`` (forced end); ones that already ended get their own
+        end reason. A connection with a record in flight gets its turn once that settles,
+        so no counts are sent twice; resends go out as they are.
+        """
+        out = [e for _, _, e in self._resend]
+        self._resend.clear()
+        bits = self._bits
+        for s in [*self._orphans.values(), *self.connections.values()]:
+            if self._pending[s] is not None or bits[s] & CLOSED:
+                continue
+            r = self._reason[s]
+            if r:
+                if bits[s] & FINAL_DUE:
+                    out.append(self._build(s, r, now))
+                continue
+            bits[s] |= CLOSED
+            if self._dying(s) and self._seq[s] and self._totals_of(s) == self._base_of(s):
+                continue  # its end-of-flow record told it all (TIME_WAIT)
+            self.queue.remove(s)
+            out.append(self._build(s, reason, now))
+        self._orphan_due = []
+        return out
+
+    def unfinished(self) -> int:
+        """Records built and not delivered, plus connections still owing one (shutdown)."""
+        n = len(self._loose)
+        bits = self._bits
+        for s in [*self._orphans.values(), *self.connections.values()]:
+            if self._pending[s] is not None or (bits[s] & FINAL_DUE if self._reason[s] else not bits[s] & CLOSED):
+                n += 1
+        return n
