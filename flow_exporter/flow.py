@@ -134,7 +134,7 @@ class Export:
 
     It carries what the sink, the encoder and the checkpoint need of its connection, so
     nothing downstream reaches into the store: the store keeps connections in columns,
-    not objects (store.py). ``slot`` is -1 for a record restored from a checkpoint (a
+    not objects (flow_exporter.store.columns). ``slot`` is -1 for a record restored from a checkpoint (a
     previous process built it; only its bytes are left). ``prefix`` is the encoded
     connection-lifetime part of the record (sink.encoder) when the store has it cached;
     otherwise ``conn`` holds the static fields to encode it from, and the store keeps
