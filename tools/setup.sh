@@ -13,6 +13,7 @@ need_pkgs=()
 command -v ip >/dev/null || need_pkgs+=(iproute2)
 command -v nft >/dev/null || need_pkgs+=(nftables)
 command -v conntrack >/dev/null || need_pkgs+=(conntrack)
+command -v mkfs.ext4 >/dev/null || need_pkgs+=(e2fsprogs)  # the state-directory fault tests (an ext4 image)
 command -v java >/dev/null || need_pkgs+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null || need_pkgs+=(maven)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
