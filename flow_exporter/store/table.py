@@ -179,7 +179,9 @@ class Table(Columns):
         self._new_id = IdAllocator(self.id_seed)
         self.connections: dict[ConnectionKey, int] = {}  # key -> slot of the incarnation that holds the tuple
         self._orphans: dict[int, int] = {}  # flow_id -> slot: out of the table, final record pending
-        self._orphan_index: dict[tuple[ConnectionKey, int], int] = {}  # (tuple, ct_id) -> slot, for DESTROY
+        # (tuple, ct_id) -> replaced incarnations still owing their end-of-flow record, for their DESTROY
+        # (several when the kernel re-created a tuple with the same conntrack id more than once).
+        self._orphan_index: dict[tuple[ConnectionKey, int], list[int]] = {}
         self._tombs: dict[tuple[ConnectionKey, int], Tombstone] = {}
         self._tomb_order: deque[tuple[float, tuple[ConnectionKey, int]]] = deque()
         self._given_up: dict[ConnectionKey, GivenUp] = {}
@@ -463,14 +465,10 @@ class Table(Columns):
         if s is not None and _same_incarnation(self._ct[s], self._start[s], conn, self._first[s]):
             self._destroy(s, conn, now, wall_ns)
             return
-        o = self._orphan_index.get((key, conn.ct_id))
-        if (
-            o is not None
-            and self._reason[o] == END_OF_FLOW
-            and _same_incarnation(self._ct[o], self._start[o], conn, self._first[o])
-        ):
-            self._destroy(o, conn, now, wall_ns)  # a replaced incarnation, still awaiting its final record
-            return
+        for o in self._orphan_index.get((key, conn.ct_id), ()):
+            if _same_incarnation(self._ct[o], self._start[o], conn, self._first[o]):
+                self._destroy(o, conn, now, wall_ns)  # a replaced incarnation, still awaiting its final record
+                return
         tomb = self._tombs.get((key, conn.ct_id))
         if tomb is not None and _same_incarnation(tomb.ct_id, tomb.start_ns, conn, tomb.first_seen_ns):
             if tomb.destroyed or conn.orig_packets + conn.reply_packets == 0 or _totals(conn) == tomb.base:
@@ -498,7 +496,7 @@ class Table(Columns):
         if s is not None:
             self._standalone(conn, now, wall_ns)
             return
-        s = self._admit(key, conn, now, wall_ns, adopted=self.adopt)
+        s = self._admit(key, conn, now, wall_ns, adopted=self.adopt, gone=True)
         if s is not None:
             self.stats.added_from_events += 1
             self._destroy(s, conn, now, wall_ns)
@@ -595,8 +593,10 @@ class Table(Columns):
             return self._reset(s, conn, now, wall_ns)
         return self._track(key, conn, known.flow_id, known.first_seen_ns, now, wall_ns, flags, known.next_seq, base)
 
-    def _admit(self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int, *, adopted: bool) -> int | None:
-        """Track a connection the store does not hold, unless the cap refuses it."""
+    def _admit(
+        self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int, *, adopted: bool, gone: bool = False
+    ) -> int | None:
+        """Track a connection the store does not hold, unless the cap refuses it (``gone``: from its DESTROY)."""
         if self._restored:
             rows = self._restored.get(key)
             if rows is not None:
@@ -615,7 +615,7 @@ class Table(Columns):
                     self.stats.restored += 1
                     return self._continue(key, conn, row, now, wall_ns)
         if len(self.connections) + len(self._orphans) >= self.max_connections and not self._evict_idle(now):
-            self._refuse(key, conn, now, wall_ns, adopted)
+            self._refuse(key, conn, now, wall_ns, adopted, gone=gone)
             return None
         first_seen = conn.start_ns or self._stamp(wall_ns)
         flags = ADOPTED if adopted or (self._dumps and self._readmitted(conn, wall_ns)) else 0
@@ -676,14 +676,22 @@ class Table(Columns):
             return True
         return False
 
-    def _refuse(self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int, adopted: bool) -> None:
-        self._give_up(self._unkeyed(key, conn, wall_ns, adopted), GIVE_UP_REFUSED, now, keyed=False)
+    def _refuse(
+        self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int, adopted: bool, *, gone: bool = False
+    ) -> None:
+        s = self._unkeyed(key, conn, wall_ns, adopted)
+        self._give_up(s, GIVE_UP_REFUSED, now, keyed=False, remember=not gone)
 
-    def _give_up(self, s: int, why: str, now: float, *, keyed: bool = True) -> None:
-        """Stop tracking slot ``s``: one lack-of-resources record with its counts, then never again while it lasts."""
+    def _give_up(self, s: int, why: str, now: float, *, keyed: bool = True, remember: bool = True) -> None:
+        """Stop tracking slot ``s``: one lack-of-resources record with its counts, then never again while it lasts.
+
+        ``remember`` False: its entry is already gone (a DESTROY the store could not place), so there
+        is nothing to refuse later, and the tuple's registry entry (another incarnation's) stays.
+        """
         key = self._keys[s]
         assert key is not None
-        self._given_up[key] = GivenUp(self._ct[s], self._start[s], self._first[s], self._fid[s], now)
+        if remember:
+            self._given_up[key] = GivenUp(self._ct[s], self._start[s], self._first[s], self._fid[s], now)
         self.stats.given_up[why] = self.stats.given_up.get(why, 0) + 1
         self._cap_unlogged[why] = self._cap_unlogged.get(why, 0) + 1
         self._orphan(s, LACK_OF_RESOURCES, now, keyed=keyed)
@@ -710,7 +718,8 @@ class Table(Columns):
                 self.stats.reused_tuples += 1
         self._bits[s] = (self._bits[s] | ORPHAN) & ~PRESENT
         self._orphans[self._fid[s]] = s
-        self._orphan_index[(key, self._ct[s])] = s
+        if reason == END_OF_FLOW:
+            self._orphan_index.setdefault((key, self._ct[s]), []).append(s)
         self._end(s, reason, now, force_record=reason in (FORCED_END, LACK_OF_RESOURCES))
 
     def _reset(self, s: int, conn: Connection, now: float, wall_ns: int) -> int:
@@ -738,8 +747,11 @@ class Table(Columns):
             if self._orphans.get(flow_id) == s:
                 del self._orphans[flow_id]
             ikey = (key, ct_id)
-            if self._orphan_index.get(ikey) == s:
-                del self._orphan_index[ikey]
+            slots = self._orphan_index.get(ikey)
+            if slots is not None and s in slots:
+                slots.remove(s)
+                if not slots:
+                    del self._orphan_index[ikey]
             if self._reason[s] != END_OF_FLOW:
                 self._release(s)
                 return  # given up (the registry remembers it) or reset (its successor holds the tuple)
