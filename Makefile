@@ -26,6 +26,8 @@ test: setup setup-k8s setup-flink lint
 # A downstream job against the local broker: broker, registry, lab traffic through the exporter
 # (SCRAM, registry framing), then the job once over the topic and its three tables printed.
 # Against another broker: make spark-job ARGS="--bootstrap-servers host:9092 --topic flows".
+# Either way the harness resolves the connector jars (devtools.spark / devtools.flink, Maven, once into
+# .cache) and passes them with --jars: the jobs themselves never look into devtools/ or .cache.
 spark-job: setup
 	$(PY) -m devtools.downstream spark $(ARGS)
 

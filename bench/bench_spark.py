@@ -141,6 +141,8 @@ def produce(bootstrap: str, topic: str, records: list[tuple[bytes, bytes]], *, c
 
 def run_job(bootstrap: str, topic: str, mode: str, out: Path, *extra: str) -> tuple[float, dict[str, Any]]:
     """Run the job with --available-now into Parquet at ``out``; (wall seconds, its summary line)."""
+    from devtools.downstream import jar_args
+
     cmd = [
         sys.executable,
         str(JOB),
@@ -153,6 +155,7 @@ def run_job(bootstrap: str, topic: str, mode: str, out: Path, *extra: str) -> tu
         mode,
         "--output",
         str(out),
+        *jar_args("spark"),
         *extra,
     ]
     t0 = time.perf_counter()
@@ -187,6 +190,8 @@ def run_flink(
     """
     if confluent:
         return {"skipped": "the Flink job reads framed values only through a registry"}
+    from devtools.downstream import jar_args
+
     cmd = [
         str(ROOT / ".venv-flink" / "bin" / "python"),
         str(ROOT / "downstream" / "flink_flows.py"),
@@ -197,6 +202,7 @@ def run_flink(
         "--bounded",
         "--output",
         str(out),
+        *jar_args("flink"),
     ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -6,12 +6,14 @@ lab with the exporter writing to the SASL listener with registry framing, ``--du
 of real traffic (the demo's), and then the job, reading over SCRAM with the registry, runs once
 over what the topic holds (Spark ``--available-now``, Flink ``--bounded``) and its three tables
 are printed. With ``--bootstrap-servers`` and ``--topic`` it only runs the job against that
-broker; any further arguments after ``--`` go to the job unchanged.
+broker; any further arguments after ``--`` go to the job unchanged. Either way the connector jars
+are resolved here (devtools.spark, devtools.flink) and given to the job with ``--jars``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -39,18 +41,33 @@ def _say(msg: str) -> None:
     print(f"downstream: {msg}", flush=True)
 
 
+def jar_args(job: str) -> list[str]:
+    """The arguments that give a job its connector jars (resolved once with Maven into ``.cache``).
+
+    The jobs stand alone: they never look for jars themselves, the harness passes ``--jars`` (and,
+    for Flink, ``--log-dir``: Flink's own log beside its jars in the cache).
+    """
+    if job == "spark":
+        from devtools.spark import ensure_spark_jars
+
+        return ["--jars", ",".join(str(j) for j in ensure_spark_jars())]
+    from devtools.flink import cache_dir, ensure_flink_jars
+
+    return ["--jars", ",".join(str(j) for j in ensure_flink_jars()), "--log-dir", str(cache_dir() / "log")]
+
+
 def job_command(job: str, bootstrap: str, topic: str, output: Path, extra: list[str]) -> list[str]:
     """The job's command line for one run over what the topic holds now, tables under ``output``."""
     if job == "spark":
         return [
             sys.executable, str(JOBS["spark"]), "--bootstrap-servers", bootstrap, "--topic", topic,
             "--available-now", "--output", str(output), "--window", "10 seconds",
-            "--driver-java-options=-XX:TieredStopAtLevel=1 -XX:+UseSerialGC", *extra,
+            "--driver-java-options=-XX:TieredStopAtLevel=1 -XX:+UseSerialGC", *jar_args("spark"), *extra,
         ]  # fmt: skip
     python = str(FLINK_PYTHON) if FLINK_PYTHON.exists() else sys.executable
     return [
         python, str(JOBS["flink"]), "--bootstrap-servers", bootstrap, "--topic", topic,
-        "--bounded", "--output", str(output), "--window", "10", *extra,
+        "--bounded", "--output", str(output), "--window", "10", *jar_args("flink"), *extra,
     ]  # fmt: skip
 
 
@@ -98,7 +115,8 @@ def show_tables(output: Path) -> int:
 
 def run_job(job: str, bootstrap: str, topic: str, output: Path, extra: list[str], env: dict[str, str]) -> int:
     cmd = job_command(job, bootstrap, topic, output, extra)
-    _say(f"running the {job} job: " + " ".join(a for a in cmd[1:] if PASSWORD not in a))
+    shown = [f"<{len(a.split(','))} jars>" if prev == "--jars" else a for prev, a in itertools.pairwise(cmd)]
+    _say(f"running the {job} job: " + " ".join(a for a in shown if PASSWORD not in a))
     t0 = time.monotonic()
     proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1", **env}, check=False)
     _say(f"{job} job exited with {proc.returncode} after {time.monotonic() - t0:.0f}s; tables under {output}")

@@ -3,8 +3,9 @@
 ``downstream/flink_flows.py`` runs Flink in local mode (a MiniCluster inside PyFlink's gateway
 JVM). The wheel carries Flink itself in ``pyflink/lib`` but no Kafka connector and no Avro
 format. Flink has no run-time dependency resolution of its own, so Maven resolves them once
-(``tools/flink/pom.xml``) into ``<repo>/.cache/flink/<flink version>/jars``, and the job passes
-those files in ``pipeline.jars``: no network access when a job starts.
+(``tools/flink/pom.xml``) into ``<repo>/.cache/flink/<flink version>/jars``; the harness
+(``devtools.downstream.jar_args``) gives those files to the job with ``--jars``, and the job passes
+them in ``pipeline.jars``: no network access when a job starts.
 
 Both jars are shaded "sql" uber jars, so unlike Spark's connectors nothing has to be filtered
 against what the wheel already has. The pom explains why the registry format jar is 2.1.0.

@@ -4,7 +4,8 @@
 Spark, Scala and their libraries in ``pyspark/jars`` but neither ``spark-sql-kafka-0-10`` nor
 ``spark-avro``. Resolving them with ``spark.jars.packages`` would need Ivy and the network at every
 start, so instead Maven resolves them once (``tools/spark/pom.xml``) into
-``<repo>/.cache/spark/<version>/jars``, and the job passes those files in ``spark.jars``.
+``<repo>/.cache/spark/<version>/jars``; the harness (``devtools.downstream.jar_args``) gives those
+files to the job with ``--jars``, and the job passes them in ``spark.jars``.
 
 Only jars whose artifact pyspark does not already have are kept: a second, older copy of
 scala-library or slf4j-api on the class path would shadow or clash with pyspark's own. The

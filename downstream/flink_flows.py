@@ -6,14 +6,16 @@ topic (and, with ``--bounded``, a fourth from the completeness markers), written
 local mode, a MiniCluster inside PyFlink's gateway JVM.
 
 Setup: ``tools/flink/setup.sh`` (once), then ``.venv-flink/bin/python downstream/flink_flows.py
---bootstrap-servers HOST:PORT --topic flows --bounded --output DIR`` (add ``--markers-topic
-TOPIC`` for ``window_completeness``).
+--bootstrap-servers HOST:PORT --topic flows --jars .cache/flink/2.2.0/jars --bounded --output DIR``
+(add ``--markers-topic TOPIC`` for ``window_completeness``). Standalone: this file needs only
+``contract.py`` beside it (the rules and names shared with the Spark job) and the Avro schemas
+(beside them, or ``--schema`` / ``--marker-schema``).
 
 Versions, a matched set. PyPI ``apache-flink==2.2.0`` (its own virtualenv ``.venv-flink``:
 PyFlink pins pyarrow/pandas/numpy ranges the project's ``.venv`` must not be forced into; hashed
 lock ``requirements/flink.lock``) with the Maven jars of ``tools/flink/pom.xml``, fetched once by
-``devtools/flink.py`` into ``.cache/flink/2.2.0/jars`` and passed as ``pipeline.jars`` (file
-URLs, nothing is resolved at run time): ``flink-sql-connector-kafka:5.0.0-2.2`` (the Kafka
+``devtools/flink.py`` into ``.cache/flink/2.2.0/jars``, given to the job by ``--jars`` and passed
+as ``pipeline.jars`` (file URLs, nothing is resolved at run time): ``flink-sql-connector-kafka:5.0.0-2.2`` (the Kafka
 connector release built for Flink 2.2) and ``flink-sql-avro-confluent-registry:2.1.0``. The
 latter has no 2.2.x release on Maven Central, and the unshaded 2.2.0 artifact needs Confluent's
 own repository for the registry client; 2.1.0 is built against the older API and so only calls
@@ -95,7 +97,7 @@ checkpoints (every 10 s) as the filesystem sink requires.
 
 Local mode is sized for a small machine: ``--parallelism`` (default 1) slots, a 1 GiB JVM heap
 (``--heap``), 256 MiB managed memory, no web UI, no restarts (a failure ends the job with its
-reason), Flink's own log in ``.cache/flink/<version>/log``.
+reason), Flink's own log in ``--log-dir`` (the harness: ``.cache/flink/<version>/log``).
 """
 
 from __future__ import annotations
@@ -120,44 +122,24 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pyflink.table import StatementSet, TableEnvironment
 
-_REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_SCHEMA = _REPO_ROOT / "schemas" / "flow_record.avsc"
-MARKER_SCHEMA = _REPO_ROOT / "schemas" / "completeness_marker.avsc"
+if __package__:  # imported as downstream.flink_flows
+    from . import contract
+else:  # run as a script: contract.py is beside it (sys.path[0])
+    import contract  # type: ignore[no-redef]
+
 SOURCE_TABLE = "flow_records"
 MARKERS_TABLE = "completeness_markers"
-TABLES = ("flows_by_window", "top_talkers", "connection_totals")
-COMPLETENESS_TABLE = "window_completeness"  # only with --markers-topic and --bounded
+TABLES = contract.TABLES
+COMPLETENESS_TABLE = contract.COMPLETENESS_TABLE  # only with --markers-topic and --bounded
 # A marker's loss counts, one expression so the dedupe, the lossy test and the sum agree.
-MARKER_LOSSES = "eventLosses + connectionsGivenUp + recordsGivenUp"
+MARKER_LOSSES = " + ".join(contract.MARKER_LOSS_FIELDS)
 
-DELTAS = ("packetDeltaCount", "octetDeltaCount", "reversePacketDeltaCount", "reverseOctetDeltaCount")
-COUNTERS = ("forward_packets", "forward_bytes", "reverse_packets", "reverse_bytes")
+DELTAS = contract.DELTAS
+COUNTERS = contract.COUNTERS
 # The record fields the job reads; with the registry the table declares only these.
-USED_FIELDS = frozenset(
-    {
-        "connectionId",
-        "sequence",
-        "exporterNode",
-        "exportTime",
-        "flowEnd",
-        "ipVersion",
-        "protocol",
-        "sourceAddress",
-        "sourcePort",
-        "destinationAddress",
-        "destinationPort",
-        "sourcePodNamespace",
-        "sourcePodName",
-        "destinationPodNamespace",
-        "destinationPodName",
-        "destinationService",
-        "flowType",
-        "reporter",
-        *DELTAS,
-    }
-)
-INTER_NODE = 2  # flowType: pod to pod across nodes
-REPORTER_DESTINATION = 2  # reporter: the exporter on the destination pod's node
+USED_FIELDS = contract.USED_FIELDS
+INTER_NODE = contract.INTER_NODE
+REPORTER_DESTINATION = contract.REPORTER_DESTINATION
 
 # Avro primitive -> Flink SQL type, as Flink's AvroSchemaConverter derives them back.
 _PRIMITIVES = {
@@ -171,15 +153,10 @@ _PRIMITIVES = {
 }
 # Logical types whose Flink column is the underlying primitive (see the module docstring).
 _PLAIN_LOGICAL = {"timestamp-millis": "long", "timestamp-micros": "long"}
-SASL_MECHANISMS = ("SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN")
-# The login modules inside flink-sql-connector-kafka: kafka-clients is relocated there, and the
-# JAAS line names a class, so the unshaded org.apache.kafka... name would not be found.
-_SHADED = "org.apache.flink.kafka.shaded.org.apache.kafka.common.security"
-LOGIN_MODULES = {
-    "SCRAM-SHA-256": f"{_SHADED}.scram.ScramLoginModule",
-    "SCRAM-SHA-512": f"{_SHADED}.scram.ScramLoginModule",
-    "PLAIN": f"{_SHADED}.plain.PlainLoginModule",
-}
+SASL_MECHANISMS = contract.SASL_MECHANISMS
+# Where flink-sql-connector-kafka relocates kafka-clients: the JAAS line names a login module
+# class, so the unshaded org.apache.kafka... name would not be found.
+SHADED_KAFKA = "org.apache.flink.kafka.shaded.org.apache.kafka"
 
 
 class UsageError(Exception):
@@ -272,13 +249,8 @@ def kafka_properties(args: argparse.Namespace, sasl_password: str | None) -> dic
         props["properties.security.protocol"] = args.security_protocol
     if args.security_protocol.startswith("SASL"):
         props["properties.sasl.mechanism"] = args.sasl_mechanism
-
-        def jaas(value: str) -> str:
-            return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-        props["properties.sasl.jaas.config"] = (
-            f"{LOGIN_MODULES[args.sasl_mechanism]} required "
-            f"username={jaas(args.sasl_username)} password={jaas(sasl_password or '')};"
+        props["properties.sasl.jaas.config"] = contract.jaas_config(
+            args.sasl_mechanism, args.sasl_username, sasl_password or "", SHADED_KAFKA
         )
     if args.ssl_ca_location is not None:
         # The Java client reads a PEM CA file directly when told its type.
@@ -563,10 +535,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the exporters' completeness markers (bare Avro, same broker and security):\n"
         "adds the window_completeness table (needs --bounded)",
     )
-    ap.add_argument("--schema", type=Path, default=DEFAULT_SCHEMA, help="Avro schema file (default: the repo's)")
     ap.add_argument(
-        "--security-protocol", choices=("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"), default="PLAINTEXT"
+        "--schema",
+        type=Path,
+        default=contract.schema_file(contract.FLOW_SCHEMA),
+        help=f"Avro schema file (default: {contract.FLOW_SCHEMA} beside the job, else the repository's schemas/)",
     )
+    ap.add_argument(
+        "--marker-schema",
+        type=Path,
+        default=contract.schema_file(contract.MARKER_SCHEMA),
+        help=f"completeness marker schema, for --markers-topic (default: {contract.MARKER_SCHEMA}, found likewise)",
+    )
+    ap.add_argument(
+        "--jars",
+        default=os.environ.get("FLOW_FLINK_JARS"),
+        metavar="PATH[,PATH...]",
+        help="the Flink connector jars (flink-sql-connector-kafka, flink-sql-avro-confluent-registry;\n"
+        "a directory stands for its *.jar files) (default: $FLOW_FLINK_JARS)",
+    )
+    ap.add_argument(
+        "--log-dir",
+        type=Path,
+        default=Path(os.environ.get("FLINK_LOG_DIR") or Path(tempfile.gettempdir()) / "flink_flows-log"),
+        help="Flink's own log (default: $FLINK_LOG_DIR, else flink_flows-log in the temporary directory)",
+    )
+    ap.add_argument("--security-protocol", choices=contract.SECURITY_PROTOCOLS, default="PLAINTEXT")
     ap.add_argument("--sasl-mechanism", choices=SASL_MECHANISMS, default="SCRAM-SHA-512")
     ap.add_argument("--sasl-username")
     ap.add_argument("--sasl-password", help="prefer the environment variable FLOW_SASL_PASSWORD")
@@ -586,9 +580,11 @@ def check_args(args: argparse.Namespace) -> str | None:
             raise UsageError(f"--{name} must be at least 1")
     if args.watermark < 0:
         raise UsageError("--watermark must not be negative")
+    if args.schema is None:
+        raise UsageError(f"--schema is required: no {contract.FLOW_SCHEMA} beside the job")
     if not args.schema.is_file():
         raise UsageError(f"--schema: no such file: {args.schema}")
-    password = args.sasl_password or os.environ.get("FLOW_SASL_PASSWORD")
+    password = args.sasl_password or os.environ.get(contract.PASSWORD_ENV)
     if args.security_protocol.startswith("SASL"):
         if not args.sasl_username or not password:
             raise UsageError(
@@ -610,6 +606,11 @@ def check_args(args: argparse.Namespace) -> str | None:
         raise UsageError("--schema-registry must be an http:// or https:// URL")
     if args.markers_topic is not None and not args.bounded:
         raise UsageError("--markers-topic needs --bounded (the window_completeness table is batch-only for now)")
+    if args.markers_topic is not None:
+        if args.marker_schema is None:
+            raise UsageError(f"--markers-topic needs --marker-schema: no {contract.MARKER_SCHEMA} beside the job")
+        if not args.marker_schema.is_file():
+            raise UsageError(f"--marker-schema: no such file: {args.marker_schema}")
     return password
 
 
@@ -652,17 +653,15 @@ def _check_registry(url: str, basic_auth: str | None, timeout: float = 5.0) -> N
 # --------------------------------------------------------------------------- Flink (lazy pyflink)
 
 
-def _ensure_repo_on_path() -> None:
-    """Run as ``python downstream/flink_flows.py``: make ``devtools`` importable for the jar lookup."""
-    root = str(_REPO_ROOT)
-    if root not in sys.path:
-        sys.path.insert(0, root)
+def jar_urls(jars: Sequence[Path]) -> str:
+    """``pipeline.jars``'s value: ``file://`` URLs separated by ``;``."""
+    return ";".join(j.resolve().as_uri() for j in jars)
 
 
 def _prepare_jvm(heap: str, log_dir: Path) -> None:
     """Environment for PyFlink's gateway JVM, read when it starts (the first pyflink call).
 
-    JVM_ARGS goes before Flink's own options; the log goes to the cache rather than into the
+    JVM_ARGS goes before Flink's own options; the log goes to ``--log-dir`` rather than into the
     installed package, at INFO so a failure can be investigated from it.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -802,24 +801,25 @@ def _wait(client: Any) -> float | None:
 
 def run(args: argparse.Namespace, password: str | None) -> int:
     """Plan and run the job; with ``--bounded`` print the summary line at the end."""
+    try:
+        jars = contract.jar_paths(
+            args.jars,
+            "--jars",
+            "the Flink connector jars (flink-sql-connector-kafka, flink-sql-avro-confluent-registry)",
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     schema = json.loads(args.schema.read_text())
     try:
         source_ddl(schema, args)  # an unsupported schema fails here, before the JVM starts
     except ValueError as exc:
         raise UsageError(f"--schema: {exc}") from None
-    marker_schema = json.loads(MARKER_SCHEMA.read_text()) if args.markers_topic is not None else None
-    _ensure_repo_on_path()
-    from devtools.flink import cache_dir, ensure_flink_jars, jar_urls
-
-    try:
-        jars = ensure_flink_jars()
-    except RuntimeError as exc:
-        raise JobError(str(exc)) from None
+    marker_schema = json.loads(args.marker_schema.read_text()) if args.markers_topic is not None else None
     if not args.explain:
         _check_brokers(args.bootstrap_servers)
         if args.schema_registry is not None:
             _check_registry(args.schema_registry, args.registry_basic_auth)
-    log_dir = cache_dir() / "log"
+    log_dir = args.log_dir
     _prepare_jvm(args.heap, log_dir)
     from py4j.protocol import Py4JError
 

@@ -50,8 +50,12 @@ for the next run to emit; top talkers are ranked within the windows a micro-batc
 window's rows all close together). ``connection_totals`` is a complete-mode aggregation: every
 micro-batch rewrites the whole table (it keeps one state row per connection ever seen; for a
 long-running job, feed the same aggregation in update mode into a table that merges upserts).
-Spark runs in local mode with the connector jars from ``devtools.spark`` in ``spark.jars``:
-nothing is resolved over the network at run time.
+Spark runs in local mode with the connector jars given by ``--jars`` (``spark-sql-kafka-0-10``,
+``spark-avro`` and their dependencies, for exactly the installed pyspark's version) in
+``spark.jars``: nothing is resolved over the network at run time.
+
+Standalone: this file needs only ``contract.py`` beside it (the rules and names shared with the
+Flink job) and the Avro schemas (beside them, or ``--schema`` / ``--marker-schema``).
 """
 
 from __future__ import annotations
@@ -74,54 +78,24 @@ if TYPE_CHECKING:
     from pyspark.sql.streaming import StreamingQuery
     from pyspark.sql.streaming.state import GroupState
 
-_REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_SCHEMA = _REPO_ROOT / "schemas" / "flow_record.avsc"
+if __package__:  # imported as downstream.spark_flows
+    from . import contract
+else:  # run as a script: contract.py is beside it (sys.path[0])
+    import contract  # type: ignore[no-redef]
 
-TOTALS = ("packetTotalCount", "octetTotalCount", "reversePacketTotalCount", "reverseOctetTotalCount")
-DELTAS = ("packetDeltaCount", "octetDeltaCount", "reversePacketDeltaCount", "reverseOctetDeltaCount")
+# The rules' vocabulary, bound here by value: the totals step is pickled to Spark's Python workers,
+# which cannot import the contract module of a job run as a script.
+TOTALS, DELTAS, COUNTERS = contract.TOTALS, contract.DELTAS, contract.COUNTERS
+CONNECTION_FIELDS = contract.CONNECTION_FIELDS
 # The record fields the job reads; the others are skipped when decoding.
-USED_FIELDS = frozenset(
-    {
-        "connectionId",
-        "sequence",
-        "exporterNode",
-        "flowStart",
-        "flags",
-        "exportTime",
-        "flowEnd",
-        "ipVersion",
-        "protocol",
-        "zone",
-        "ctId",
-        "sourceAddress",
-        "sourcePort",
-        "destinationAddress",
-        "destinationPort",
-        "sourcePodNamespace",
-        "sourcePodName",
-        "destinationPodNamespace",
-        "destinationPodName",
-        "destinationService",
-        "flowType",
-        "reporter",
-        *TOTALS,
-        *DELTAS,
-    }
-)
-# Output counter columns, in the order of TOTALS / DELTAS.
-COUNTERS = ("forward_packets", "forward_bytes", "reverse_packets", "reverse_bytes")
+USED_FIELDS = contract.USED_FIELDS | contract.TOTALS_MODE_FIELDS
+INTER_NODE, REPORTER_DESTINATION = contract.INTER_NODE, contract.REPORTER_DESTINATION
+COUNTERS_RESET = contract.COUNTERS_RESET
 
 _INCREMENT_SCHEMA = "eventTime timestamp, source string, destination string, " + ", ".join(
     f"{c} long" for c in COUNTERS
 )
 _STATE_SCHEMA = "highWater binary"
-
-
-def _ensure_repo_on_path() -> None:
-    """Run as ``python downstream/spark_flows.py``: make ``flow_exporter`` importable for the jar lookup."""
-    root = str(_REPO_ROOT)
-    if root not in sys.path:
-        sys.path.insert(0, root)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -149,7 +123,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--markers-topic",
         help="the exporters' completeness markers (markers.topic): adds the window_completeness table",
     )
-    ap.add_argument("--schema", type=Path, default=DEFAULT_SCHEMA, help="Avro schema file (default: the repo's)")
+    ap.add_argument(
+        "--schema",
+        type=Path,
+        default=contract.schema_file(contract.FLOW_SCHEMA),
+        help=f"Avro schema file (default: {contract.FLOW_SCHEMA} beside the job, else the repository's schemas/)",
+    )
+    ap.add_argument(
+        "--marker-schema",
+        type=Path,
+        default=contract.schema_file(contract.MARKER_SCHEMA),
+        help=f"completeness marker schema, for --markers-topic (default: {contract.MARKER_SCHEMA}, found likewise)",
+    )
+    ap.add_argument(
+        "--jars",
+        default=os.environ.get("FLOW_SPARK_JARS"),
+        metavar="PATH[,PATH...]",
+        help="the Spark connector jars (spark-sql-kafka-0-10, spark-avro and their dependencies, for this\n"
+        "pyspark's version; a directory stands for its *.jar files) (default: $FLOW_SPARK_JARS)",
+    )
     ap.add_argument(
         "--confluent", action="store_true", help="values carry the 5-byte Confluent header; strip it, use --schema"
     )
@@ -187,28 +179,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--confluent strips the header and uses --schema; --schema-registry reads the schema by id: pick one")
     if args.top < 1:
         ap.error("--top must be at least 1")
+    if args.schema is None or not args.schema.is_file():
+        ap.error(
+            f"--schema: no such file: {args.schema}"
+            if args.schema
+            else f"--schema is required: no {contract.FLOW_SCHEMA} beside the job"
+        )
+    if args.markers_topic and (args.marker_schema is None or not args.marker_schema.is_file()):
+        ap.error(
+            f"--marker-schema: no such file: {args.marker_schema}"
+            if args.marker_schema
+            else f"--markers-topic needs --marker-schema: no {contract.MARKER_SCHEMA} beside the job"
+        )
+    try:
+        args.jars = contract.jar_paths(
+            args.jars, "--jars", "the Spark connector jars (spark-sql-kafka-0-10, spark-avro)"
+        )
+    except ValueError as exc:
+        ap.error(str(exc))
     return args
 
 
 def add_kafka_security_args(ap: argparse.ArgumentParser) -> None:
     """The exporter's Kafka security settings, as consumer flags (the same in both downstream jobs)."""
-    ap.add_argument(
-        "--security-protocol", choices=("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"), default="PLAINTEXT"
-    )
-    ap.add_argument("--sasl-mechanism", choices=("SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN"), default="SCRAM-SHA-512")
+    ap.add_argument("--security-protocol", choices=contract.SECURITY_PROTOCOLS, default="PLAINTEXT")
+    ap.add_argument("--sasl-mechanism", choices=contract.SASL_MECHANISMS, default="SCRAM-SHA-512")
     ap.add_argument("--sasl-username")
     ap.add_argument(
         "--sasl-password",
-        default=os.environ.get("FLOW_SASL_PASSWORD"),
+        default=os.environ.get(contract.PASSWORD_ENV),
         help="(default: $FLOW_SASL_PASSWORD; better than the command line, which other users can read)",
     )
     ap.add_argument("--ssl-ca-location", type=Path, metavar="PEM", help="CA certificates to verify the brokers")
     ap.add_argument("--ssl-certificate-location", type=Path, metavar="PEM", help="client certificate (mutual TLS)")
     ap.add_argument("--ssl-key-location", type=Path, metavar="PEM", help="client key, unencrypted PEM (mutual TLS)")
-
-
-def _jaas_quote(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def kafka_security_options(args: argparse.Namespace, login_package: str = "org.apache.kafka") -> dict[str, str]:
@@ -222,13 +226,9 @@ def kafka_security_options(args: argparse.Namespace, login_package: str = "org.a
     if protocol.startswith("SASL_"):
         if not args.sasl_username or args.sasl_password is None:
             raise ValueError(f"--security-protocol {protocol} needs --sasl-username and --sasl-password")
-        module = (
-            "security.plain.PlainLoginModule" if args.sasl_mechanism == "PLAIN" else "security.scram.ScramLoginModule"
-        )
         props["sasl.mechanism"] = args.sasl_mechanism
-        props["sasl.jaas.config"] = (
-            f"{login_package}.common.{module} required "
-            f"username={_jaas_quote(args.sasl_username)} password={_jaas_quote(args.sasl_password)};"
+        props["sasl.jaas.config"] = contract.jaas_config(
+            args.sasl_mechanism, args.sasl_username, args.sasl_password, login_package
         )
     if protocol in ("SSL", "SASL_SSL"):
         if args.ssl_ca_location is not None:
@@ -396,10 +396,6 @@ def read_flows(
     return reader.load().select(decoded.alias("r")).select("r.*")
 
 
-INTER_NODE = 2  # flowType: pod to pod across nodes
-REPORTER_DESTINATION = 2  # reporter: the exporter on the destination pod's node
-
-
 def one_observation(flows: DataFrame) -> DataFrame:
     """Drop the destination node's copy of inter-node pod-to-pod connections (README: One connection, two nodes)."""
     from pyspark.sql import functions as F
@@ -501,9 +497,6 @@ class HighWater:
         """Forget connections whose newest record is older than ``before_ms``."""
         alive = self.last >= before_ms
         self.ids, self.high, self.last = self.ids[alive], self.high[alive], self.last[alive]
-
-
-COUNTERS_RESET = 2  # record flag: this connectionId continues an entry whose counters went down
 
 
 def flow_key() -> Column:
@@ -628,17 +621,6 @@ def aggregate(
     )
 
 
-CONNECTION_FIELDS = (
-    "connectionId",
-    "exporterNode",
-    "protocol",
-    "sourceAddress",
-    "sourcePort",
-    "destinationAddress",
-    "destinationPort",
-)
-
-
 def connection_totals(flows: DataFrame, *, mode: str, event_time: str, watermark: str) -> DataFrame:
     """``connection_totals``: one row per connection, its counts so far.
 
@@ -699,15 +681,17 @@ def top_talkers(windows: DataFrame, top: int) -> DataFrame:
     )
 
 
-MARKER_SCHEMA = _REPO_ROOT / "schemas" / "completeness_marker.avsc"
-
-
 # Clock skew allowed between the exporters' markers (Kafka timestamps) and the windows' event times.
 MARKER_SKEW_MS = 10 * 60 * 1000
 
 
 def read_markers(
-    spark: SparkSession, bootstrap: str, topic: str, kafka_options: dict[str, str], since_ms: int = 0
+    spark: SparkSession,
+    bootstrap: str,
+    topic: str,
+    kafka_options: dict[str, str],
+    since_ms: int = 0,
+    schema_file: Path | None = None,
 ) -> DataFrame:
     """The completeness markers on ``topic`` produced since ``since_ms`` (a batch read).
 
@@ -727,7 +711,10 @@ def read_markers(
         )
     else:
         reader = reader.option("startingOffsets", "earliest")
-    schema = json.dumps(json.loads(MARKER_SCHEMA.read_text()))
+    schema_file = schema_file or contract.schema_file(contract.MARKER_SCHEMA)
+    if schema_file is None:
+        raise FileNotFoundError(contract.MARKER_SCHEMA)
+    schema = json.dumps(json.loads(schema_file.read_text()))
     return reader.load().select(from_avro("value", schema, {"mode": "FAILFAST"}).alias("m")).select("m.*")
 
 
@@ -826,7 +813,9 @@ def start(windows: DataFrame, connections: DataFrame, args: argparse.Namespace) 
         spark, options = windows.sparkSession, kafka_security_options(args)
 
         def markers(since_ms: int) -> DataFrame:
-            return read_markers(spark, args.bootstrap_servers, args.markers_topic, options, since_ms)
+            return read_markers(
+                spark, args.bootstrap_servers, args.markers_topic, options, since_ms, args.marker_schema
+            )
 
     sink = _TableWriter(args.output, args.top, markers, args.topic.split(","))
     queries = []
@@ -845,9 +834,6 @@ def start(windows: DataFrame, connections: DataFrame, args: argparse.Namespace) 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    _ensure_repo_on_path()
-    from devtools.spark import ensure_spark_jars
-
     try:
         kafka_options = kafka_security_options(args)
         writer_schemas = None
@@ -861,9 +847,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spark_flows.py: {exc}", file=sys.stderr)
         return 1
     schema_json = json.dumps(json.loads(args.schema.read_text()))
-    spark = spark_session(
-        args.master, ensure_spark_jars(), args.shuffle_partitions, args.driver_memory, args.driver_java_options
-    )
+    spark = spark_session(args.master, args.jars, args.shuffle_partitions, args.driver_memory, args.driver_java_options)
     spark.sparkContext.setLogLevel("WARN")
     _quiet_checker(spark)
     flows = read_flows(

@@ -12,7 +12,11 @@ dominates), checked by several tests:
 * Kubernetes names, windows and top talkers; per-connection totals.
 
 The Spark deltas run reads over SCRAM with the registry; the totals run over the plaintext
-listener, stripping the header and using the local schema (``--confluent``).
+listener, stripping the header and using the local schema (``--confluent``). Each job also runs
+once more as a user outside the repository would run it: the job file, ``contract.py`` and the
+schemas copied into a temporary directory, run from there with a clean environment (no
+PYTHONPATH, cwd that directory) and the jars passed by ``--jars``; its tables must equal the
+in-repository run's.
 
 The conntrack table is flushed between the two phases, so the restarted exporter does not see
 the plain phase's connections. Every run must give, per (source, destination) and per connection,
@@ -84,7 +88,8 @@ class Scenario:
     plain: CtTable
     restart: CtTable
     records: list[dict[str, Any]]
-    # "spark-deltas" and "flink" (SCRAM, registry); "spark-totals" (plaintext, --confluent)
+    # "spark-deltas" and "flink" (SCRAM, registry); "spark-totals" (plaintext, --confluent);
+    # "spark-standalone" and "flink-standalone": the first and the last, run from copies outside the repo
     runs: dict[str, JobRun]
     long_b: Any  # the LongConnection that spans the restarts
 
@@ -192,25 +197,17 @@ def scenario(secure_broker: KafkaBroker, tmp_path_factory: pytest.TempPathFactor
         bootstrap = secure_broker.bootstrap
         produce_synthetic(bootstrap, topic, b"\x00" + schema_id.to_bytes(4, "big"))
         records = read_records(bootstrap, topic, expect_at_least=10, framed=True)
+        secure = (*SCRAM, "--schema-registry", registry.url)
+        password = {"FLOW_SASL_PASSWORD": SCRAM_PASSWORD}
         runs = {
-            "spark-deltas": run_spark(
-                sasl,
-                topic,
-                work / "spark-deltas",
-                *SCRAM,
-                "--schema-registry",
-                registry.url,
-                env={"FLOW_SASL_PASSWORD": SCRAM_PASSWORD},
-            ),
+            "spark-deltas": run_spark(sasl, topic, work / "spark-deltas", *secure, env=password),
             "spark-totals": run_spark(bootstrap, topic, work / "spark-totals", "--mode", "totals", "--confluent"),
-            "flink": run_flink(
-                sasl,
-                topic,
-                work / "flink",
-                *SCRAM,
-                "--schema-registry",
-                registry.url,
-                env={"FLOW_SASL_PASSWORD": SCRAM_PASSWORD},
+            "flink": run_flink(sasl, topic, work / "flink", *secure, env=password),
+            "spark-standalone": run_spark(
+                sasl, topic, work / "spark-standalone", *secure, env=password, standalone=True
+            ),
+            "flink-standalone": run_flink(
+                sasl, topic, work / "flink-standalone", *secure, env=password, standalone=True
             ),
         }
     return Scenario(plain, restart, records, runs, long_b)
@@ -219,6 +216,23 @@ def scenario(secure_broker: KafkaBroker, tmp_path_factory: pytest.TempPathFactor
 # --------------------------------------------------------------------------- checks
 
 RUNS = ["spark-deltas", "spark-totals", "flink"]
+STANDALONE = {"spark-standalone": "spark-deltas", "flink-standalone": "flink"}
+
+
+def _rows(rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    return sorted(tuple(sorted(r.items())) for r in rows)
+
+
+@pytest.mark.lab
+@pytest.mark.kafka
+@pytest.mark.parametrize("run", sorted(STANDALONE))
+def test_standalone_copy_gives_the_same_tables(scenario: Scenario, run: str) -> None:
+    """A job copied out of the repository (with contract.py and the schemas) gives the in-repo run's tables."""
+    copy, original = scenario.runs[run], scenario.runs[STANDALONE[run]]
+    assert len(original.windows) >= 5 and len(original.connections) >= 8
+    assert _rows(copy.windows) == _rows(original.windows)
+    assert _rows(copy.talkers) == _rows(original.talkers)
+    assert _rows(copy.connections) == _rows(original.connections)
 
 
 @pytest.mark.lab

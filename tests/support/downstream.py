@@ -9,6 +9,7 @@ import io
 import ipaddress
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -22,11 +23,18 @@ from typing import Any
 import fastavro
 from confluent_kafka import Producer
 
+from devtools.downstream import jar_args
 from devtools.lab import CtEntry
 from flow_exporter.record import schema_path
 from tests.support.paths import REPO
 
 JOB = REPO / "downstream" / "spark_flows.py"
+# What a user copies to run a job outside the repository (README "Run a job outside the repository").
+STANDALONE_FILES = (
+    REPO / "downstream" / "contract.py",
+    REPO / "schemas" / "flow_record.avsc",
+    REPO / "schemas" / "completeness_marker.avsc",
+)
 
 WINDOW_S = 10
 
@@ -180,17 +188,20 @@ def run_spark(
     *extra: str,
     env: dict[str, str] | None = None,
     min_batches: int = 3,
+    standalone: bool = False,
 ) -> JobRun:
     """The Spark job, available-now, into Parquet under ``workdir``; its tables.
 
     ``min_batches``: the data must span several micro-batches (state carried over), plus the one
-    that closes the windows.
+    that closes the windows. ``standalone``: a copy of the job (:func:`standalone_copy`) under
+    ``workdir``, run from there with a clean environment (:func:`_run_job`).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "tables"
+    job = standalone_copy(JOB, workdir / "job") if standalone else JOB
     cmd = [
         sys.executable,
-        str(JOB),
+        str(job),
         "--bootstrap-servers",
         bootstrap,
         "--topic",
@@ -209,9 +220,10 @@ def run_spark(
         "--watermark",
         "5 minutes",
         f"--driver-java-options={SPARK_JVM}",
+        *jar_args("spark"),
         *extra,
     ]
-    summary, elapsed = _run_job(cmd, workdir / "spark.log", "spark_flows", env)
+    summary, elapsed = _run_job(cmd, workdir / "spark.log", "spark_flows", env, job.parent if standalone else None)
     assert summary["batches"] >= min_batches, summary
     return JobRun(
         read_parquet_rows(out / "flows_by_window"),
@@ -221,8 +233,32 @@ def run_spark(
     )
 
 
-def _run_job(cmd: list[str], log: Path, name: str, env: dict[str, str] | None) -> tuple[dict[str, Any], float]:
-    """Run a job to its end; (its summary line's ``name`` object, wall seconds). Its output goes to ``log``."""
+def standalone_copy(job: Path, directory: Path) -> Path:
+    """``job`` and :data:`STANDALONE_FILES` copied into ``directory`` (outside the repository); the copy's path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    assert not directory.resolve().is_relative_to(REPO)
+    for path in (job, *STANDALONE_FILES):
+        shutil.copy2(path, directory / path.name)
+    return directory / job.name
+
+
+def clean_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """A user's environment: PATH, HOME, locale and Java only; nothing that points at the repository."""
+    keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "JAVA_HOME")
+    base = {k: v for k, v in os.environ.items() if k in keep}
+    base["PATH"] = os.pathsep.join(
+        p for p in base.get("PATH", "").split(os.pathsep) if not Path(p).is_relative_to(REPO)
+    )
+    return {**base, "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
+def _run_job(
+    cmd: list[str], log: Path, name: str, env: dict[str, str] | None, cwd: Path | None = None
+) -> tuple[dict[str, Any], float]:
+    """Run a job to its end; (its summary line's ``name`` object, wall seconds). Its output goes to ``log``.
+
+    With ``cwd`` (a standalone copy's directory) the job runs there with :func:`clean_environment`.
+    """
     t0 = time.monotonic()
     proc = subprocess.run(
         cmd,
@@ -230,7 +266,8 @@ def _run_job(cmd: list[str], log: Path, name: str, env: dict[str, str] | None) -
         text=True,
         timeout=300,
         check=False,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        cwd=cwd,
+        env=clean_environment(env) if cwd is not None else {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     elapsed = time.monotonic() - t0
     log.write_text(proc.stdout + proc.stderr)
@@ -274,13 +311,19 @@ def read_json_rows(directory: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def run_flink(bootstrap: str, topic: str, workdir: Path, *extra: str, env: dict[str, str] | None = None) -> JobRun:
-    """The Flink job, bounded (up to the offsets at its start, every window emitted), into JSON under ``workdir``."""
+def run_flink(
+    bootstrap: str, topic: str, workdir: Path, *extra: str, env: dict[str, str] | None = None, standalone: bool = False
+) -> JobRun:
+    """The Flink job, bounded (up to the offsets at its start, every window emitted), into JSON under ``workdir``.
+
+    ``standalone``: as for :func:`run_spark`.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "tables"
+    job = standalone_copy(FLINK_JOB, workdir / "job") if standalone else FLINK_JOB
     cmd = [
         str(FLINK_PYTHON),
-        str(FLINK_JOB),
+        str(job),
         "--bootstrap-servers",
         bootstrap,
         "--topic",
@@ -292,9 +335,10 @@ def run_flink(bootstrap: str, topic: str, workdir: Path, *extra: str, env: dict[
         str(WINDOW_S),
         "--top",
         str(TOP),
+        *jar_args("flink"),
         *extra,
     ]
-    _, elapsed = _run_job(cmd, workdir / "flink.log", "flink_flows", env)
+    _, elapsed = _run_job(cmd, workdir / "flink.log", "flink_flows", env, job.parent if standalone else None)
     return JobRun(
         read_json_rows(out / "flows_by_window"),
         read_json_rows(out / "top_talkers"),

@@ -7,31 +7,19 @@ silently; these tests pin the mapping for every field and the order.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+import downstream.flink_flows as ff
+from downstream import contract
+
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA: dict[str, Any] = json.loads((REPO / "schemas" / "flow_record.avsc").read_text())
 MARKER_SCHEMA: dict[str, Any] = json.loads((REPO / "schemas" / "completeness_marker.avsc").read_text())
-
-
-def _load_job() -> ModuleType:
-    """Import downstream/flink_flows.py by path (downstream/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("flink_flows", REPO / "downstream" / "flink_flows.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("flink_flows", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-ff = _load_job()
 
 
 def _expected(avro_type: Any) -> str:
@@ -181,8 +169,11 @@ def test_views_apply_the_contract() -> None:
     assert "GROUP BY connectionId" in views["connection_totals"]
 
 
-def test_the_job_reads_the_repos_marker_schema() -> None:
-    assert ff.MARKER_SCHEMA == REPO / "schemas" / "completeness_marker.avsc"
+def test_the_job_reads_the_repos_schemas() -> None:
+    assert contract.schema_file(contract.MARKER_SCHEMA) == REPO / "schemas" / "completeness_marker.avsc"
+    args = _args("--bounded", "--markers-topic", "markers")
+    assert args.schema == REPO / "schemas" / "flow_record.avsc"
+    assert args.marker_schema == REPO / "schemas" / "completeness_marker.avsc"
 
 
 def test_markers_table_is_the_whole_marker_schema_in_order() -> None:

@@ -1,0 +1,173 @@
+"""What the two reference jobs share: the record fields they read, the rules, the tables, the schemas, the jars.
+
+``spark_flows.py`` and ``flink_flows.py`` import this module, and nothing else of the repository:
+copied elsewhere, a job needs only this file beside it (and the Avro schemas, see
+:func:`schema_file`). Standard library only, so it loads in either job's interpreter.
+
+The rules (README "Downstream", "Counting: the contract"), in the order the jobs apply them:
+
+1. drop the destination node's copy of an inter-node pod-to-pod connection
+   (``flowType`` = :data:`INTER_NODE` and ``reporter`` = :data:`REPORTER_DESTINATION`);
+2. drop duplicate :data:`DEDUP_KEY` pairs (a resent record is the same bytes);
+3. sum the :data:`DELTAS` into the :data:`COUNTERS` columns.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# --------------------------------------------------------------------------- record fields
+
+DELTAS = ("packetDeltaCount", "octetDeltaCount", "reversePacketDeltaCount", "reverseOctetDeltaCount")
+TOTALS = ("packetTotalCount", "octetTotalCount", "reversePacketTotalCount", "reverseOctetTotalCount")
+# Output counter columns, in the order of DELTAS / TOTALS (forward = original direction).
+COUNTERS = ("forward_packets", "forward_bytes", "reverse_packets", "reverse_bytes")
+
+# The fields that identify a connection in connection_totals (and lead its columns).
+CONNECTION_FIELDS = (
+    "connectionId",
+    "exporterNode",
+    "protocol",
+    "sourceAddress",
+    "sourcePort",
+    "destinationAddress",
+    "destinationPort",
+)
+# The record fields both jobs read (the others are skipped when decoding): the rules, the event
+# time, the groups and the counters.
+USED_FIELDS = frozenset(
+    {
+        *CONNECTION_FIELDS,
+        "sequence",
+        "exportTime",
+        "flowEnd",
+        "ipVersion",
+        "sourcePodNamespace",
+        "sourcePodName",
+        "destinationPodNamespace",
+        "destinationPodName",
+        "destinationService",
+        "flowType",
+        "reporter",
+        *DELTAS,
+    }
+)
+# The totals rule (Spark's --mode totals) also needs the kernel identity of a connection.
+KERNEL_IDENTITY = (
+    "exporterNode",
+    "zone",
+    "protocol",
+    "sourceAddress",
+    "sourcePort",
+    "destinationAddress",
+    "destinationPort",
+    "ctId",
+    "flowStart",
+)
+TOTALS_MODE_FIELDS = frozenset({*KERNEL_IDENTITY, "flags", *TOTALS})
+
+EVENT_TIMES = ("exportTime", "flowEnd")  # --event-time choices; the first is the default
+
+# --------------------------------------------------------------------------- rules
+
+INTER_NODE = 2  # flowType: pod to pod across nodes
+REPORTER_DESTINATION = 2  # reporter: the exporter on the destination pod's node
+DEDUP_KEY = ("connectionId", "sequence")
+COUNTERS_RESET = 2  # record flag: this connectionId continues an entry whose counters went down
+
+# A completeness marker's loss counts: a round is lossy when their sum is above 0.
+MARKER_LOSS_FIELDS = ("eventLosses", "connectionsGivenUp", "recordsGivenUp")
+STATUSES = ("lossy", "complete", "unconfirmed")  # window_completeness.status, in order of precedence
+
+# --------------------------------------------------------------------------- tables and columns
+
+TABLES = ("flows_by_window", "top_talkers", "connection_totals")
+COMPLETENESS_TABLE = "window_completeness"  # only with --markers-topic
+COLUMNS = {
+    "flows_by_window": ("window_start", "window_end", "source", "destination", "packets", "bytes", *COUNTERS),
+    "top_talkers": ("window_start", "window_end", "rank", "source", "destination", "packets", "bytes"),
+    "connection_totals": (
+        *CONNECTION_FIELDS,
+        "source",
+        "destination",
+        "first_seen",
+        "last_seen",
+        "records",
+        "packets",
+        "bytes",
+        *COUNTERS,
+    ),
+    COMPLETENESS_TABLE: (
+        "window_start",
+        "window_end",
+        "exporters",
+        "confirmed_exporters",
+        "lossy_exporters",
+        "losses",
+        "status",
+    ),
+}
+
+# --------------------------------------------------------------------------- Kafka security
+
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN")
+PASSWORD_ENV = "FLOW_SASL_PASSWORD"
+
+
+def jaas_config(mechanism: str, username: str, password: str, package: str = "org.apache.kafka") -> str:
+    """``sasl.jaas.config`` for the mechanism; ``package`` is where the Kafka client's classes live
+    (Flink's SQL connector relocates them)."""
+
+    def quote(text: str) -> str:
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    module = "plain.PlainLoginModule" if mechanism == "PLAIN" else "scram.ScramLoginModule"
+    return f"{package}.common.security.{module} required username={quote(username)} password={quote(password)};"
+
+
+# --------------------------------------------------------------------------- schemas
+
+FLOW_SCHEMA = "flow_record.avsc"
+MARKER_SCHEMA = "completeness_marker.avsc"
+
+
+def schema_file(name: str) -> Path | None:
+    """The Avro schema ``name``: beside this module (a copy of the jobs), else in the repository's ``schemas/``.
+
+    None when neither has it; the jobs then need the file named on their command line.
+    """
+    here = Path(__file__).resolve().parent
+    for candidate in (here / name, here.parent / "schemas" / name):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+# --------------------------------------------------------------------------- connector jars
+
+
+def jar_paths(text: str | None, flag: str = "--jars", what: str = "the connector jars") -> list[Path]:
+    """The jars a ``--jars PATH[,PATH...]`` value names; a directory stands for the ``*.jar`` files in it.
+
+    Raises ValueError with one line naming ``flag`` when the value is missing or names nothing usable.
+    """
+    if not text or not text.strip():
+        raise ValueError(f"{flag} PATH[,PATH...] is required: {what}")
+    jars: list[Path] = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        path = Path(item).expanduser()
+        if path.is_dir():
+            found = sorted(path.glob("*.jar"))
+            if not found:
+                raise ValueError(f"{flag}: no *.jar in directory {path}")
+            jars.extend(found)
+        elif path.is_file():
+            jars.append(path)
+        else:
+            raise ValueError(f"{flag}: no such file or directory: {path}")
+    if not jars:
+        raise ValueError(f"{flag} PATH[,PATH...] is required: {what}")
+    return [j.resolve() for j in jars]
