@@ -7,30 +7,51 @@
 # wheel files (they are bind-mounted from the build stage, never copied into a layer), no pip
 # cache, no compilers (the slim base has none, and every dependency ships a manylinux wheel).
 #
-# tests/integration/test_dockerfile.py replays this file's COPY and RUN steps, in order, in a
-# temporary directory, and checks the result; keep RUN steps free of steps that only make sense in
-# a container (creating users, apt-get), or teach that test about them.
+# tests/integration/test_dockerfile.py builds this file with podman (on a stand-in base, below) and
+# checks the image.
 
-# Base image: pinned by tag. To pin it by digest (recommended for production builds), resolve the
-# tag where a registry is reachable and write the digest into both FROM lines, e.g.
+# Base image: BASE, the official slim Python pinned by tag. To pin it by digest (recommended for
+# production builds), resolve the tag where a registry is reachable and pass or write the digest, e.g.
 #   docker buildx imagetools inspect python:3.11.14-slim-bookworm --format '{{json .Manifest.Digest}}'
-#   FROM python:3.11.14-slim-bookworm@sha256:<that digest> AS build
-# and repeat when moving to a new tag (Python patch releases, Debian security updates).
+#   --build-arg BASE=python:3.11.14-slim-bookworm@sha256:<that digest>
+# and repeat when moving to a new tag (Python patch releases, Debian security updates). The tests
+# build on a stand-in (tools/image/base.sh: Debian bookworm's python3.11) passed the same way.
+ARG BASE=python:3.11.14-slim-bookworm
 
 # ----------------------------------------------------------------------------- build
-FROM python:3.11.14-slim-bookworm AS build
+FROM ${BASE} AS build
 
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_INPUT=1
 
 WORKDIR /src
 # The dependencies first, from the lockfile alone (exact versions, every file checked against its
-# sha256 hash), so that this layer is rebuilt only when requirements/runtime.lock changes. Every
-# dependency ships a manylinux wheel: pip downloads it, and its hash is the one the lock records.
+# sha256 hash), so that this layer is rebuilt only when a lock changes. One lock per platform
+# (`make lock`): runtime.lock for amd64, runtime-arm64.lock for arm64; TARGETARCH (set by BuildKit,
+# buildah and podman; amd64 when unset) picks it, copied to requirements/image.lock, the one the
+# runtime stage installs. Every dependency ships a manylinux wheel for both: pip downloads it,
+# and its hash is one the lock records.
 # The pip cache is a BuildKit cache mount: it speeds up rebuilds and stays out of layers.
-COPY requirements/runtime.lock requirements/
+ARG TARGETARCH
+COPY requirements/runtime.lock requirements/runtime-arm64.lock requirements/
 RUN --mount=type=cache,target=/root/.cache/pip \
-    python -m pip wheel --require-hashes --wheel-dir /wheels -r requirements/runtime.lock
+    case "${TARGETARCH:-amd64}" in \
+        amd64) cp requirements/runtime.lock requirements/image.lock ;; \
+        arm64) cp requirements/runtime-arm64.lock requirements/image.lock ;; \
+        *) echo "no lock for platform ${TARGETARCH}: amd64 and arm64 are supported" >&2; exit 1 ;; \
+    esac \
+ && python -m pip wheel --require-hashes --wheel-dir /wheels -r requirements/image.lock
+
+# The SBOM (CycloneDX JSON) of the Python packages the image installs from the lock (the project
+# itself is not among its components). Made by cyclonedx-bom, itself installed from
+# requirements/sbom.lock (hashes checked) into a virtual environment of this stage only; the runtime
+# stage copies the one file.
+COPY requirements/sbom.lock requirements/
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -m venv /sbom-tool \
+ && /sbom-tool/bin/pip install --require-hashes -r requirements/sbom.lock \
+ && /sbom-tool/bin/cyclonedx-py requirements --output-reproducible --of JSON \
+        -o /src/sbom.cdx.json requirements/image.lock
 
 COPY pyproject.toml README.md LICENSE MANIFEST.in ./
 COPY flow_exporter/ flow_exporter/
@@ -43,7 +64,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
     python -m pip wheel --no-deps --wheel-dir /wheels .
 
 # ----------------------------------------------------------------------------- runtime
-FROM python:3.11.14-slim-bookworm
+FROM ${BASE}
 
 # VERSION is flow_exporter.__version__ (tests/integration/test_dockerfile.py checks it, and the
 # image tags in k8s/ and README.md); SOURCE_URL is the repository the image is built from: pass
@@ -67,15 +88,20 @@ ENV VIRTUAL_ENV=/opt/flow-exporter \
 # installed from the lockfile with --require-hashes (each wheel must match a hash the lock
 # records), then the project's wheel with --no-deps; pip check then proves that the lock
 # satisfies the project's own requirements. pip compiles the .pyc files here, since the root
-# filesystem is read-only at run time.
+# filesystem is read-only at run time. Last, the base image's pip removes itself: the image has no
+# pip anywhere on its PATH.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     --mount=type=bind,from=build,source=/src/requirements,target=/requirements \
     python -m venv --without-pip "$VIRTUAL_ENV" \
  && python -m pip --python "$VIRTUAL_ENV/bin/python" install --no-cache-dir --no-index \
-        --find-links /wheels --require-hashes -r /requirements/runtime.lock \
+        --find-links /wheels --require-hashes -r /requirements/image.lock \
  && python -m pip --python "$VIRTUAL_ENV/bin/python" install --no-cache-dir --no-index \
         --no-deps /wheels/flow_exporter-*.whl \
- && python -m pip --python "$VIRTUAL_ENV/bin/python" check
+ && python -m pip --python "$VIRTUAL_ENV/bin/python" check \
+ && python -m pip uninstall --yes --quiet pip
+
+# The SBOM of what was just installed (the lock's packages, from the build stage).
+COPY --from=build /src/sbom.cdx.json /opt/flow-exporter/sbom.cdx.json
 
 # Only now: before the install, "python" must stay the base image's (the venv has no pip).
 ENV PATH=/opt/flow-exporter/bin:$PATH

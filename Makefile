@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-k8s setup-flink test unit lint demo bench clean lock spark-job flink-job
+.PHONY: setup setup-k8s setup-flink setup-image image test unit lint demo bench clean lock spark-job flink-job
 
 setup:
 	@bash tools/setup.sh
@@ -16,11 +16,21 @@ setup-k8s: setup
 	@bash tools/k8s/build.sh
 	@bash tools/k8s/tools.sh
 
+# podman, buildah, runc and mmdebstrap (Debian's), and the stand-in base image the tests build the
+# Dockerfile on (tools/image/base.sh; cached in the engine's storage and .cache/image/).
+setup-image: setup
+	@bash tools/image/setup.sh
+
+# The Dockerfile, built with podman on the stand-in base (tools/image/build.sh); IMAGE names the result.
+IMAGE ?= localhost/flow-exporter:dev
+image: setup-image
+	@bash tools/image/build.sh $(IMAGE)
+
 # PyFlink in its own virtualenv (.venv-flink, from requirements/flink.lock) and the Flink connector jars.
 setup-flink: setup
 	@bash tools/flink/setup.sh
 
-test: setup setup-k8s setup-flink lint
+test: setup setup-k8s setup-flink setup-image lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # A downstream job against the local broker: broker, registry, lab traffic through the exporter
@@ -47,6 +57,10 @@ bench: setup setup-flink
 clean:
 	rm -rf .venv .venv-flink .cache .pytest_cache .ruff_cache build *.egg-info
 
+# One runtime lock per image platform (the Dockerfile picks it by TARGETARCH), the SBOM generator's
+# lock (the image's build stage), and the development lock.
 lock:
 	$(PY) -m uv pip compile --quiet pyproject.toml -c requirements/constraints.txt --generate-hashes --python-version 3.11 --python-platform x86_64-unknown-linux-gnu -o requirements/runtime.lock
+	$(PY) -m uv pip compile --quiet pyproject.toml -c requirements/constraints.txt --generate-hashes --python-version 3.11 --python-platform aarch64-unknown-linux-gnu -o requirements/runtime-arm64.lock
+	$(PY) -m uv pip compile --quiet requirements/sbom.in --generate-hashes --python-version 3.11 --python-platform x86_64-unknown-linux-gnu -o requirements/sbom.lock
 	$(PY) -m uv pip compile --quiet pyproject.toml -c requirements/constraints.txt --extra dev --extra bench --generate-hashes --python-version 3.11 --python-platform x86_64-unknown-linux-gnu -o requirements/dev.lock
