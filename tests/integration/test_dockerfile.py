@@ -39,6 +39,9 @@ DEV_EXTRAS = ("pytest", "ruff", "hypothesis", "avro", "pytest-timeout")
 TAG = "localhost/flow-exporter:pytest"
 BUILD_TIMEOUT = 1800
 SBOM_PATH = "/opt/flow-exporter/sbom.cdx.json"
+# A cold build (the stand-in base from Debian's packages, then every wheel) takes minutes on a busy
+# machine, and the first test using the image waits for it.
+pytestmark = pytest.mark.timeout(BUILD_TIMEOUT + 300)
 
 
 def engine_env() -> dict[str, str]:
