@@ -203,8 +203,10 @@ def test_sysctls_are_per_netns(lab: Lab) -> None:
         lab.node_ns, "sysctl", "-n", "net.netfilter.nf_conntrack_acct", "net.netfilter.nf_conntrack_timestamp"
     )
     assert node.stdout.split() == ["1", "1"]
-    pod = run_in(lab.pods[0], "sysctl", "-n", "net.netfilter.nf_conntrack_acct", "net.ipv4.ip_forward")
-    assert pod.stdout.split() == ["0", "0"]  # fresh namespaces start from defaults, not the host's
+    pod = run_in(lab.pods[0], "sysctl", "-n", "net.netfilter.nf_conntrack_acct", "net.ipv6.conf.all.forwarding")
+    # Fresh namespaces start from defaults, not the node's. (Not net.ipv4.ip_forward: a new namespace
+    # inherits the host's IPv4 settings, and a container engine on the host may have turned it on.)
+    assert pod.stdout.split() == ["0", "0"]
     fwd = run_in(lab.node_ns, "sysctl", "-n", "net.ipv4.ip_forward", "net.ipv6.conf.all.forwarding")
     assert fwd.stdout.split() == ["1", "1"]
 

@@ -136,6 +136,8 @@ class World:
                     self.excused.add((c.orig_sport, c.mark))  # its DESTROY was read, its record not yet journaled
             if cp.stale:  # nothing built since the state turned stale reached the disk or Kafka
                 self.excused |= self.zeroed_here
+                logged = {tuple(r["_incarnation"]) for r in self.log if r["flowEndReason"] == LACK_OF_RESOURCES}
+                self.excused |= self.given_up - logged  # its give-up record died held back
         self.lose_events()  # a stopping exporter reads no more events: its final records carry what it knew
         cp.close()
         self.store = self.cp = None
@@ -339,7 +341,9 @@ def run_model(ops: list[tuple[str, Any, Any]], cap: int, directory: str) -> None
         counted[inc] = counted.get(inc, 0) + contract.consumer_sum(rs)[0]  # type: ignore[index]
     for inc in w.given_up - w.flagged:  # given up once, and not taken back while its entry lasts
         gave = [rs for rs in groups.values() if tuple(rs[0]["_incarnation"]) == inc]
-        assert sum(r["flowEndReason"] == LACK_OF_RESOURCES for rs in gave for r in rs) == 1, gave
+        given = sum(r["flowEndReason"] == LACK_OF_RESOURCES for rs in gave for r in rs)
+        # exactly once; none only if its record never left a process that died holding it back
+        assert given == 1 or (given == 0 and inc in w.excused), gave
     truth = {(c.orig_sport, c.mark): c.orig_packets + kern.zeroed.get(c.mark, 0) for c in [*w.ended, *kern.live.values()]}  # noqa: E501
     for inc in set(truth) | set(counted):
         got, want = counted.get(inc, 0), truth.get(inc, 0)
@@ -401,6 +405,11 @@ def run_model(ops: list[tuple[str, Any, Any]], cap: int, directory: str) -> None
     ops=[("create", 2, 1), ("poll", 0, 0), ("create", 1, 1), ("destroy", 2, 0), ("create", 2, 1), ("zero", 1, 0)],
     cap=2,
 )
+@example(  # found by a long search: a give-up record held back for a read-only state dir dies with its process
+    ops=[("term", 0, 0), ("create", 1, 1), ("create", 2, 1), ("start", 0, 0), ("destroy", 1, 0), ("create", 1, 1),
+         ("zero", 1, 0), ("disk", "ro", 0), ("term", 0, 0)],
+    cap=2,
+)  # fmt: skip
 @example(  # found by a long search: a stop while the state directory is read-only, after a reset (README)
     ops=[("create", 2, 1), ("disk", "ro", 0), ("traffic", 2, 1), ("zero", 2, 0), ("term", 0, 0)],
     cap=2,
