@@ -446,11 +446,11 @@ class Table(Columns):
                     if not tomb.destroyed:
                         continue  # seen by a dump, swept, its DESTROY still to come
                     del self._tombs[(key, ct_id)]
-            g = self._given_up.get(key)
-            if g is not None:
-                if not g.ct_id or not ct_id or g.ct_id == ct_id:
-                    continue  # the given-up entry itself
-                del self._given_up[key]
+            if key in self._given_up:
+                # The given-up entry itself, or an incarnation of its tuple whose NEW is read late or
+                # comes after a DESTROY that was lost: a NEW carries no start stamp to tell them apart.
+                # Its DESTROY (read in kernel order) or the next dump decides; a NEW never does.
+                continue
             s = self._admit(key, conn, now, wall_ns, adopted=False)
             if s is not None:
                 self.stats.added_from_events += 1

@@ -405,6 +405,10 @@ def run_model(ops: list[tuple[str, Any, Any]], cap: int, directory: str) -> None
     ops=[("create", 2, 1), ("poll", 0, 0), ("create", 1, 1), ("destroy", 2, 0), ("create", 2, 1), ("zero", 1, 0)],
     cap=2,
 )
+@example(  # found by a 30-minute search: a NEW read late, of an older incarnation, freed the tuple's given-up entry
+    ops=[("create", 1, 2), ("create", 2, 1), ("zero", 1, 0), ("destroy", 1, 0), ("create", 1, 1), ("poll", 0, 0)],
+    cap=2,
+)
 @example(  # found by a long search: a give-up record held back for a read-only state dir dies with its process
     ops=[("term", 0, 0), ("create", 1, 1), ("create", 2, 1), ("start", 0, 0), ("destroy", 1, 0), ("create", 1, 1),
          ("zero", 1, 0), ("disk", "ro", 0), ("term", 0, 0)],
