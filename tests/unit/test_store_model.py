@@ -131,10 +131,11 @@ class World:
             self.held = []
             for inc in self.zeroed_open:
                 self.excused.add(inc)  # the reset was seen, its record not yet journaled
+            lost_state = cp.stale or cp.broken  # held back, or the state deleted for a full disk
             for c in self.ended:
-                if (c.orig_sport, c.mark) not in self.final_built or cp.stale:
+                if (c.orig_sport, c.mark) not in self.final_built or lost_state:
                     self.excused.add((c.orig_sport, c.mark))  # its DESTROY was read, its record not yet journaled
-            if cp.stale:  # nothing built since the state turned stale reached the disk or Kafka
+            if lost_state:  # what was built since is on no disk, and maybe not in Kafka either
                 self.excused |= self.zeroed_here
                 logged = {tuple(r["_incarnation"]) for r in self.log if r["flowEndReason"] == LACK_OF_RESOURCES}
                 self.excused |= self.given_up - logged  # its give-up record died held back
@@ -405,6 +406,11 @@ def run_model(ops: list[tuple[str, Any, Any]], cap: int, directory: str) -> None
     ops=[("create", 2, 1), ("poll", 0, 0), ("create", 1, 1), ("destroy", 2, 0), ("create", 2, 1), ("zero", 1, 0)],
     cap=2,
 )
+@example(  # found by a long search: SIGKILL while the state is deleted for a full disk, after a reset (README)
+    ops=[("create", 1, 1), ("traffic", 1, 1), ("zero", 1, 0), ("disk", "full", 0), ("export", "fail", 0),
+         ("kill", False, 0)],
+    cap=2,
+)  # fmt: skip
 @example(  # found by a 30-minute search: a NEW read late, of an older incarnation, freed the tuple's given-up entry
     ops=[("create", 1, 2), ("create", 2, 1), ("zero", 1, 0), ("destroy", 1, 0), ("create", 1, 1), ("poll", 0, 0)],
     cap=2,
