@@ -127,6 +127,16 @@ def _same_incarnation(ct_id: int, start_ns: int, conn: Connection, first_seen_ns
     return not (first_seen_ns and conn.start_ns > first_seen_ns)
 
 
+def _ambiguous(start_ns: int, next_seq: int, conn: Connection) -> bool:
+    """A start-less entry with records (known from its NEW event only) met by a row with a start stamp.
+
+    The row started before the entry was first seen (else it is plainly a later incarnation), so
+    it is that entry, or a later incarnation of its tuple whose predecessor's NEW was read late:
+    nothing tells them apart, and continuing could put two incarnations under one connectionId.
+    """
+    return not start_ns and bool(conn.start_ns) and next_seq > 0
+
+
 def _totals(c: Connection) -> Totals:
     return (c.orig_packets, c.orig_bytes, c.reply_packets, c.reply_bytes)
 
@@ -353,10 +363,14 @@ class Table(Columns):
             if (
                 (old_ct != cid and old_ct and cid)
                 or (old_start != cstart and old_start and cstart)
-                or (not old_start and cstart > first[s])
+                or (not old_start and cstart and (cstart > first[s] or self._seq[s]))
             ):  # a new incarnation of the 5-tuple (inlined _same_incarnation: hot loop)
+                # A start-less entry (known from its NEW) with records, met by a row that started before
+                # it was first seen, may be that entry or a later one its NEW was read after: never one id
+                # for both. The row goes under a new id, flagged adopted (README, "met again").
+                ambiguous = not old_start and cstart <= first[s]
                 self._orphan(s, END_OF_FLOW, now)
-                self._admit_row(key, conn, now, wall_ns)
+                self._admit_row(key, conn, now, wall_ns, adopted=True if ambiguous else None)
                 continue
             seen[s] = gen
             b = bits[s]
@@ -542,8 +556,10 @@ class Table(Columns):
         self._last_active[s] = conn.stop_ns or wall_ns
         self._end(s, self._reason[s] or END_OF_FLOW, now)
 
-    def _admit_row(self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int) -> None:
-        """A dump row for a tuple the store does not hold."""
+    def _admit_row(
+        self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int, adopted: bool | None = None
+    ) -> None:
+        """A dump row for a tuple the store does not hold (``adopted``: flag it so whatever else decides)."""
         g = self._given_up.get(key)
         if g is not None:
             if _same_incarnation(g.ct_id, g.start_ns, conn, g.first_seen_ns):
@@ -555,10 +571,13 @@ class Table(Columns):
             if tomb is not None and _same_incarnation(tomb.ct_id, tomb.start_ns, conn, tomb.first_seen_ns):
                 if tomb.destroyed:
                     return  # a dump older than its DESTROY event
-                del self._tombs[(key, conn.ct_id)]
-                self._from_tomb(key, conn, tomb, now, wall_ns)
-                return
-        self._admit(key, conn, now, wall_ns, adopted=self.adopt)
+                if _ambiguous(tomb.start_ns, tomb.next_seq, conn):
+                    adopted = True  # the tomb stays for its own DESTROY
+                else:
+                    del self._tombs[(key, conn.ct_id)]
+                    self._from_tomb(key, conn, tomb, now, wall_ns)
+                    return
+        self._admit(key, conn, now, wall_ns, adopted=self.adopt if adopted is None else adopted)
 
     def _from_tomb(self, key: ConnectionKey, conn: Connection, tomb: Tombstone, now: float, wall_ns: int) -> int:
         self.stats.resurrected += 1
@@ -605,7 +624,12 @@ class Table(Columns):
                     (bool(row.flags & ROW_ENDED), i)
                     for i, row in enumerate(rows)
                     if _same_incarnation(row.ct_id, row.start_ns, conn, row.first_seen_ns)
+                    and not _ambiguous(row.start_ns, row.next_seq, conn)
                 ]
+                if not match and any(
+                    _same_incarnation(row.ct_id, row.start_ns, conn, row.first_seen_ns) for row in rows
+                ):
+                    adopted = True  # only start-less rows with records match: a new id, flagged
                 if match:
                     row = rows[min(match)[1]]
                     for _, i in sorted(match, reverse=True):

@@ -859,3 +859,23 @@ def test_flow_start_of_an_entry_first_met_in_a_new_event_is_the_kernels_start() 
     poll(store, clock, udp(9, packets=4, start_ns=kernel_start))
     (second,) = expire(store, clock)
     assert second.first_seen_ns == kernel_start and second.sequence == 1
+
+
+def test_a_new_read_after_its_tuple_was_recreated_never_joins_two_incarnations() -> None:
+    """A start-less entry with a record, met by a row that started before it was first seen: a new id, flagged."""
+    clock = Clock()
+    store = make(clock)
+    poll(store, clock)
+    first_start = clock.wall() + 1
+    clock.tick(0.1)
+    second_start = clock.wall()  # the first incarnation was destroyed and its tuple re-created, same ct id
+    clock.tick(0.1)
+    store.apply_events([udp(9, packets=0, start_ns=0)], [], clock.now, clock.wall())  # the first's NEW, read late
+    clock.tick(5)
+    (early,) = expire(store, clock)  # its active-timeout record, before any dump showed the tuple
+    poll(store, clock, udp(9, packets=4, start_ns=second_start))
+    now = store.lookup(udp(9).key)
+    assert now is not None and now.flow_id != early.flow_id and now.flags & ADOPTED and now.next_seq == 0
+    store.apply_events([], [udp(9, packets=2, start_ns=first_start, stop_ns=second_start - 1)], clock.now, clock.wall())
+    (last,) = [e for e in expire(store, clock) if e.flow_id == early.flow_id]
+    assert (last.sequence, last.reason, last.totals[0]) == (1, END_OF_FLOW, 2)

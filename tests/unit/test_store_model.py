@@ -406,6 +406,10 @@ def run_model(ops: list[tuple[str, Any, Any]], cap: int, directory: str) -> None
     ops=[("create", 2, 1), ("poll", 0, 0), ("create", 1, 1), ("destroy", 2, 0), ("create", 2, 1), ("zero", 1, 0)],
     cap=2,
 )
+@example(  # found by a long search: a NEW read after its tuple was re-created with the same id, then a restart
+    ops=[("create", 1, 1), ("destroy", 1, 0), ("create", 1, 1), ("events", 1, 0), ("term", 0, 0)],
+    cap=2,
+)
 @example(  # found by a long search: SIGKILL while the state is deleted for a full disk, after a reset (README)
     ops=[("create", 1, 1), ("traffic", 1, 1), ("zero", 1, 0), ("disk", "full", 0), ("export", "fail", 0),
          ("kill", False, 0)],
