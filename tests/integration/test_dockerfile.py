@@ -12,14 +12,11 @@ The locks' aarch64 coverage is checked by downloading every locked file for that
 from __future__ import annotations
 
 import json
-import os
 import platform
 import re
 import shutil
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,40 +24,21 @@ import yaml
 
 from flow_exporter import __version__
 from tests.support.cli import settings_missing_from
+from tests.support.container_image import BUILD_TIMEOUT, podman
 from tests.support.lockfile import locked
 from tests.support.paths import REPO
 
 DOCKERFILE = REPO / "Dockerfile"
-CONTAINERS_CONF = REPO / "tools" / "image" / "containers.conf"
 BASE_IMAGE = re.compile(r"python:3\.11\.\d+-slim-(bookworm|trixie)(@sha256:[0-9a-f]{64})?")
 RUNTIME_LOCK = "requirements/runtime.lock"
 PLATFORM_LOCKS = {"amd64": RUNTIME_LOCK, "arm64": "requirements/runtime-arm64.lock"}
 SBOM_LOCK = "requirements/sbom.lock"
 DEV_EXTRAS = ("pytest", "ruff", "hypothesis", "avro", "pytest-timeout")
-TAG = "localhost/flow-exporter:pytest"
-BUILD_TIMEOUT = 1800
 SBOM_PATH = "/opt/flow-exporter/sbom.cdx.json"
 # The lock this machine's build installs (the image is built for the host's platform).
 HOST_LOCK = PLATFORM_LOCKS["arm64" if platform.machine() in ("aarch64", "arm64") else "amd64"]
-# A cold build (the stand-in base from Debian's packages, then every wheel) takes minutes on a busy
-# machine, and the first test using the image waits for it.
+# The first test using the image waits for its build (tests/support/container_image.py).
 pytestmark = pytest.mark.timeout(BUILD_TIMEOUT + 300)
-
-
-def engine_env() -> dict[str, str]:
-    return {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}
-
-
-def podman(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["podman", *args],
-        env=engine_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        stdin=subprocess.DEVNULL,
-    )
 
 
 def run_image(
@@ -80,21 +58,6 @@ def python_in(image: str, code: str, *options: str) -> subprocess.CompletedProce
 
 
 # ------------------------------------------------------------------------------ the build
-
-
-@pytest.fixture(scope="session")
-def image() -> Iterator[str]:
-    """The Dockerfile built with podman on the stand-in base, once per session: its tag."""
-    started = time.monotonic()
-    for step in (["bash", "tools/image/setup.sh"], ["bash", "tools/image/build.sh", TAG]):
-        proc = subprocess.run(
-            step, cwd=REPO, env=engine_env(), capture_output=True, text=True, timeout=BUILD_TIMEOUT, check=False
-        )
-        assert proc.returncode == 0, (
-            f"{' '.join(step)}: exit {proc.returncode}\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
-        )
-    print(f"image {TAG} built in {time.monotonic() - started:.1f}s")
-    yield TAG
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,65 @@
+"""The container engine the image tests use (podman, with tools/image/containers.conf) and the image it builds.
+
+The image is built once per test session (the ``image`` fixture), with what ``make image`` runs:
+``tools/image/setup.sh`` (the engine and the stand-in base from Debian's packages, cached) and
+``tools/image/build.sh`` (the Dockerfile, with BASE set to that stand-in). Both the image tests
+and the DaemonSet pod test use it. Load with ``pytest_plugins`` in the top-level conftest.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support.paths import REPO
+
+__all__ = ["BUILD_TIMEOUT", "TAG", "base_image", "engine_env", "image", "podman"]
+
+CONTAINERS_CONF = REPO / "tools" / "image" / "containers.conf"
+TAG = "localhost/flow-exporter:pytest"
+# A cold build (the stand-in base from Debian's packages, then every wheel) takes minutes on a busy
+# machine; the first test using the image waits for it.
+BUILD_TIMEOUT = 1800
+
+
+def engine_env() -> dict[str, str]:
+    return {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}
+
+
+def podman(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["podman", *args],
+        env=engine_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def base_image() -> str:
+    """The stand-in base's tag (what the build passed as BASE): a Debian image with a shell and python3."""
+    proc = subprocess.run(
+        ["bash", "tools/image/base.sh", "--tag"], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
+    )
+    return proc.stdout.strip()
+
+
+@pytest.fixture(scope="session")
+def image() -> Iterator[str]:
+    """The Dockerfile built with podman on the stand-in base, once per session: its tag."""
+    started = time.monotonic()
+    for step in (["bash", "tools/image/setup.sh"], ["bash", "tools/image/build.sh", TAG]):
+        proc = subprocess.run(
+            step, cwd=REPO, env=engine_env(), capture_output=True, text=True, timeout=BUILD_TIMEOUT, check=False
+        )
+        assert proc.returncode == 0, (
+            f"{' '.join(step)}: exit {proc.returncode}\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
+        )
+    print(f"image {TAG} built in {time.monotonic() - started:.1f}s")
+    yield TAG

@@ -1,0 +1,141 @@
+"""The DaemonSet's pod, as rendered, played by podman (``podman kube play``, runc) in a lab's node namespace.
+
+podman 4.3 (Debian bookworm's) plays Pods, not DaemonSets, and is not a kubelet. ``daemonset_pod``
+turns the rendered DaemonSet into the Pod a kubelet would run and changes only what podman 4.3
+cannot take as written, each for a reason checked on podman 4.3.1:
+
+* ``kind``: the pod template becomes a Pod named after the DaemonSet (podman has no DaemonSet kind).
+* ``projected`` volume: podman plays only hostPath, configMap, emptyDir and PVC volumes ("HostPath,
+  ConfigMap, EmptyDir, and PersistentVolumeClaim are currently the only supported VolumeSource").
+  The files the kubelet would project (the ConfigMap's items; an optional Secret that does not
+  exist projects nothing) are written to a directory, with the modes the volume gives, and that
+  directory is the volume (a hostPath, mounted read-only as written).
+* downward-API env (``spec.nodeName``, ``status.podIP``): podman refuses them ("fieldPath
+  spec.nodeName is either not valid or not supported"); the values the kubelet would set are given.
+* ``ports`` of a hostNetwork container: podman turns them into port mappings and then refuses them
+  on the host network ("PortMappings can only be used with Bridge or slirp4netns networking"). They
+  are dropped and the probes' named port is resolved to its number, as the kubelet resolves it.
+  (podman 4.3 runs probes through systemd timers, absent here; the tests call /healthz and /readyz.)
+* ``restartPolicy``: a DaemonSet's pods restart Always; podman 4.3 applies that to init containers
+  too and reruns the finished init container for about 20 s. OnFailure runs it once, as the kubelet does.
+
+Everything else (host network, init container, security contexts, resources, the hostPath and
+emptyDir volumes, the grace period) goes to podman as rendered. ``podman kube down`` of 4.3 kills
+the containers at once (no SIGTERM, checked with a trapping shell), so ``PodPlay.stop`` does what the
+kubelet does: ``podman pod stop`` with the pod's ``terminationGracePeriodSeconds`` (SIGTERM, then
+SIGKILL when the grace runs out), then ``kube down`` removes what is left.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.support.container_image import engine_env, podman
+
+__all__ = ["PodPlay", "daemonset_pod"]
+
+
+def _find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any] | None:
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) <= 1, f"{len(found)} {kind} named {name}"
+    return found[0] if found else None
+
+
+def _project(docs: list[dict[str, Any]], projected: dict[str, Any], into: Path) -> None:
+    """Write the files a kubelet would project into ``into``."""
+    default_mode = projected.get("defaultMode", 0o644)
+    for source in projected["sources"]:
+        (kind, ref), *_ = [(k, v) for k, v in source.items() if k in ("configMap", "secret")]
+        obj = _find(docs, "ConfigMap" if kind == "configMap" else "Secret", ref["name"])
+        if obj is None:
+            assert ref.get("optional"), f"{kind} {ref['name']} is not rendered and not optional"
+            continue  # an optional source that does not exist projects nothing
+        assert kind == "configMap", "a rendered Secret would need decoding (none is rendered)"
+        for item in ref.get("items") or [{"key": k, "path": k} for k in obj["data"]]:
+            path = into / item["path"]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(obj["data"][item["key"]])
+            path.chmod(item.get("mode", default_mode))
+
+
+def daemonset_pod(docs: list[dict[str, Any]], *, node_name: str, pod_ip: str, projected_dir: Path) -> dict[str, Any]:
+    """The DaemonSet in ``docs`` as the Pod podman 4.3 plays (see the module's docstring for each change)."""
+    ds = _find(docs, "DaemonSet")
+    assert ds is not None, "no DaemonSet rendered"
+    template = copy.deepcopy(ds["spec"]["template"])
+    spec = template["spec"]
+    downward = {"spec.nodeName": node_name, "status.podIP": pod_ip, "status.hostIP": pod_ip}
+    for volume in spec["volumes"]:
+        if "projected" in volume:
+            target = projected_dir / volume["name"]
+            target.mkdir(parents=True)
+            _project(docs, volume.pop("projected"), target)
+            volume["hostPath"] = {"path": str(target), "type": "Directory"}
+    for container in spec.get("initContainers", []) + spec["containers"]:
+        for env in container.get("env", []):
+            field = env.get("valueFrom", {}).get("fieldRef")
+            if field is not None:
+                del env["valueFrom"]
+                env["value"] = downward[field["fieldPath"]]
+        if spec.get("hostNetwork"):
+            ports = {p["name"]: p["containerPort"] for p in container.pop("ports", []) if "name" in p}
+            for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+                get = container.get(probe, {}).get("httpGet")
+                if get is not None and isinstance(get["port"], str):
+                    get["port"] = ports[get["port"]]
+    spec["restartPolicy"] = "OnFailure"
+    metadata = {"name": ds["metadata"]["name"], **template.get("metadata", {})}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+class PodPlay:
+    """One Pod played with ``podman kube play`` from inside a network namespace (its host network)."""
+
+    def __init__(self, pod: dict[str, Any], netns: str, workdir: Path) -> None:
+        self.pod = pod
+        self.netns = netns
+        self.name: str = pod["metadata"]["name"]
+        self.grace: int = pod["spec"].get("terminationGracePeriodSeconds", 30)
+        self.kube_file = workdir / "pod.yaml"
+        self.kube_file.write_text(yaml.safe_dump(pod))
+        self.workdir = workdir
+
+    def container(self, name: str) -> str:
+        return f"{self.name}-{name}"  # how podman names a played pod's containers
+
+    def play(self, log: Path) -> None:
+        """Create and start the pod; every container's output goes to ``log``."""
+        proc = subprocess.run(
+            [
+                "nsenter", f"--net=/var/run/netns/{self.netns}",  # not `ip netns exec`: it hides the cgroup mounts
+                "podman", "kube", "play", "--replace", "--log-driver", "k8s-file", "--log-opt", f"path={log}",
+                str(self.kube_file),
+            ],
+            env=engine_env(), capture_output=True, text=True, timeout=180, check=False, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    def inspect(self, container: str) -> dict[str, Any]:
+        proc = podman("container", "inspect", self.container(container))
+        assert proc.returncode == 0, proc.stderr
+        out: dict[str, Any] = json.loads(proc.stdout)[0]
+        return out
+
+    def stop(self) -> float:
+        """SIGTERM, SIGKILL after the pod's grace period (what the kubelet does): the seconds it took."""
+        started = time.monotonic()
+        proc = podman("pod", "stop", "--time", str(self.grace), self.name, timeout=self.grace + 60)
+        assert proc.returncode == 0, proc.stderr
+        return time.monotonic() - started
+
+    def down(self) -> None:
+        """Remove the pod (``podman kube down``); idempotent."""
+        podman("kube", "down", str(self.kube_file))
+        podman("pod", "rm", "--force", "--ignore", self.name)
