@@ -403,6 +403,7 @@ class Exporter:
             decode_skipped=self.source.skipped + (ev.skipped if ev is not None else 0),
             events_received=ev.received if ev is not None else 0,
             event_losses=ev.lost if ev is not None else 0,
+            event_buffer_bytes=ev.rcvbuf_granted if ev is not None else 0,
             connections_tracked=len(self.store),
             connections_added=st.added,
             connections_added_from_events=st.added_from_events,

@@ -54,6 +54,12 @@ _FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     ("decode_skipped", "decode_skipped", "Netlink messages skipped as malformed (dumps and events).", "counter"),
     ("events_received", "conntrack_events", "Conntrack NEW and DESTROY events received.", "counter"),
     ("event_losses", "event_losses", "Conntrack events the kernel dropped (buffer full).", "counter"),
+    (
+        "event_buffer_bytes",
+        "event_buffer_bytes",
+        "Receive buffer of the event socket as the kernel grants it; doubles after losses (conntrack.eventBufferMax).",
+        "gauge",
+    ),
     ("connections_added", "connections_added", "Connections first seen.", "counter"),
     (
         "connections_added_from_events",

@@ -49,6 +49,7 @@ class Readings:
     # events
     events_received: int
     event_losses: int
+    event_buffer_bytes: int
     # store
     connections_tracked: int
     connections_added: int

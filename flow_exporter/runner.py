@@ -261,6 +261,7 @@ def start_events(cfg: Config, exporter: Exporter) -> ConntrackEvents | None:
             netns=cfg["conntrack.netns"],
             zones=cfg["conntrack.zones"] or None,
             rcvbuf=cfg["conntrack.eventBuffer"],
+            rcvbuf_max=cfg["conntrack.eventBufferMax"],
         )
     except OSError as exc:
         log.warning("conntrack events unavailable (%s); short-lived flows may be missed", exc)

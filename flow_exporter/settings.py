@@ -359,6 +359,12 @@ SETTINGS: tuple[Setting, ...] = (
         64 << 20,
         "Receive buffer of the event socket, bytes (the kernel drops events beyond it).",
     ),
+    Setting(
+        "conntrack.eventBufferMax",
+        lambda k, v: parse_count(k, v, minimum=4096),
+        256 << 20,
+        "Ceiling the event buffer doubles up to when events are lost; at or below eventBuffer: no growth.",
+    ),
     Setting("conntrack.setSysctls", parse_bool, True, "Turn on nf_conntrack_acct and _timestamp at start."),
     Setting("expiry.activeTimeout", positive_duration, 5.0, "A record every this long while a flow is active."),
     Setting("expiry.idleTimeout", positive_duration, 15.0, "A flow with no packets for this long is idle."),

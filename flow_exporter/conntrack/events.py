@@ -9,7 +9,9 @@ subscribed: it fires on every state change and floods the socket.
 The poll loop stays the source of truth: events only add connections and final
 counters. Lost events (ENOBUFS) are counted (the socket's own drop counter, so the
 count is of events, not of overruns) and answered by asking the poll loop for an
-immediate full dump.
+immediate full dump. They also double the receive buffer, up to a ceiling, as
+conntrackd does (NetlinkBufferSizeMaxGrowth): a buffer sized for the usual bursts
+grows on a node that sees larger ones, and never beyond what the operator allowed.
 
 Throughput: the kernel queues one event per datagram, so each ``recv`` returns one
 event. The reader drains the socket without blocking into one buffer, then decodes
@@ -52,6 +54,11 @@ SK_MEMINFO_DROPS = 8
 MAX_BATCH = 4096
 
 
+def grown(size: int, ceiling: int) -> int:
+    """The receive buffer to ask for after a loss: twice ``size``, at most ``ceiling``, never smaller."""
+    return max(size, min(2 * size, ceiling))
+
+
 class ConntrackEvents:
     """Reads NEW/DESTROY events of one network namespace on a background thread.
 
@@ -67,6 +74,7 @@ class ConntrackEvents:
         netns: str | None = None,
         zones: Collection[int] | None = None,
         rcvbuf: int = 64 << 20,
+        rcvbuf_max: int = 0,
         bufsize: int = 1 << 20,
     ) -> None:
         self.netns = netns
@@ -76,7 +84,9 @@ class ConntrackEvents:
         self.received = 0  # events decoded and handed on
         self.lost = 0  # events the kernel dropped for want of room in the receive buffer
         self.skipped = 0  # malformed messages
-        self.rcvbuf_granted = 0
+        self.rcvbuf_granted = 0  # what the kernel reports (twice what was asked: its bookkeeping share)
+        self.rcvbuf_requested = rcvbuf
+        self._rcvbuf_max = rcvbuf_max
         self._decoder = Decoder()
         self._buf = bytearray(bufsize)
         self._view = memoryview(self._buf)
@@ -97,12 +107,7 @@ class ConntrackEvents:
 
         try:
             sock = run_in_netns(self.netns, create)
-            try:
-                # Bursts of thousands of deletions must fit: force past rmem_max where allowed.
-                sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, rcvbuf)
-            except OSError:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-            self.rcvbuf_granted = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+            self._set_rcvbuf(sock, rcvbuf)
             sock.bind((0, 0))
             for group in (NFNLGRP_CONNTRACK_NEW, NFNLGRP_CONNTRACK_DESTROY):
                 sock.setsockopt(SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, group)
@@ -110,6 +115,32 @@ class ConntrackEvents:
         except OSError as e:
             raise error_from_errno(e.errno or errno.EIO, where) from e
         return sock
+
+    def _set_rcvbuf(self, sock: socket.socket, size: int) -> None:
+        try:
+            # Bursts of thousands of deletions must fit: force past rmem_max where allowed.
+            sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, size)
+        except OSError:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+        self.rcvbuf_requested = size
+        self.rcvbuf_granted = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+
+    def _grow(self) -> None:
+        """After a loss: double the receive buffer, up to conntrack.eventBufferMax."""
+        size = grown(self.rcvbuf_requested, self._rcvbuf_max)
+        if size == self.rcvbuf_requested:
+            return
+        try:
+            self._set_rcvbuf(self._sock, size)
+        except OSError as e:
+            log.warning("conntrack events: cannot grow the receive buffer to %d KiB: %s", size // 1024, e)
+            self._rcvbuf_max = self.rcvbuf_requested  # do not try again at every loss
+            return
+        log.warning(
+            "conntrack events: receive buffer grown to %d KiB after losses (conntrack.eventBufferMax %d KiB)",
+            self.rcvbuf_granted // 1024,
+            self._rcvbuf_max // 1024,
+        )
 
     def start(self) -> None:
         self._thread.start()
@@ -153,6 +184,7 @@ class ConntrackEvents:
         drops = self._drops()
         if drops > self._drops_seen:
             self.lost += drops - self._drops_seen
+            self._grow()
         self._drops_seen = drops
 
     def drain(self) -> int:

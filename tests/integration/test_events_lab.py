@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import pytest
 
 from devtools.lab import Lab, run_in
+from flow_exporter.conntrack.events import ConntrackEvents
 from tests.support.exporter_process import start_exporter, stop_exporter
 from tests.support.records import by_connection, read_records
 
@@ -65,3 +67,40 @@ def test_flows_deleted_between_polls(kafka_broker: Any, tmp_path: Path, events: 
             last["reverseOctetTotalCount"],
         ) == (ct.orig_packets, ct.orig_bytes, ct.reply_packets, ct.reply_bytes)
         assert sum(r["octetDeltaCount"] for r in recs) == ct.orig_bytes
+
+
+def test_event_buffer_doubles_after_losses_up_to_its_ceiling() -> None:
+    """Floods of NEW events overrun a small receive buffer; each loss doubles it until conntrack.eventBufferMax.
+
+    The listener thread is not started: each flood is queued whole before ``drain`` reads it, so the
+    overrun is certain, not a race with the reader. Ground truth for the losses is the socket's own
+    drop counter; the sizes are what the kernel reports (twice the size asked, its bookkeeping share).
+    """
+    seen: list[int] = []
+    overruns: list[int] = []
+    with Lab(pods=1) as lab:
+        ns = lab.table_ns()
+        events = ConntrackEvents(
+            lambda new, destroyed: seen.append(len(new) + len(destroyed)),
+            lambda: overruns.append(1),
+            netns=ns,
+            rcvbuf=4096,
+            rcvbuf_max=32768,
+        )
+        try:
+            asked = [events.rcvbuf_requested]
+            granted = [events.rcvbuf_granted]
+            lost = [events.lost]
+            for _ in range(4):
+                lab.load_synthetic(2000, netns=ns, proto="udp")
+                events.drain()
+                asked.append(events.rcvbuf_requested)
+                granted.append(events.rcvbuf_granted)
+                lost.append(events.lost)
+        finally:
+            events.stop()
+    assert asked == [4096, 8192, 16384, 32768, 32768]
+    assert granted == [2 * a for a in asked]
+    assert all(b > a for a, b in itertools.pairwise(lost)), lost  # every flood overran
+    assert len(overruns) == 4  # one ENOBUFS per overrun socket, answered by one resync request
+    assert sum(seen) + lost[-1] == 4 * 2000  # every inserted entry: received, or counted lost

@@ -23,6 +23,7 @@ from flow_exporter.conntrack import (
     ConntrackUnavailable,
 )
 from flow_exporter.conntrack.errors import error_from_errno
+from flow_exporter.conntrack.events import grown
 from tests.support.netlink_messages import ct_message, done_message, ip4_tuple
 
 
@@ -133,3 +134,17 @@ def test_stats_reply() -> None:
     with fake_dumper([stats, stats[:8] + struct.pack("=I", 2) + stats[12:]]) as (d, _):
         assert d.count() == 1234  # sequence numbers: the first request is 1
         assert d.max_entries() == 65536
+
+
+@pytest.mark.parametrize(
+    ("size", "ceiling", "after"),
+    [
+        (4096, 32768, 8192),  # doubles
+        (20000, 32768, 32768),  # up to the ceiling, not past it
+        (32768, 32768, 32768),  # at the ceiling: stays
+        (64 << 20, 4096, 64 << 20),  # a ceiling below the buffer: no growth, never shrinks
+        (64 << 20, 0, 64 << 20),
+    ],
+)
+def test_event_buffer_growth(size: int, ceiling: int, after: int) -> None:
+    assert grown(size, ceiling) == after
