@@ -36,12 +36,6 @@ from tests.support.records import read_records
 pytestmark = [pytest.mark.lab, pytest.mark.kafka]
 
 
-@pytest.fixture
-def lab() -> Iterator[Lab]:
-    with Lab(pods=3) as lab:
-        yield lab
-
-
 def ct_counts(e: CtEntry) -> contract.Counts:
     assert None not in (e.orig_packets, e.orig_bytes, e.reply_packets, e.reply_bytes), e.raw
     return (e.orig_packets, e.orig_bytes, e.reply_packets, e.reply_bytes)  # type: ignore[return-value]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +49,6 @@ NODE = "node-a"
 SYSCTLS = ("net.netfilter.nf_conntrack_acct", "net.netfilter.nf_conntrack_timestamp")
 CONNECTIONS = 12
 SERVER_PORT = 7700
-
-
-@pytest.fixture
-def lab() -> Iterator[Lab]:
-    with Lab(pods=3) as lab:
-        yield lab
 
 
 def user_config(broker: str, topic: str) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +21,6 @@ from tests.support.records import by_connection, read_records
 pytestmark = [pytest.mark.lab, pytest.mark.kafka]
 
 ACTIVE, IDLE, END, FORCED = 2, 1, 3, 4
-
-
-@pytest.fixture
-def lab() -> Iterator[Lab]:
-    with Lab(pods=3) as lab:
-        yield lab
 
 
 def metric(text: str, name: str) -> float:

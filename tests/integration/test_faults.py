@@ -44,12 +44,6 @@ def broker(tmp_path: Path) -> Iterator[KafkaBroker]:
         yield b
 
 
-@pytest.fixture
-def lab() -> Iterator[Lab]:
-    with Lab(pods=3) as lab:
-        yield lab
-
-
 def dedup(records: list[dict]) -> tuple[dict[int, list[dict]], int]:
     """Records per connection, duplicates by (connectionId, sequence) dropped; and how many were dropped."""
     seen: dict[tuple[int, int], dict] = {}

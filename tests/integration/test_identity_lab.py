@@ -18,7 +18,6 @@ from __future__ import annotations
 import re
 import signal
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -45,12 +44,6 @@ pytestmark = [pytest.mark.lab, pytest.mark.kafka]
 
 CAP = 40
 LIVE = 60
-
-
-@pytest.fixture
-def lab() -> Iterator[Lab]:
-    with Lab(pods=3) as lab:
-        yield lab
 
 
 def given_up_total(text: str) -> float:
