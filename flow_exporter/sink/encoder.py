@@ -120,6 +120,17 @@ def flow_hash(c: Any, seed: int) -> str:
     return community_id(c.proto, c.orig_src, c.reply_src, c.orig_sport, c.reply_sport, seed)
 
 
+def _snat(family: int, c: Any, icmp: bool) -> tuple[bytes, bytes]:
+    """translatedSourceAddress, translatedSourcePort: the reply direction's destination, when it is not the source.
+
+    The reply tuple is where the reply goes: after SNAT (masquerade, an egress address) that is
+    the translated source, not the original one. ICMP has no ports: its address only.
+    """
+    if c.reply_dst == c.orig_src and (icmp or c.reply_dport == c.orig_sport):
+        return _NULL, _NULL
+    return _SOME + _address(family, c.reply_dst), _NULL if icmp else _SOME + _U16[c.reply_dport]
+
+
 class RecordEncoder:
     """Encodes exports of one exporter node as bare Avro FlowRecord values."""
 
@@ -155,6 +166,7 @@ class RecordEncoder:
             _U16[c.orig_dport if icmp else c.reply_sport],
             _address(fam, c.orig_dst),
             _U16[c.orig_dport],
+            *_snat(fam, c, icmp),
             _NULL if not icmp or c.icmp_type is None else _SOME + _U16[c.icmp_type],
             _NULL if not icmp or c.icmp_code is None else _SOME + _U16[c.icmp_code],
             _U16[c.zone],

@@ -138,3 +138,56 @@ def test_lab_traffic_reaches_kafka_with_exact_counters(
     # Every connection the exporter tracked got a final record before it exited.
     for recs in groups.values():
         assert recs[-1]["flowEndReason"] in (END, FORCED), recs[-1]
+
+
+def test_source_nat_comes_from_the_reply_tuple(lab: Lab, kafka_broker: Any, kafka_topic: str, tmp_path: Path) -> None:
+    """Masquerade and an SNAT rule on the node: the records carry conntrack's translated source.
+
+    p0 -> p2 is masqueraded and p1 -> p2 SNATed, both to the node's address on p2's link (the port
+    is kept while free: the lab's server pairs exchanges by client port, so a rule that forces new
+    ports would break the exchange itself; the encoder's property test covers a translated port).
+    p2 -> p0 is left alone. The truth is the reply tuple ``conntrack -L`` prints: its destination is
+    the translated source.
+    """
+    p0, p1, p2 = lab.pods
+    lab.run_in(
+        lab.node_ns,
+        "nft", "-f", "-",
+        input=f"""table ip fe_snat {{
+            chain post {{
+                type nat hook postrouting priority srcnat; policy accept;
+                ip saddr {p0.ipv4} ip daddr {p2.ipv4} masquerade
+                ip saddr {p1.ipv4} ip daddr {p2.ipv4} snat to {p2.node_ip4}
+            }}
+        }}""",
+    )  # fmt: skip
+    log = tmp_path / "exporter.log"
+    proc = start_exporter(lab, kafka_broker.bootstrap, kafka_topic, log)
+    try:
+        exchanges = {
+            "masquerade tcp": lab.tcp_exchange(p0, p2, 9100, 300, 2000),
+            "masquerade udp": lab.udp_exchange(p0, p2, 9101, 200, 800),
+            "snat tcp": lab.tcp_exchange(p1, p2, 9102, 300, 2000),
+            "none tcp": lab.tcp_exchange(p2, p0, 9103, 300, 2000),
+        }
+        time.sleep(1.5)  # polled
+        table = lab.conntrack_entries()
+        cts = {name: table.for_exchange(ex) for name, ex in exchanges.items()}
+        stop_exporter(proc, log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Traceback" not in log.read_text()
+    groups = by_connection(read_records(kafka_broker.bootstrap, kafka_topic, expect_at_least=len(exchanges)))
+    for name, ex in exchanges.items():
+        ct = cts[name]
+        assert ct is not None, name
+        recs = records_of(groups, ex.client_ip, ex.client_port, 6 if ex.proto == "tcp" else 17)
+        translated = {(r["translatedSourceAddress"], r["translatedSourcePort"]) for r in recs}
+        if name == "none tcp":
+            assert (ct.reply_dst, ct.reply_dport) == (ct.orig_src, ct.orig_sport), ct.raw
+            assert translated == {(None, None)}, name
+        else:
+            assert ct.reply_dst == p2.node_ip4 != ct.orig_src, ct.raw
+            assert translated == {(ct.reply_dst, ct.reply_dport)}, (name, translated, ct.raw)
+            assert recs[0]["sourceAddress"] == ex.client_ip and recs[0]["destinationAddress"] == p2.ipv4

@@ -38,6 +38,7 @@ def build_record(export: Export, node: str, export_ms: int) -> dict[str, Any]:
         tcp_state = TCP_STATE_NAMES[state]
     totals = export.totals
     deltas = export.deltas
+    snat = (c.reply_dst, None if icmp else c.reply_dport) != (c.orig_src, None if icmp else c.orig_sport)
     rec: dict[str, Any] = {
         "connectionId": export.flow_id,
         "sequence": export.sequence,
@@ -54,6 +55,9 @@ def build_record(export: Export, node: str, export_ms: int) -> dict[str, Any]:
         "destinationPort": c.orig_dport if icmp else c.reply_sport,
         "originalDestinationAddress": _ip(fam, c.orig_dst),
         "originalDestinationPort": c.orig_dport,
+        # Source NAT: the reply goes to the translated source (an independent restatement of the rule).
+        "translatedSourceAddress": None if not snat else _ip(fam, c.reply_dst),
+        "translatedSourcePort": None if not snat or icmp else c.reply_dport,
         "icmpType": c.icmp_type if icmp else None,
         "icmpCode": c.icmp_code if icmp else None,
         "zone": c.zone,

@@ -24,17 +24,21 @@ def exports(draw: st.DrawFn) -> Export:
     proto = draw(st.sampled_from([PROTO_TCP, PROTO_UDP, PROTO_SCTP, PROTO_ICMP, PROTO_ICMPV6]))
     icmp = proto in (PROTO_ICMP, PROTO_ICMPV6)
     src, dst, rsrc = draw(addr), draw(addr), draw(addr)
+    sport = draw(u16)
+    # The reply's destination: the source itself (no source NAT), or a translated address and/or port.
+    snat_dst = draw(st.just(src) | addr)
+    snat_port = draw(st.just(sport) | u16)
     c = Connection(
         family=fam,
         proto=proto,
         orig_src=src,
         orig_dst=dst,
-        orig_sport=draw(u16),
+        orig_sport=sport,
         orig_dport=draw(u16),
         reply_src=rsrc,
-        reply_dst=src,
+        reply_dst=snat_dst,
         reply_sport=draw(u16),
-        reply_dport=draw(u16),
+        reply_dport=snat_port,
         zone=draw(u16),
         ct_id=draw(u32),
         mark=draw(u32),
