@@ -60,8 +60,10 @@ COPY flow_exporter/ flow_exporter/
 COPY schemas/ schemas/
 
 # Then the project's own wheel, next to them: no dependencies resolved (the lock has them all).
+# Their digests, for the runtime stage to copy before it installs (see there).
 RUN --mount=type=cache,target=/root/.cache/pip \
-    python -m pip wheel --no-deps --wheel-dir /wheels .
+    python -m pip wheel --no-deps --wheel-dir /wheels . \
+ && sha256sum /wheels/*.whl > /src/wheels.sha256
 
 # ----------------------------------------------------------------------------- runtime
 FROM ${BASE}
@@ -90,6 +92,10 @@ ENV VIRTUAL_ENV=/opt/flow-exporter \
 # satisfies the project's own requirements. pip compiles the .pyc files here, since the root
 # filesystem is read-only at run time. Last, the base image's pip removes itself: the image has no
 # pip anywhere on its PATH.
+# The wheels' digests are copied first: buildah (podman build) keys a RUN's cached layer on its
+# text alone, not on what a bind mount brings, so without a changed file before it a rebuild after
+# a code change would reuse the old install. They stay in the image: the digests of what it runs.
+COPY --from=build /src/wheels.sha256 /opt/flow-exporter/wheels.sha256
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     --mount=type=bind,from=build,source=/src/requirements,target=/requirements \
     python -m venv --without-pip "$VIRTUAL_ENV" \

@@ -11,6 +11,7 @@ The locks' aarch64 coverage is checked by downloading every locked file for that
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import re
@@ -114,7 +115,9 @@ def test_final_stage_installs_from_the_build_stage_only() -> None:
     assert installs and all("--no-cache-dir" in c and "--no-index" in c for c in installs), installs
     assert not any(re.search(r"\bapt-get\b|\bgcc\b|build-essential", r) for r in runs)
     copied = re.findall(r"^COPY --from=\S+ (\S+)", stage, re.MULTILINE)
-    assert copied == ["/src/sbom.cdx.json"], "wheels reach the runtime stage through a bind mount, never a layer"
+    assert copied == ["/src/wheels.sha256", "/src/sbom.cdx.json"], "wheels come through a bind mount, never a layer"
+    # The digests come before the install: its cached layer is keyed on what precedes it, not on the mount.
+    assert stage.index("COPY --from=build /src/wheels.sha256") < stage.index("RUN --mount=type=bind,from=build")
 
 
 def test_each_platform_has_its_lock() -> None:
@@ -280,6 +283,32 @@ def test_image_holds_exactly_the_lock(image: str) -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == "Apache-2.0", proc.stdout + proc.stderr
     proc = sh(image, "cat /opt/flow-exporter/lib/python3.11/site-packages/flow_exporter-*.dist-info/licenses/LICENSE")
     assert proc.returncode == 0 and proc.stdout == (REPO / "LICENSE").read_text()
+
+
+def test_image_runs_this_checkouts_code(image: str) -> None:
+    """Every module and the schema in the image are this checkout's: a rebuild after a change never ships old code.
+
+    (buildah reuses a RUN's cached layer when only what a bind mount brings changed; the Dockerfile
+    copies the wheels' digests first so that the install reruns.)
+    """
+    code = (
+        "import hashlib, json, pathlib, flow_exporter; root = pathlib.Path(flow_exporter.__file__).parent; "
+        "print(json.dumps({p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() "
+        "for p in sorted(root.rglob('*')) if p.suffix in ('.py', '.avsc')}))"
+    )
+    proc = python_in(image, code)
+    assert proc.returncode == 0, proc.stderr
+    here = REPO / "flow_exporter"
+    ours = {
+        p.relative_to(here).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(here.rglob("*"))
+        if p.suffix in (".py", ".avsc") and "__pycache__" not in p.parts
+    }
+    # flow_exporter/schemas links to schemas/ (rglob does not follow the link; the wheel holds the files)
+    ours |= {f"schemas/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest() for p in (REPO / "schemas").glob("*.avsc")}
+    assert json.loads(proc.stdout) == ours
+    digests = sh(image, "cat /opt/flow-exporter/wheels.sha256")
+    assert digests.returncode == 0 and "flow_exporter-" in digests.stdout, digests.stdout + digests.stderr
 
 
 def test_sbom_lists_the_lock(image: str) -> None:
