@@ -29,6 +29,10 @@ K8S_FIELDS = (
     "destinationPodLabels",
     "destinationServicePortName",
     "destinationService",
+    "sourceZone",
+    "destinationZone",
+    "sourceNodeAddress",
+    "destinationNodeAddress",
 )
 
 

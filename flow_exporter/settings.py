@@ -348,6 +348,7 @@ class Setting:
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("nodeName", parse_str, "", "This node's name in records; empty: $NODE_NAME, else the host name."),
+    Setting("clusterName", parse_str, "", "This cluster's name in records (clusterName); empty: null."),
     Setting("communityId.seed", parse_u16, 0, "Community ID seed (0-65535); all tools comparing IDs use one seed."),
     Setting("conntrack.netns", parse_opt_str, None, "Read conntrack of this named network namespace."),
     Setting("conntrack.zones", parse_zones, (), "Conntrack zones to export; empty means all zones."),

@@ -37,6 +37,7 @@ INTER_NODE = 2
 TO_EXTERNAL = 3
 FROM_EXTERNAL = 4
 
+_UNPLACED: tuple[None, None] = (None, None)  # an end with no node, or a node not (yet) in the cache
 DEFAULT_LABEL_KEYS = ("app", "app.kubernetes.io/name")
 MAX_LABEL_VALUE = 63  # the API server's own limit on label values
 
@@ -160,7 +161,7 @@ class Enricher:
             if src is None and dst is None and src_node is None and dst_node is None and svc is None:
                 return None  # every field null and flowType 0: the encoder's shared default
 
-        key = (src, dst, src_node, dst_node, svc, flow_type)
+        key = (src, dst, src_node, dst_node, svc, flow_type, caches.nodes.version)
         meta = self._shared.get(key)
         if meta is None:
             if len(self._shared) >= self._shared_limit:
@@ -222,6 +223,9 @@ class Enricher:
         svc: tuple[str, str] | None,
         flow_type: int,
     ) -> dict[str, Any]:
+        placed = self.caches.nodes.placed
+        src_zone, src_address = placed.get(src_node, _UNPLACED) if src_node is not None else _UNPLACED
+        dst_zone, dst_address = placed.get(dst_node, _UNPLACED) if dst_node is not None else _UNPLACED
         return {
             "sourcePodName": src.name if src is not None else None,
             "sourcePodNamespace": src.namespace if src is not None else None,
@@ -233,6 +237,10 @@ class Enricher:
             "destinationPodLabels": self._labels(dst) if dst is not None else None,
             "destinationServicePortName": svc[1] if svc is not None else None,
             "destinationService": svc[0] if svc is not None else None,
+            "sourceZone": src_zone,
+            "destinationZone": dst_zone,
+            "sourceNodeAddress": src_address,
+            "destinationNodeAddress": dst_address,
             "flowType": flow_type,
         }
 

@@ -377,16 +377,27 @@ class ServiceIndex:
 # ----------------------------------------------------------------------------- nodes
 
 
+ZONE_LABEL = "topology.kubernetes.io/zone"
+
+
 class NodeIndex:
-    """Node InternalIP/ExternalIP -> node name, and spec.podCIDRs -> node name.
+    """Node InternalIP/ExternalIP -> node name, spec.podCIDRs -> node name, and node name -> zone and address.
 
     Pod CIDRs let flowType tell "a pod on another node" from "outside the cluster" for addresses
     the pod index does not know (node scope, or a pod not seen yet). They exist only where the
     cluster allocates per-node ranges (kube-controller-manager --allocate-node-cidrs); without
     them such addresses stay unknown.
+
+    ``placed`` gives a node's zone (its ``topology.kubernetes.io/zone`` label) and address (its
+    first InternalIP, in text) for the records' ``*Zone`` and ``*NodeAddress`` fields: two strings
+    per node, nothing else of the object is kept. ``version`` grows whenever one changes, so
+    memoized record fields built from them can tell they are stale.
     """
 
     def __init__(self) -> None:
+        self.placed: dict[str, tuple[str | None, str | None]] = {}
+        self.version = 0
+        self._names: dict[str, str] = {}  # object key -> node name
         self.by_ip: dict[bytes, str] = {}
         # address length in bytes -> ((prefix length, {network number >> host bits: node}), ...);
         # the tuple is replaced, never changed, so a lookup can walk it while the cache thread writes.
@@ -448,6 +459,13 @@ class NodeIndex:
             self.by_ip[ip] = name
         for size, plen, net in cidrs:
             self._nets(size, plen)[net] = name
+        zone = ((_meta(obj).get("labels") or {}).get(ZONE_LABEL) or None) if name else None
+        internal = [a.get("address") for a in status.get("addresses") or () if a.get("type") == "InternalIP"]
+        placed = (sys.intern(zone) if isinstance(zone, str) else None, internal[0] if internal else None)
+        if name and self.placed.get(name) != placed:
+            self.placed[name] = placed
+            self.version += 1
+        self._names[key] = name
         old = self._nodes.get(key)
         self._nodes[key] = (ips, tuple(cidrs))
         if old is not None:
@@ -458,6 +476,10 @@ class NodeIndex:
         old = self._nodes.pop(key, None)
         if old is not None:
             self._drop(old, set(), set())
+        name = self._names.pop(key, None)
+        # (a node recreated under its name is upserted, new uid, before the old one's DELETED)
+        if name is not None and name not in self._names.values() and self.placed.pop(name, None) is not None:
+            self.version += 1
 
     def _drop(
         self,

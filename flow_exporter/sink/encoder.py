@@ -134,9 +134,10 @@ def _snat(family: int, c: Any, icmp: bool) -> tuple[bytes, bytes]:
 class RecordEncoder:
     """Encodes exports of one exporter node as bare Avro FlowRecord values."""
 
-    def __init__(self, node: str, community_id_seed: int = 0) -> None:
+    def __init__(self, node: str, community_id_seed: int = 0, cluster: str = "") -> None:
         self.node = node
-        self._node = _string(node)
+        # exporterNode and clusterName: the same in every record of this exporter
+        self._node = _string(node) + (_SOME + _string(cluster) if cluster else _NULL)
         self._seed = community_id_seed
         self._ms = -1
         self._ms_bytes = b""

@@ -73,10 +73,14 @@ def namespace(core: client.CoreV1Api) -> Iterator[str]:
         core.delete_collection_namespaced_pod(name, grace_period_seconds=0)
 
 
-def ensure_node(core: client.CoreV1Api, name: str, address: str, pod_cidrs: list[str] | None = None) -> None:
+def ensure_node(
+    core: client.CoreV1Api, name: str, address: str, pod_cidrs: list[str] | None = None, zone: str | None = None
+) -> None:
     spec = {"podCIDR": pod_cidrs[0], "podCIDRs": pod_cidrs} if pod_cidrs else {}
     with contextlib.suppress(ApiException):  # 409: another test made it already
         core.create_node({"metadata": {"name": name}, "spec": spec})
+    if zone is not None:
+        core.patch_node(name, {"metadata": {"labels": {"topology.kubernetes.io/zone": zone}}})
     core.patch_node_status(name, {"status": {"addresses": [{"type": "InternalIP", "address": address}]}})
 
 
@@ -321,8 +325,8 @@ def test_records_carry_pods_services_nodes_and_flow_type(
     tmp_path: Path,
 ) -> None:
     p0, p1, p2, p3 = lab.pods  # p3 is no pod of the cluster: "outside"
-    ensure_node(core, EXPORTER_NODE, "192.0.2.1")
-    ensure_node(core, OTHER_NODE, "192.0.2.2")
+    ensure_node(core, EXPORTER_NODE, "192.0.2.1", zone="zone-a")
+    ensure_node(core, OTHER_NODE, "192.0.2.2", zone="zone-b")
     make_pod(core, namespace, "client", EXPORTER_NODE, [p0.ipv4, p0.ipv6])
     make_pod(core, namespace, "web", EXPORTER_NODE, [p1.ipv4, p1.ipv6], {"app": "web", "tier": "front"})
     make_pod(core, namespace, "db-old", OTHER_NODE, [p2.ipv4, p2.ipv6], {"app": "db"})
@@ -333,6 +337,7 @@ def test_records_carry_pods_services_nodes_and_flow_type(
     # No conntrack events and a slower poll: connections are first seen at a poll, after the pod swap
     # below, so their pods must come from the IP history by start time.
     flags = [*k8s_flags(sa_kubeconfig), "--set", "conntrack.events=false", "--set", "conntrack.pollInterval=4s"]
+    flags += ["--set", "clusterName=lab-cluster"]
     proc = start_exporter(lab, kafka_broker.bootstrap, kafka_topic, log, *flags)
     try:
         wait_log(log, "API server synced")
@@ -371,9 +376,14 @@ def test_records_carry_pods_services_nodes_and_flow_type(
         assert r["destinationNodeName"] == EXPORTER_NODE
         assert r["sourcePodLabels"] == {"app": "client"} and r["destinationPodLabels"] == {"app": "web"}
         assert r["destinationService"] is None and r["flowType"] == 1
+        assert (r["sourceZone"], r["destinationZone"]) == ("zone-a", "zone-a")
+        assert (r["sourceNodeAddress"], r["destinationNodeAddress"]) == ("192.0.2.1", "192.0.2.1")
+        assert r["clusterName"] == "lab-cluster"
 
     r = first_of(groups, inter.client_ip, inter.client_port)
     assert (r["destinationPodName"], r["destinationNodeName"], r["flowType"]) == ("db-old", OTHER_NODE, 2)
+    assert (r["sourceZone"], r["destinationZone"]) == ("zone-a", "zone-b")  # an inter-zone connection
+    assert (r["sourceNodeAddress"], r["destinationNodeAddress"]) == ("192.0.2.1", "192.0.2.2")
 
     r = first_of(groups, outside.client_ip, outside.client_port)
     assert (r["sourcePodName"], r["destinationPodName"], r["destinationNodeName"], r["flowType"]) == (
@@ -382,6 +392,7 @@ def test_records_carry_pods_services_nodes_and_flow_type(
         None,
         3,
     )
+    assert (r["sourceZone"], r["destinationZone"], r["destinationNodeAddress"]) == ("zone-a", None, None)
     r = first_of(groups, inbound.client_ip, inbound.client_port)
     assert (r["sourcePodName"], r["destinationPodName"], r["flowType"]) == (None, "web", 4)
 

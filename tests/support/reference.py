@@ -26,7 +26,7 @@ def _ip(family: int, packed: bytes) -> str:
     return socket.inet_ntop(family, packed)
 
 
-def build_record(export: Export, node: str, export_ms: int) -> dict[str, Any]:
+def build_record(export: Export, node: str, export_ms: int, cluster: str = "") -> dict[str, Any]:
     """The record dict for one export (what the Avro writer serializes)."""
     c = export.conn
     assert c is not None, "a connection's first record carries its fields"
@@ -43,6 +43,7 @@ def build_record(export: Export, node: str, export_ms: int) -> dict[str, Any]:
         "connectionId": export.flow_id,
         "sequence": export.sequence,
         "exporterNode": node,
+        "clusterName": cluster or None,
         "exportTime": export_ms,
         "flowStart": export.first_seen_ns // 1_000_000,
         "flowEnd": max(export.flow_end_ns, export.first_seen_ns) // 1_000_000,

@@ -17,10 +17,10 @@ SER = AvroSerializer()
 
 
 @settings(max_examples=600, deadline=None)
-@given(exports(), st.text(min_size=1, max_size=30), st.integers(0, 2**45))
-def test_encoder_is_byte_identical_to_fastavro(export: Export, node: str, export_ms: int) -> None:
-    expected = SER(build_record(export, node, export_ms))
-    enc = RecordEncoder(node)
+@given(exports(), st.text(min_size=1, max_size=30), st.integers(0, 2**45), st.sampled_from(["", "prod-eu-1"]))
+def test_encoder_is_byte_identical_to_fastavro(export: Export, node: str, export_ms: int, cluster: str) -> None:
+    expected = SER(build_record(export, node, export_ms, cluster))
+    enc = RecordEncoder(node, cluster=cluster)
     assert enc.encode(export, export_ms) == expected
     assert enc.encode(export, export_ms) == expected  # from the cached prefix
     assert SER.decode(expected)["connectionId"] == export.flow_id

@@ -76,9 +76,12 @@ def service(name: str, cluster_ips: list[str], ports: list[dict[str, Any]], ns: 
     }
 
 
-def node(name: str, addresses: list[str], pod_cidrs: list[str] | None = None) -> dict[str, Any]:
+def node(
+    name: str, addresses: list[str], pod_cidrs: list[str] | None = None, zone: str | None = None, uid: str = ""
+) -> dict[str, Any]:
+    labels = {"topology.kubernetes.io/zone": zone} if zone is not None else {}
     return {
-        "metadata": {"name": name, "uid": f"node-{name}"},
+        "metadata": {"name": name, "uid": uid or f"node-{name}", "labels": {"kubernetes.io/os": "linux", **labels}},
         "spec": {"podCIDRs": pod_cidrs or []},
         "status": {"addresses": [{"type": "InternalIP", "address": a} for a in addresses]},
     }
@@ -285,7 +288,11 @@ def cluster() -> Indexes:
         now=T0,
     )
     ix.load("services", [service("web", ["10.96.0.10"], [{"name": "http", "port": 80, "targetPort": 8080}])], T0)
-    ix.load("nodes", [node("node-a", ["192.0.2.1"]), node("node-b", ["192.0.2.2"], ["10.244.2.0/24"])], T0)
+    ix.load(
+        "nodes",
+        [node("node-a", ["192.0.2.1"], zone="eu-1a"), node("node-b", ["192.0.2.2"], ["10.244.2.0/24"], zone="eu-1b")],
+        T0,
+    )
     ix.ready.set()
     return ix
 
@@ -305,6 +312,10 @@ def test_meta_fields_for_a_service_connection(cluster: Indexes) -> None:
         "destinationPodLabels": {"app": "web"},
         "destinationServicePortName": "shop/web:http",
         "destinationService": "shop/web:80/TCP",
+        "sourceZone": "eu-1a",
+        "destinationZone": "eu-1a",
+        "sourceNodeAddress": "192.0.2.1",
+        "destinationNodeAddress": "192.0.2.1",
         "flowType": INTRA_NODE,
     }
     assert set(tr.meta) == {*K8S_FIELDS, "flowType"}
@@ -606,3 +617,44 @@ def test_forbidden_is_logged_as_an_rbac_error_once(caplog: pytest.LogCaptureFixt
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "RBAC" in errors[0] and "pods" in errors[0]
     assert caches.ready.is_set()
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "zones", "addresses"),
+    [
+        ("10.244.1.2", "10.244.2.4", ("eu-1a", "eu-1b"), ("192.0.2.1", "192.0.2.2")),  # pod to pod across zones
+        ("10.244.1.2", "10.244.2.99", ("eu-1a", "eu-1b"), ("192.0.2.1", "192.0.2.2")),  # by node-b's pod CIDR
+        ("192.0.2.2", "10.244.1.3", ("eu-1b", "eu-1a"), ("192.0.2.2", "192.0.2.1")),  # a node's own address
+        ("10.244.1.2", "203.0.113.9", ("eu-1a", None), ("192.0.2.1", None)),  # outside: no node
+    ],
+)
+def test_zones_and_node_addresses_of_each_end(
+    cluster: Indexes, src: str, dst: str, zones: tuple[str | None, str | None], addresses: tuple[str | None, str | None]
+) -> None:
+    e = Enricher(cluster, "node-a")
+    tr = tracked(src, dst)
+    e(tr)
+    assert tr.meta is not None
+    assert (tr.meta["sourceZone"], tr.meta["destinationZone"]) == zones
+    assert (tr.meta["sourceNodeAddress"], tr.meta["destinationNodeAddress"]) == addresses
+
+
+def test_a_node_relabelled_or_recreated_gives_new_fields_to_new_connections(cluster: Indexes) -> None:
+    """The shared meta dicts are never changed: a new zone shows in connections met after the change."""
+    e = Enricher(cluster, "node-a")
+    first = tracked("10.244.1.2", "10.244.2.4")
+    e(first)
+    cluster.nodes.upsert(node("node-b", ["192.0.2.2"], ["10.244.2.0/24"], zone="eu-1c"))
+    second = tracked("10.244.1.2", "10.244.2.4")
+    e(second)
+    assert first.meta is not None and second.meta is not None
+    assert (first.meta["destinationZone"], second.meta["destinationZone"]) == ("eu-1b", "eu-1c")
+    # Recreated under its name (a new uid) before the old object's DELETED is read: the new one stays.
+    cluster.nodes.upsert(node("node-b", ["192.0.2.7"], ["10.244.2.0/24"], zone="eu-1a", uid="node-b-2"))
+    cluster.nodes.delete("node-node-b")
+    assert cluster.nodes.placed["node-b"] == ("eu-1a", "192.0.2.7")
+    cluster.nodes.delete("node-b-2")
+    assert "node-b" not in cluster.nodes.placed
+    third = tracked("10.244.1.2", "10.244.2.4")
+    e(third)
+    assert third.meta is not None and third.meta["destinationZone"] is None
