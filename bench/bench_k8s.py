@@ -222,12 +222,19 @@ def _replay_caches(pages_dir: Path) -> Any:
 
     class Replay(K8sCaches):
         def open_list(self, method: str) -> tuple[Any, Any]:
-            resource = {"list_pod_for_all_namespaces": "pods", "list_service_for_all_namespaces": "services"}
-            queue = sorted(pages_dir.glob(f"{resource.get(method, 'nodes')}-*.json"))
+            resource = {
+                "list_pod_for_all_namespaces": "pods",
+                "list_service_for_all_namespaces": "services",
+                "list_node": "nodes",
+            }
+            # (ReplicaSets and Jobs: no pages written, listed empty)
+            queue = sorted(pages_dir.glob(f"{resource.get(method, 'none')}-*.json"))
 
             def call(**kw: Any) -> _Resp:
                 if kw.get("watch"):
                     return _Resp(quiet=self.stop_event)
+                if not queue:
+                    return _Resp(b'{"metadata": {"resourceVersion": "1"}, "items": []}')
                 return _Resp(queue.pop(0).read_bytes())
 
             return call, lambda: None

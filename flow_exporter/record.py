@@ -33,6 +33,10 @@ K8S_FIELDS = (
     "destinationZone",
     "sourceNodeAddress",
     "destinationNodeAddress",
+    "sourceOwnerKind",
+    "sourceOwnerName",
+    "destinationOwnerKind",
+    "destinationOwnerName",
 )
 
 

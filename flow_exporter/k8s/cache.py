@@ -31,17 +31,22 @@ from kubernetes import config as kube_config
 from kubernetes.client.rest import ApiException
 
 from flow_exporter.k8s.index import Indexes, NodeIndex, PodIndex, ServiceIndex
+from flow_exporter.k8s.owners import OwnerIndex
 from flow_exporter.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
 
-# What the caches read, as (resource, CoreV1Api list method). k8s/rbac.yaml grants get/list/watch
+# What the caches read, as (resource, API group, list method). k8s/rbac.yaml grants list and watch
 # on exactly these (tests/integration/test_k8s_enrich.py holds the two together).
-RESOURCES: tuple[tuple[str, str], ...] = (
-    ("pods", "list_pod_for_all_namespaces"),
-    ("services", "list_service_for_all_namespaces"),
-    ("nodes", "list_node"),
+RESOURCES: tuple[tuple[str, str, str], ...] = (
+    ("pods", "", "list_pod_for_all_namespaces"),
+    ("services", "", "list_service_for_all_namespaces"),
+    ("nodes", "", "list_node"),
+    ("replicasets", "apps", "list_replica_set_for_all_namespaces"),  # a pod's Deployment
+    ("jobs", "batch", "list_job_for_all_namespaces"),  # a pod's CronJob
 )
+_APIS = {"": client.CoreV1Api, "apps": client.AppsV1Api, "batch": client.BatchV1Api}
+_GROUP_OF = {method: group for _, group, method in RESOURCES}
 SCOPES = ("cluster", "node")
 
 
@@ -78,7 +83,7 @@ class WatchStats:
 
 
 class K8sCaches(Indexes):
-    """Pods, Services and Nodes from the API server, for the :class:`~flow_exporter.k8s.enrich.Enricher`.
+    """Pods, Services, Nodes, ReplicaSets and Jobs from the API server, for the Enricher (k8s.enrich).
 
     ``scope="node"`` lists only pods with ``spec.nodeName=<node_name>`` (a DaemonSet at scale
     should not hold every pod of the cluster on every node); Services and Nodes are always
@@ -120,22 +125,18 @@ class K8sCaches(Indexes):
         self._listed: set[str] = set()
         self._down: dict[str, str] = {}
         self.outages = 0
-        indexes: dict[str, PodIndex | ServiceIndex | NodeIndex] = {
-            "pods": self.pods,
-            "services": self.services,
-            "nodes": self.nodes,
-        }
+        indexes = self.by_resource()
         pod_selector = f"spec.nodeName={node_name}" if scope == "node" else None
         self.watchers = [
             _Watcher(self, name, method, indexes[name], pod_selector if name == "pods" else None)
-            for name, method in RESOURCES
+            for name, _, method in RESOURCES
         ]
         self._threads: list[threading.Thread] = []
 
     def open_list(self, method: str) -> tuple[Callable[..., Any], Callable[[], None]]:
-        """A CoreV1Api list method on an ApiClient of its own (one per thread), and its closer."""
+        """A list method of its API group on an ApiClient of its own (one per thread), and its closer."""
         api = client.ApiClient(self.configuration)
-        return getattr(client.CoreV1Api(api), method), api.close
+        return getattr(_APIS[_GROUP_OF[method]](api), method), api.close
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> K8sCaches:
@@ -168,8 +169,7 @@ class K8sCaches(Indexes):
         return {w.resource: w.stats for w in self.watchers}
 
     def status_line(self) -> str:
-        c = self.synced_counts()
-        return f"{c['pods']:,} pods, {c['services']:,} services, {c['nodes']:,} nodes"
+        return ", ".join(f"{n:,} {name}" for name, n in self.synced_counts().items())
 
     # ------------------------------------------------------------------ called by the watchers
     def _on_listed(self, resource: str) -> None:
@@ -225,7 +225,7 @@ class _Watcher:
         caches: K8sCaches,
         resource: str,
         method: str,
-        index: PodIndex | ServiceIndex | NodeIndex,
+        index: PodIndex | ServiceIndex | NodeIndex | OwnerIndex,
         field_selector: str | None,
     ) -> None:
         self.caches = caches

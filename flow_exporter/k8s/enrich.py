@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from flow_exporter.connection import Connection
 from flow_exporter.flow import NewConnection
 from flow_exporter.k8s.index import NodeIndex, PodIndex, PodInfo, ServiceIndex
+from flow_exporter.k8s.owners import OwnerIndex, workload
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class IndexSource(Protocol):
     pods: PodIndex
     services: ServiceIndex
     nodes: NodeIndex
+    replicasets: OwnerIndex
+    jobs: OwnerIndex
     scope: str
 
     @property
@@ -161,7 +164,8 @@ class Enricher:
             if src is None and dst is None and src_node is None and dst_node is None and svc is None:
                 return None  # every field null and flowType 0: the encoder's shared default
 
-        key = (src, dst, src_node, dst_node, svc, flow_type, caches.nodes.version)
+        versions = (caches.nodes.version, caches.replicasets.version, caches.jobs.version)
+        key = (src, dst, src_node, dst_node, svc, flow_type, versions)
         meta = self._shared.get(key)
         if meta is None:
             if len(self._shared) >= self._shared_limit:
@@ -226,6 +230,8 @@ class Enricher:
         placed = self.caches.nodes.placed
         src_zone, src_address = placed.get(src_node, _UNPLACED) if src_node is not None else _UNPLACED
         dst_zone, dst_address = placed.get(dst_node, _UNPLACED) if dst_node is not None else _UNPLACED
+        src_owner = self._workload(src)
+        dst_owner = self._workload(dst)
         return {
             "sourcePodName": src.name if src is not None else None,
             "sourcePodNamespace": src.namespace if src is not None else None,
@@ -241,8 +247,18 @@ class Enricher:
             "destinationZone": dst_zone,
             "sourceNodeAddress": src_address,
             "destinationNodeAddress": dst_address,
+            "sourceOwnerKind": src_owner[0],
+            "sourceOwnerName": src_owner[1],
+            "destinationOwnerKind": dst_owner[0],
+            "destinationOwnerName": dst_owner[1],
             "flowType": flow_type,
         }
+
+    def _workload(self, pod: PodInfo | None) -> tuple[str | None, str | None]:
+        if pod is None:
+            return _UNPLACED
+        caches = self.caches
+        return workload(pod.namespace, pod.name, pod.owner, caches.replicasets, caches.jobs)
 
     def _labels(self, pod: PodInfo) -> dict[str, str]:
         """The pod's configured labels, memoized on the pod (shared dicts: never mutate them)."""

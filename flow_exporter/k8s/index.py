@@ -20,6 +20,8 @@ from collections.abc import Collection, Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
+from flow_exporter.k8s.owners import OwnerIndex, controller_of
+
 ALIVE = 1 << 63  # "until" of an entry whose pod still holds the address
 _PROTOCOLS = {"TCP": 6, "UDP": 17, "SCTP": 132}
 _TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})  # such pods keep status.podIPs but lost the address
@@ -61,22 +63,32 @@ def object_key(obj: Mapping[str, Any]) -> str:
 class PodInfo:
     """What a record needs about a pod. Shared and read-only once built (``out`` is the enricher's memo)."""
 
-    __slots__ = ("labels", "name", "namespace", "node", "out", "uid")
+    __slots__ = ("labels", "name", "namespace", "node", "out", "owner", "uid")
 
-    def __init__(self, uid: str, name: str, namespace: str, node: str | None, labels: dict[str, str]) -> None:
+    def __init__(
+        self,
+        uid: str,
+        name: str,
+        namespace: str,
+        node: str | None,
+        labels: dict[str, str],
+        owner: tuple[str, str] | None = None,
+    ) -> None:
         self.uid = uid
         self.name = name
         self.namespace = namespace
         self.node = node
         self.labels = labels
+        self.owner = owner  # its controller (kind, name), as the pod names it (owners.workload resolves it)
         self.out: tuple[object, Any] | None = None
 
     def same(self, other: PodInfo) -> bool:
-        return (self.name, self.namespace, self.node, self.labels) == (
+        return (self.name, self.namespace, self.node, self.labels, self.owner) == (
             other.name,
             other.namespace,
             other.node,
             other.labels,
+            other.owner,
         )
 
     def __repr__(self) -> str:
@@ -174,6 +186,7 @@ class PodIndex:
             sys.intern(m.get("namespace") or ""),
             sys.intern(spec["nodeName"]) if spec.get("nodeName") else None,
             self._labels(m.get("labels")),
+            controller_of(m),
         )
         ips: tuple[bytes, ...] = ()
         if not spec.get("hostNetwork") and status.get("phase") not in _TERMINAL_PHASES:
@@ -527,7 +540,7 @@ def _parse_cidr(text: object) -> tuple[int, int, int] | None:
 
 
 class Indexes:
-    """The three indexes plus a readiness flag: what the :class:`~flow_exporter.k8s.enrich.Enricher` reads.
+    """The indexes plus a readiness flag: what the :class:`~flow_exporter.k8s.enrich.Enricher` reads.
 
     :class:`~flow_exporter.k8s.cache.K8sCaches` fills one from the API server; tests fill one by hand.
     """
@@ -538,13 +551,24 @@ class Indexes:
         self.pods = pods if pods is not None else PodIndex()
         self.services = ServiceIndex()
         self.nodes = NodeIndex()
+        self.replicasets = OwnerIndex()
+        self.jobs = OwnerIndex()
         self.ready = threading.Event()
 
+    def by_resource(self) -> dict[str, PodIndex | ServiceIndex | NodeIndex | OwnerIndex]:
+        return {
+            "pods": self.pods,
+            "services": self.services,
+            "nodes": self.nodes,
+            "replicasets": self.replicasets,
+            "jobs": self.jobs,
+        }
+
     def synced_counts(self) -> dict[str, int]:
-        return {"pods": len(self.pods), "services": len(self.services), "nodes": len(self.nodes)}
+        return {name: len(index) for name, index in self.by_resource().items()}
 
     def load(self, kind: str, objs: Iterable[Mapping[str, Any]], now: int) -> None:
-        """Upsert objects of one kind (``pods``, ``services``, ``nodes``) by hand."""
-        index = {"pods": self.pods, "services": self.services, "nodes": self.nodes}[kind]
+        """Upsert objects of one kind (``pods``, ``services``, ``nodes``, ``replicasets``, ``jobs``) by hand."""
+        index = self.by_resource()[kind]
         for obj in objs:
             index.upsert(obj, now)

@@ -92,16 +92,39 @@ def make_pod(
     ips: list[str],
     labels: dict[str, str] | None = None,
     host_network: bool = False,
+    owner: dict[str, Any] | None = None,
 ) -> None:
-    """A pod bound to ``node`` and, since no kubelet runs, given its addresses through the status subresource."""
+    """A pod bound to ``node`` and, since no kubelet runs, given its addresses through the status subresource.
+
+    ``owner``: the object whose controller made it (its ownerReference, as that controller writes it).
+    """
     spec = {
         "nodeName": node,
         "hostNetwork": host_network,
         "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}],
     }
-    core.create_namespaced_pod(ns, {"metadata": {"name": name, "labels": labels or {"app": name}}, "spec": spec})
+    meta: dict[str, Any] = {"name": name, "labels": labels or {"app": name}}
+    if owner is not None:
+        meta["ownerReferences"] = [controlled_by(owner)]
+    core.create_namespaced_pod(ns, {"metadata": meta, "spec": spec})
     status = {"phase": "Running", "podIP": ips[0], "podIPs": [{"ip": a} for a in ips]}
     core.patch_namespaced_pod_status(name, ns, {"status": status})
+
+
+def controlled_by(obj: dict[str, Any]) -> dict[str, Any]:
+    """The ownerReference a controller puts on what it creates."""
+    meta = obj["metadata"]
+    return {
+        "apiVersion": obj["apiVersion"], "kind": obj["kind"], "name": meta["name"], "uid": meta["uid"],
+        "controller": True, "blockOwnerDeletion": True,
+    }  # fmt: skip
+
+
+def create(api: Any, method: str, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Create an object through the typed client; its body as the server returned it (uid included)."""
+    made = getattr(api, method)(ns, body)
+    out: dict[str, Any] = api.api_client.sanitize_for_serialization(made)
+    return out
 
 
 def delete_pod(core: client.CoreV1Api, ns: str, name: str) -> None:
@@ -239,12 +262,12 @@ def test_caches_list_and_watch_as_the_exporter_service_account(
 def test_cluster_role_grants_exactly_what_the_caches_read() -> None:
     docs = {(d["kind"], d["metadata"]["name"]): d for d in manifests("rbac.yaml", "serviceaccount.yaml")}
     role = docs[("ClusterRole", "flow-exporter")]
-    assert len(role["rules"]) == 1
-    rule = role["rules"][0]
-    assert set(rule) == {"apiGroups", "resources", "verbs"}  # no resourceNames, no nonResourceURLs
-    assert rule["apiGroups"] == [""]
-    assert sorted(rule["resources"]) == sorted(name for name, _ in RESOURCES)
-    assert sorted(rule["verbs"]) == ["list", "watch"]  # list+watch caches never get one object
+    granted = set()
+    for rule in role["rules"]:
+        assert set(rule) == {"apiGroups", "resources", "verbs"}  # no resourceNames, no nonResourceURLs
+        assert sorted(rule["verbs"]) == ["list", "watch"]  # list+watch caches never get one object
+        granted |= {(group, resource) for group in rule["apiGroups"] for resource in rule["resources"]}
+    assert granted == {(group, name) for name, group, _ in RESOURCES}
     binding = docs[("ClusterRoleBinding", "flow-exporter")]
     assert binding["roleRef"] == {
         "apiGroup": "rbac.authorization.k8s.io",
@@ -268,7 +291,13 @@ def test_service_account_may_read_and_nothing_more(apiserver: ApiServer, sa_kube
         core.list_pod_for_all_namespaces(limit=1)
         core.list_service_for_all_namespaces(limit=1)
         core.list_node(limit=1)
+        apps, batch = client.AppsV1Api(api), client.BatchV1Api(api)
+        apps.list_replica_set_for_all_namespaces(limit=1)
+        batch.list_job_for_all_namespaces(limit=1)
         denied: list[Callable[[], Any]] = [
+            lambda: apps.list_deployment_for_all_namespaces(limit=1),  # the ReplicaSet names its Deployment
+            lambda: batch.list_cron_job_for_all_namespaces(limit=1),
+            lambda: apps.read_namespaced_replica_set("x", "flow-exporter"),
             lambda: core.create_namespaced_pod(
                 "flow-exporter",
                 {"metadata": {"name": "x"}, "spec": {"containers": [{"name": "c", "image": "pause"}]}},
@@ -454,3 +483,100 @@ def test_export_survives_api_server_outage_and_caches_catch_up(
         assert (r["sourcePodName"], r["destinationPodName"], r["flowType"]) == ("client", "web", 1)
     r = first_of(groups, after.client_ip, after.client_port)
     assert (r["destinationPodName"], r["destinationPodNamespace"], r["flowType"]) == ("late", namespace, 1)
+
+
+def pod_template(app: str, restart: str = "Always") -> dict[str, Any]:
+    containers = [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]
+    return {"metadata": {"labels": {"app": app}}, "spec": {"containers": containers, "restartPolicy": restart}}
+
+
+@pytest.mark.lab
+@pytest.mark.kafka
+def test_records_carry_workload_owners_across_a_rollout(
+    apiserver: ApiServer,
+    sa_kubeconfig: Path,
+    core: client.CoreV1Api,
+    namespace: str,
+    lab: Lab,
+    kafka_broker: Any,
+    kafka_topic: str,
+    tmp_path: Path,
+) -> None:
+    """A Deployment (through its ReplicaSet), a StatefulSet, a DaemonSet, a CronJob (through its Job) and a
+    bare pod, made as their controllers would make them (no controller runs here); then a rollout: a new
+    ReplicaSet of the same Deployment whose pod takes the address over. Records name the workloads."""
+    p0, p1, p2, p3 = lab.pods
+    ensure_node(core, EXPORTER_NODE, "192.0.2.1", zone="zone-a")
+    with apiserver.api_client() as api_client:
+        apps, batch = client.AppsV1Api(api_client), client.BatchV1Api(api_client)
+        ns = namespace
+        selector = {"matchLabels": {"app": "web"}}
+        web = create(apps, "create_namespaced_deployment", ns, {
+            "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web"},
+            "spec": {"selector": selector, "template": pod_template("web")},
+        })  # fmt: skip
+
+        def replica_set(name: str) -> dict[str, Any]:
+            return create(apps, "create_namespaced_replica_set", ns, {
+                "apiVersion": "apps/v1", "kind": "ReplicaSet",
+                "metadata": {"name": name, "ownerReferences": [controlled_by(web)]},
+                "spec": {"selector": selector, "template": pod_template("web")},
+            })  # fmt: skip
+
+        rs_old = replica_set("web-7c5d8")
+        db = create(apps, "create_namespaced_stateful_set", ns, {
+            "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "db"},
+            "spec": {"selector": {"matchLabels": {"app": "db"}}, "serviceName": "db", "template": pod_template("db")},
+        })  # fmt: skip
+        agent = create(apps, "create_namespaced_daemon_set", ns, {
+            "apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": "agent"},
+            "spec": {"selector": {"matchLabels": {"app": "agent"}}, "template": pod_template("agent")},
+        })  # fmt: skip
+        cron = create(batch, "create_namespaced_cron_job", ns, {
+            "apiVersion": "batch/v1", "kind": "CronJob", "metadata": {"name": "backup"},
+            "spec": {"schedule": "0 3 * * *", "jobTemplate": {"spec": {"template": pod_template("backup", "Never")}}},
+        })  # fmt: skip
+        job = create(batch, "create_namespaced_job", ns, {
+            "apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": "backup-29145", "ownerReferences": [controlled_by(cron)]},
+            "spec": {"template": pod_template("backup", "Never")},
+        })  # fmt: skip
+        make_pod(core, ns, "client", EXPORTER_NODE, [p0.ipv4])  # a bare pod: its own workload
+        make_pod(core, ns, "web-7c5d8-x1", EXPORTER_NODE, [p1.ipv4], owner=rs_old)
+        make_pod(core, ns, "db-0", EXPORTER_NODE, [p2.ipv4], owner=db)
+        make_pod(core, ns, "agent-q7", EXPORTER_NODE, [p3.ipv6], owner=agent)
+        make_pod(core, ns, "backup-29145-abcde", EXPORTER_NODE, [p3.ipv4], owner=job)
+
+        log = tmp_path / "exporter.log"
+        proc = start_exporter(lab, kafka_broker.bootstrap, kafka_topic, log, *k8s_flags(sa_kubeconfig))
+        try:
+            wait_log(log, "API server synced")
+            to_web = lab.tcp_exchange(p0, p1, 9000, 100, 100)
+            to_db = lab.tcp_exchange(p0, p2, 9001, 100, 100)
+            to_job = lab.tcp_exchange(p0, p3, 9002, 100, 100)
+            from_agent = lab.tcp_exchange(p3, p0, 9003, 100, 100, family=6)
+            # The rollout: a new ReplicaSet; its pod takes the old one's address.
+            rs_new = replica_set("web-59b6f")
+            delete_pod(core, ns, "web-7c5d8-x1")
+            make_pod(core, ns, "web-59b6f-y2", EXPORTER_NODE, [p1.ipv4], owner=rs_new)
+            time.sleep(1.0)  # the watches deliver the rollout
+            to_rolled = lab.tcp_exchange(p0, p1, 9004, 100, 100)
+            time.sleep(1.5)  # polled
+            text = stop_exporter(proc, log)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert "Traceback" not in text
+    groups = by_connection(read_records(kafka_broker.bootstrap, kafka_topic, expect_at_least=5))
+
+    def workloads(ex: Any) -> tuple[tuple[str, str], tuple[str, str]]:
+        r = first_of(groups, ex.client_ip, ex.client_port)
+        return (r["sourceOwnerKind"], r["sourceOwnerName"]), (r["destinationOwnerKind"], r["destinationOwnerName"])
+
+    assert workloads(to_web) == (("Pod", "client"), ("Deployment", "web"))
+    assert workloads(to_db) == (("Pod", "client"), ("StatefulSet", "db"))
+    assert workloads(to_job) == (("Pod", "client"), ("CronJob", "backup"))
+    assert workloads(from_agent) == (("DaemonSet", "agent"), ("Pod", "client"))
+    assert workloads(to_rolled) == (("Pod", "client"), ("Deployment", "web"))  # the same name after the rollout
+    r = first_of(groups, to_rolled.client_ip, to_rolled.client_port)
+    assert r["destinationPodName"] == "web-59b6f-y2"

@@ -401,8 +401,8 @@ def test_configmap_config_with_sasl_credentials_from_the_secret(
 def test_clusterrole_grants_only_reads(docs: list[dict[str, Any]]) -> None:
     roles = [d for d in docs if d["kind"] in ("Role", "ClusterRole")]
     assert [r["metadata"]["name"] for r in roles] == ["flow-exporter"]
+    readable = {"": {"pods", "services", "nodes"}, "apps": {"replicasets"}, "batch": {"jobs"}}
     for rule in roles[0]["rules"]:
         assert set(rule["verbs"]) <= {"list", "watch"}
-        assert rule["apiGroups"] == [""]
-        assert set(rule["resources"]) <= {"pods", "services", "nodes"}
+        assert len(rule["apiGroups"]) == 1 and set(rule["resources"]) <= readable[rule["apiGroups"][0]]
         assert "resourceNames" not in rule and "nonResourceURLs" not in rule

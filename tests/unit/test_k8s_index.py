@@ -55,6 +55,7 @@ def pod(
     created: int = T0,
     host_network: bool = False,
     phase: str = "Running",
+    owner: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     return {
         "metadata": {
@@ -63,10 +64,27 @@ def pod(
             "uid": uid or f"uid-{name}",
             "labels": labels if labels is not None else {"app": name.split("-")[0]},
             "creationTimestamp": ts(created),
+            "ownerReferences": owned_by(*owner) if owner else [],
         },
         "spec": {"nodeName": node, "hostNetwork": host_network},
         "status": {"phase": phase, "podIP": ips[0] if ips else None, "podIPs": [{"ip": a} for a in ips]},
     }
+
+
+def owned_by(kind: str, name: str) -> list[dict[str, Any]]:
+    """ownerReferences as a controller writes them: its own reference (controller: true), and another that is not."""
+    group = {"ReplicaSet": "apps/v1", "Deployment": "apps/v1", "StatefulSet": "apps/v1", "DaemonSet": "apps/v1"}
+    return [
+        {"apiVersion": "v1", "kind": "ConfigMap", "name": "not-the-controller", "uid": "u0"},
+        {"apiVersion": group.get(kind, "batch/v1"), "kind": kind, "name": name, "uid": f"u-{name}", "controller": True},
+    ]
+
+
+def workload_object(kind: str, name: str, owner: tuple[str, str] | None = None, ns: str = "shop") -> dict[str, Any]:
+    """A ReplicaSet or Job: only its metadata matters to the owner index."""
+    refs = owned_by(*owner) if owner else []
+    meta = {"name": name, "namespace": ns, "uid": f"{kind}-{ns}-{name}", "ownerReferences": refs}
+    return {"metadata": meta, "spec": {"replicas": 2}, "status": {"readyReplicas": 1}}
 
 
 def service(name: str, cluster_ips: list[str], ports: list[dict[str, Any]], ns: str = "shop") -> dict[str, Any]:
@@ -269,7 +287,7 @@ def test_node_addresses_and_pod_cidrs() -> None:
     assert ix.nodes.pod_cidr_node(ip("10.245.0.1")) is None
     ix.nodes.delete("node-node-b")
     assert ix.nodes.pod_cidr_node(ip("10.244.2.77")) is None
-    assert ix.synced_counts() == {"pods": 0, "services": 0, "nodes": 1}
+    assert ix.synced_counts() == {"pods": 0, "services": 0, "nodes": 1, "replicasets": 0, "jobs": 0}
 
 
 # ------------------------------------------------------------------------------ enricher
@@ -316,6 +334,10 @@ def test_meta_fields_for_a_service_connection(cluster: Indexes) -> None:
         "destinationZone": "eu-1a",
         "sourceNodeAddress": "192.0.2.1",
         "destinationNodeAddress": "192.0.2.1",
+        "sourceOwnerKind": "Pod",  # no controller: the pod is its own workload
+        "sourceOwnerName": "client-1",
+        "destinationOwnerKind": "Pod",
+        "destinationOwnerName": "web-1",
         "flowType": INTRA_NODE,
     }
     assert set(tr.meta) == {*K8S_FIELDS, "flowType"}
@@ -550,13 +572,20 @@ class FakeCaches(K8sCaches):
             api.stop = self.stop_event
 
     def open_list(self, method: str) -> tuple[Any, Any]:
-        resource = {"list_pod_for_all_namespaces": "pods", "list_service_for_all_namespaces": "services"}
-        return self.apis[resource.get(method, "nodes")], lambda: None
+        resource = {name: name for name in self.apis} | {
+            "list_pod_for_all_namespaces": "pods",
+            "list_service_for_all_namespaces": "services",
+            "list_node": "nodes",
+            "list_replica_set_for_all_namespaces": "replicasets",
+            "list_job_for_all_namespaces": "jobs",
+        }
+        return self.apis[resource[method]], lambda: None
 
 
 def run_fake(pods: list[Any], caplog: pytest.LogCaptureFixture, **kw: Any) -> tuple[FakeCaches, FakeApi]:
     api = FakeApi(pods)
-    apis = {"pods": api, "services": FakeApi([list_body([], "1")]), "nodes": FakeApi([list_body([], "1")])}
+    quiet = ("services", "nodes", "replicasets", "jobs")
+    apis = {"pods": api} | {name: FakeApi([list_body([], "1")]) for name in quiet}
     caches = FakeCaches(apis, **kw)
     with caplog.at_level(logging.INFO, logger="flow_exporter.k8s.cache"):
         caches.start()
@@ -658,3 +687,72 @@ def test_a_node_relabelled_or_recreated_gives_new_fields_to_new_connections(clus
     third = tracked("10.244.1.2", "10.244.2.4")
     e(third)
     assert third.meta is not None and third.meta["destinationZone"] is None
+
+
+# ------------------------------------------------------------------------------ workload owners
+
+
+@pytest.mark.parametrize(
+    ("owner", "objects", "expected"),
+    [
+        (("ReplicaSet", "web-7d9f"), [("replicasets", "web-7d9f", ("Deployment", "web"))], ("Deployment", "web")),
+        (("ReplicaSet", "bare"), [("replicasets", "bare", None)], ("ReplicaSet", "bare")),  # no Deployment
+        (("ReplicaSet", "unseen"), [], ("ReplicaSet", "unseen")),  # its ReplicaSet not listed (yet)
+        (("Job", "backup-29001"), [("jobs", "backup-29001", ("CronJob", "backup"))], ("CronJob", "backup")),
+        (("Job", "once"), [("jobs", "once", None)], ("Job", "once")),
+        (("StatefulSet", "db"), [], ("StatefulSet", "db")),
+        (("DaemonSet", "agent"), [], ("DaemonSet", "agent")),
+        (("Rollout", "canary"), [], ("Rollout", "canary")),  # another controller's kind, as it names itself
+        (None, [], ("Pod", "web-1")),
+    ],
+)
+def test_workload_of_a_pod(
+    owner: tuple[str, str] | None, objects: list[tuple[str, str, tuple[str, str] | None]], expected: tuple[str, str]
+) -> None:
+    ix = Indexes()
+    for kind, name, up in objects:
+        ix.load(kind, [workload_object("ReplicaSet" if kind == "replicasets" else "Job", name, up)], T0)
+    ix.load("pods", [pod("web-1", ["10.244.1.3"], owner=owner)], T0)
+    ix.load("pods", [pod("client-1", ["10.244.1.2"])], T0)
+    ix.ready.set()
+    tr = tracked("10.244.1.2", "10.244.1.3")
+    Enricher(ix, "node-a")(tr)
+    assert tr.meta is not None
+    assert (tr.meta["destinationOwnerKind"], tr.meta["destinationOwnerName"]) == expected
+    assert (tr.meta["sourceOwnerKind"], tr.meta["sourceOwnerName"]) == ("Pod", "client-1")
+
+
+def test_a_rollout_keeps_the_owner_and_a_late_replicaset_is_resolved() -> None:
+    """A new ReplicaSet of the same Deployment gives its pods the same owner; a pod met before its
+    ReplicaSet was listed is attributed to the ReplicaSet, and connections met after that to the Deployment."""
+    ix = Indexes()
+    ix.load("pods", [pod("client-1", ["10.244.1.2"])], T0)
+    ix.load("pods", [pod("web-aaa-1", ["10.244.1.3"], owner=("ReplicaSet", "web-aaa"))], T0)
+    ix.ready.set()
+    e = Enricher(ix, "node-a")
+    early = tracked("10.244.1.2", "10.244.1.3")
+    e(early)
+    ix.load("replicasets", [workload_object("ReplicaSet", "web-aaa", ("Deployment", "web"))], T0)
+    later = tracked("10.244.1.2", "10.244.1.3")
+    e(later)
+    # the rollout: a new ReplicaSet, its pod takes the address over
+    ix.load("replicasets", [workload_object("ReplicaSet", "web-bbb", ("Deployment", "web"))], T0)
+    ix.pods.delete("uid-web-aaa-1", T0 + 10**9)
+    ix.load("pods", [pod("web-bbb-1", ["10.244.1.3"], owner=("ReplicaSet", "web-bbb"), created=T0 + 2)], T0 + 2 * 10**9)
+    rolled = tracked("10.244.1.2", "10.244.1.3", start_ns=T0 + 3 * 10**9)
+    e(rolled)
+    metas = [t.meta for t in (early, later, rolled) if t.meta is not None]
+    owners = [(m["destinationOwnerKind"], m["destinationOwnerName"]) for m in metas]
+    assert owners == [("ReplicaSet", "web-aaa"), ("Deployment", "web"), ("Deployment", "web")]
+    assert rolled.meta is not None and rolled.meta["destinationPodName"] == "web-bbb-1"
+
+
+def test_owner_index_keeps_only_the_controller_and_counts_changes() -> None:
+    ix = Indexes()
+    rs = workload_object("ReplicaSet", "web-aaa", ("Deployment", "web"))
+    ix.replicasets.apply("ADDED", rs, T0)
+    v = ix.replicasets.version
+    ix.replicasets.apply("MODIFIED", {**rs, "status": {"readyReplicas": 2}}, T0)  # a status update
+    assert ix.replicasets.version == v and ix.replicasets.owners == {("shop", "web-aaa"): ("Deployment", "web")}
+    ix.replicasets.apply("DELETED", rs, T0)
+    assert ix.replicasets.owners == {} and ix.replicasets.version == v + 1 and len(ix.replicasets) == 0
