@@ -541,7 +541,7 @@ def test_records_carry_workload_owners_across_a_rollout(
             "metadata": {"name": "backup-29145", "ownerReferences": [controlled_by(cron)]},
             "spec": {"template": pod_template("backup", "Never")},
         })  # fmt: skip
-        make_pod(core, ns, "client", EXPORTER_NODE, [p0.ipv4])  # a bare pod: its own workload
+        make_pod(core, ns, "client", EXPORTER_NODE, [p0.ipv4, p0.ipv6])  # a bare pod: its own workload
         make_pod(core, ns, "web-7c5d8-x1", EXPORTER_NODE, [p1.ipv4], owner=rs_old)
         make_pod(core, ns, "db-0", EXPORTER_NODE, [p2.ipv4], owner=db)
         make_pod(core, ns, "agent-q7", EXPORTER_NODE, [p3.ipv6], owner=agent)
