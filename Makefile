@@ -7,10 +7,12 @@ PYTEST_ARGS ?=
 setup:
 	@bash tools/setup.sh
 
-# ruff, and the layering contracts in .importlinter (the product never imports the harness; the pure core no I/O).
+# ruff, the layering contracts in .importlinter (the product never imports the harness; the pure core no I/O),
+# and mypy, strict, on the product package (pyproject.toml [tool.mypy]).
 lint: setup
 	.venv/bin/ruff check .
 	.venv/bin/lint-imports --no-logo
+	.venv/bin/mypy
 
 setup-k8s: setup
 	@bash tools/k8s/build.sh

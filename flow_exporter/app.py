@@ -27,6 +27,7 @@ from flow_exporter.flow import FORCED_END, Export, NewConnection, Restored
 from flow_exporter.lifecycle import Lifecycle
 from flow_exporter.ports import EventSource, Sink, Source
 from flow_exporter.readings import CheckpointReadings, Readings, Timings
+from flow_exporter.retry import sleep_on
 from flow_exporter.settings import DEFAULTS
 from flow_exporter.store import ConnectionStore
 from flow_exporter.timeouts import Timeouts
@@ -189,7 +190,7 @@ class Exporter:
             retry=tenacity.retry_if_exception(lambda e: isinstance(e, OSError) and not self._is_fatal(e)),
             wait=tenacity.wait_exponential_jitter(multiplier=self._retry_initial, max=self._retry_max),
             stop=tenacity.stop_when_event_set(self.stop_event),
-            sleep=self.stop_event.wait,
+            sleep=sleep_on(self.stop_event),
             before_sleep=before_sleep,
             reraise=True,
         )

@@ -148,7 +148,7 @@ def _restored(f: tuple[Any, ...]) -> Restored:
 
 
 def _new_restored(args: tuple[type[Restored], tuple[Any, ...]]) -> Restored:
-    return tuple.__new__(*args)  # type: ignore[return-value]  # a NamedTuple without its __new__ overhead
+    return tuple.__new__(*args)  # a NamedTuple without its __new__ overhead
 
 
 def _pack_record(e: Export) -> bytes:

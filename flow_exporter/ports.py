@@ -48,6 +48,8 @@ class EventSource(Protocol):
     """Events the kernel dropped (cumulative)."""
     skipped: int
     """Malformed messages skipped (cumulative)."""
+    rcvbuf_granted: int
+    """The receive buffer the kernel grants now, bytes (it grows after losses)."""
 
     def caught_up(self, since: float, timeout: float) -> bool:
         """Block until every event queued before ``since`` is applied; False after ``timeout`` seconds."""

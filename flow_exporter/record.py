@@ -47,7 +47,8 @@ def schema_path() -> Path:
 
 @lru_cache(maxsize=1)
 def load_schema() -> dict[str, Any]:
-    return json.loads(schema_path().read_text())
+    schema: dict[str, Any] = json.loads(schema_path().read_text())
+    return schema
 
 
 def partition_key(export: Export) -> bytes:
@@ -56,6 +57,7 @@ def partition_key(export: Export) -> bytes:
     Two exporters that see the same connection (source node and destination
     node) see the same post-DNAT endpoints, so sorting them gives equal keys.
     """
+    assert export.conn_key is not None, "every export of a tracked connection has its key"
     _zone, proto, src, sport, dst, dport = export.conn_key
     a = (src, sport)
     b = (dst, dport)

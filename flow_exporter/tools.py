@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 from flow_exporter.config import ConfigError, load, parse_overrides
 from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_NAMES
@@ -179,7 +179,10 @@ class ValueDecoder:
             import fastavro
 
             try:
-                writer = fastavro.parse_schema(json.loads(self.registry.get_schema(schema_id).schema_str))
+                text = self.registry.get_schema(schema_id).schema_str
+                if text is None:
+                    raise LookupError("the registry returned no schema text")
+                writer = fastavro.parse_schema(json.loads(text))
             except Exception as exc:
                 self.warnings.append(f"schema id {schema_id} not in the registry ({exc}); using the local schema")
         self._writers[schema_id] = writer
@@ -190,7 +193,7 @@ class ValueDecoder:
 
         try:
             buf = io.BytesIO(body)
-            raw = fastavro.schemaless_reader(buf, writer, writer)
+            raw = cast(dict[str, Any], fastavro.schemaless_reader(buf, writer, writer))
             # fastavro reads short strings and negative lengths without complaint: only bytes
             # that re-encode to exactly themselves are a record.
             again = io.BytesIO()
@@ -200,7 +203,7 @@ class ValueDecoder:
                 raise MalformedValue(f"{extra} bytes after the record" if extra > 0 else "truncated or corrupt record")
             if writer is self.reader:
                 return raw
-            return fastavro.schemaless_reader(io.BytesIO(body), writer, self.reader)
+            return cast(dict[str, Any], fastavro.schemaless_reader(io.BytesIO(body), writer, self.reader))
         except MalformedValue:
             raise
         except Exception as exc:
@@ -280,7 +283,8 @@ def table_row(rec: Mapping[str, Any]) -> str:
     t = rec.get("exportTime")
     when = t.astimezone().strftime("%H:%M:%S.%f")[:12] if isinstance(t, datetime) else str(t)
     proto_num = rec.get("protocol")
-    proto = PROTO_NAMES.get(proto_num, str(proto_num)).lower()
+    proto = (PROTO_NAMES.get(proto_num) if isinstance(proto_num, int) else None) or str(proto_num)
+    proto = proto.lower()
     if proto_num in _PORTLESS and rec.get("icmpType") is not None:
         proto += f" {rec['icmpType']}/{rec.get('icmpCode')}"
     portless = proto_num in _PORTLESS

@@ -176,7 +176,7 @@ class ConntrackEvents:
     def _drops(self) -> int:
         try:
             info = self._sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, 4 * (SK_MEMINFO_DROPS + 1))
-            return struct.unpack_from(f"{SK_MEMINFO_DROPS + 1}I", info)[SK_MEMINFO_DROPS]
+            return int(struct.unpack_from(f"{SK_MEMINFO_DROPS + 1}I", info)[SK_MEMINFO_DROPS])
         except (OSError, struct.error):
             return 0
 

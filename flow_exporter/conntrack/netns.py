@@ -92,4 +92,5 @@ def run_in_netns(netns: str | None, fn: Callable[[], T]) -> T:
         raise NetnsError(0, "the caller's network namespace changed")
     if "error" in box:
         raise box["error"]
-    return box["result"]
+    result: T = box["result"]
+    return result

@@ -32,6 +32,7 @@ from kubernetes.client.rest import ApiException
 
 from flow_exporter.k8s.index import Indexes, NodeIndex, PodIndex, ServiceIndex
 from flow_exporter.k8s.owners import OwnerIndex
+from flow_exporter.retry import sleep_on
 from flow_exporter.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
@@ -247,7 +248,7 @@ class _Watcher:
             retry=tenacity.retry_if_exception_type(Exception),
             wait=tenacity.wait_exponential_jitter(multiplier=caches.backoff_initial, max=caches.backoff_max),
             stop=tenacity.stop_when_event_set(stop),
-            sleep=stop.wait,
+            sleep=sleep_on(stop),
             before_sleep=self._before_sleep,
             reraise=True,
         )

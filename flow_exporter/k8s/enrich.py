@@ -264,7 +264,8 @@ class Enricher:
         """The pod's configured labels, memoized on the pod (shared dicts: never mutate them)."""
         out = pod.out
         if out is not None and out[0] is self._token:
-            return out[1]
+            memo: dict[str, str] = out[1]
+            return memo
         labels = pod.labels
         n = self.max_value_len
         items = []

@@ -154,7 +154,7 @@ class PodIndex:
     def lookup(self, ip: bytes, start_ns: int = 0) -> PodInfo | None:
         """The pod that held ``ip`` when a connection started at ``start_ns`` (0: unknown, the latest)."""
         hist = self.by_ip.get(ip)
-        if hist is None or type(hist) is PodInfo:
+        if hist is None or isinstance(hist, PodInfo):
             return hist
         owner = hist[-1]
         if not start_ns:
@@ -470,8 +470,8 @@ class NodeIndex:
                 cidrs.append(net)
         for ip in ips:
             self.by_ip[ip] = name
-        for size, plen, net in cidrs:
-            self._nets(size, plen)[net] = name
+        for size, plen, number in cidrs:
+            self._nets(size, plen)[number] = name
         zone = ((_meta(obj).get("labels") or {}).get(ZONE_LABEL) or None) if name else None
         internal = [a.get("address") for a in status.get("addresses") or () if a.get("type") == "InternalIP"]
         placed = (sys.intern(zone) if isinstance(zone, str) else None, internal[0] if internal else None)

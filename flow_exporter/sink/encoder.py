@@ -187,6 +187,7 @@ class RecordEncoder:
         d = export.deltas
         z = zigzag_varint
         state = export.tcp_state
+        key = export.conn_key
         if export_ms != self._ms:  # one export time per batch: encode it once
             self._ms = export_ms
             self._ms_bytes = z(export_ms)
@@ -198,7 +199,7 @@ class RecordEncoder:
                 z(max(export.flow_end_ns, export.first_seen_ns) // 1_000_000),
                 _SMALL[export.reason << 1],
                 _TCP_STATES[state]
-                if state is not None and export.conn_key[1] == PROTO_TCP and 0 <= state < len(_TCP_STATES)
+                if state is not None and key is not None and key[1] == PROTO_TCP and 0 <= state < len(_TCP_STATES)
                 else _NULL,
                 z(t[0]),
                 z(t[1]),

@@ -23,6 +23,7 @@ from flow_exporter.delivery import DeliveryHealth
 from flow_exporter.flow import Export
 from flow_exporter.ports import BrokerStats, ClientStats, DeliveryReport, SinkCounters
 from flow_exporter.record import partition_key
+from flow_exporter.retry import StopWhen
 from flow_exporter.settings import DEFAULTS, ConfigError, shown
 
 log = logging.getLogger(__name__)
@@ -224,7 +225,7 @@ class KafkaSink:
         self._retry = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(BufferError),
             wait=tenacity.wait_exponential_jitter(multiplier=retry_initial, max=retry_max),
-            stop=tenacity.stop_when_event_set(_StopFlag(stopping)),
+            stop=StopWhen(stopping),
             sleep=self._serve_while_waiting,
             reraise=True,
         )
@@ -370,13 +371,6 @@ class KafkaSink:
             log.error("kafka %s: %s", _SECURITY_HINTS[kind], err.str())
         else:
             log.warning("kafka: %s", err.str())
-
-
-class _StopFlag:
-    """Adapts a ``stopping`` callable to tenacity's event protocol."""
-
-    def __init__(self, stopping: Callable[[], bool]) -> None:
-        self.is_set = stopping
 
 
 def _is_admin_key(key: str) -> bool:

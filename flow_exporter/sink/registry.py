@@ -26,6 +26,7 @@ import tenacity
 
 from flow_exporter.flow import Export
 from flow_exporter.record import schema_path
+from flow_exporter.retry import StopWhen, sleep_on
 from flow_exporter.settings import DEFAULTS, shown
 
 if TYPE_CHECKING:
@@ -176,7 +177,7 @@ def register(
             wait,
         )
 
-    stop: tenacity.stop.stop_base = tenacity.stop_when_event_set(_Flag(stopping))
+    stop: tenacity.stop.stop_base = StopWhen(stopping)
     if max_attempts is not None:
         stop = stop | tenacity.stop_after_attempt(max_attempts)
     retrying = tenacity.Retrying(
@@ -255,7 +256,7 @@ class RegistryFraming:
                     initial=self._backoff[0],
                     maximum=self._backoff[1],
                     stopping=stop.is_set,
-                    sleep=stop.wait,
+                    sleep=sleep_on(stop),
                     url=self.url,
                 )
             except RegistryError:
@@ -294,12 +295,3 @@ def ensure_registered(encode: Encode, stop: threading.Event) -> bool:
         return encode.register(stop)
     return True
 
-
-class _Flag:
-    """Adapts a ``stopping()`` callable to tenacity's event protocol."""
-
-    def __init__(self, stopping: Callable[[], bool]) -> None:
-        self._stopping = stopping
-
-    def is_set(self) -> bool:
-        return self._stopping()

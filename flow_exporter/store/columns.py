@@ -65,6 +65,7 @@ class Columns:
 
     stats: StoreStats
     _labels: dict[int, bytes]
+    _generation: int  # the current dump's number (the table's; rows it shows are stamped with it)
 
     def _init_columns(self) -> None:
         self.queue = ExpiryQueue()  # deadlines per slot

@@ -670,7 +670,9 @@ class Table(Columns):
         base: Totals = ZERO,
     ) -> int:
         s = self._alloc(key, conn, flow_id, first_seen, wall_ns, flags, next_seq, base)
-        self.connections[self._keys[s]] = s  # the interned key: one tuple per connection
+        interned = self._keys[s]
+        assert interned is not None
+        self.connections[interned] = s  # the interned key: one tuple per connection
         self.stats.added += 1
         if self.on_new is not None:
             self.on_new(_Newcomer(self, s, flow_id, conn))
@@ -757,7 +759,9 @@ class Table(Columns):
         self._orphan(s, FORCED_END, now)
         new = self._alloc(key, conn, self._new_id(), first_seen, wall_ns, (flags & ~ADOPTED) | COUNTERS_RESET)
         self._meta[new] = meta
-        self.connections[self._keys[new]] = new
+        interned = self._keys[new]
+        assert interned is not None
+        self.connections[interned] = new
         self.queue.push(new, now + self.timeouts.active, now + self.timeouts.idle)
         return new
 
