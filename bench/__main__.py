@@ -1,7 +1,8 @@
 """``make bench``: every benchmark in turn; each updates its own section of BENCHMARKS.md.
 
 ``python -m bench [NAME ...]`` runs only the named ones (poll, export, app_export, node, capture, events,
-checkpoint, latency, k8s, spark: the Spark and Flink downstream jobs on one input).
+checkpoint, latency, k8s, spark: the Spark and Flink downstream jobs on one input, pipeline, decode: dump and
+decode against the kernel's own recv loop, encoder: one enriched record's encode cost, soak: 10 minutes at 250k).
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ SUITE = {
     "latency": ("bench.bench_latency", []),
     "k8s": ("bench.bench_k8s", []),
     "spark": ("bench.bench_spark", []),
+    "pipeline": ("bench.bench_pipeline", []),
+    "decode": ("bench.bench_decode_quick", ["--skip-pyroute2"]),
+    "encoder": ("bench.bench_encoder", []),
+    "soak": ("bench.bench_soak", []),  # 10 minutes: last
 }
 
 

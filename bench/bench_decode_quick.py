@@ -105,12 +105,12 @@ def recv_dump(sock: socket.socket, keep: list[bytes] | None) -> int:
             off += (mlen + 3) & ~3
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--entries", type=int, default=100_000)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--skip-pyroute2", action="store_true", help="skip the slow (~10 s per 100k) pyroute2 run")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     ns = f"ctbench-{secrets.token_hex(3)}"
     subprocess.run(["ip", "netns", "add", ns], check=True)

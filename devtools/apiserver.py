@@ -29,7 +29,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -44,6 +43,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import yaml
+
+from devtools.net import free_ports
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
@@ -218,7 +219,7 @@ class ApiServer:
                 self._make_credentials()
             for attempt in range(3):
                 if first:
-                    self.port, self._etcd_client_port, self._etcd_peer_port = _free_ports(3)
+                    self.port, self._etcd_client_port, self._etcd_peer_port = free_ports(3)
                 try:
                     self._start_etcd()
                     self._start_apiserver()
@@ -592,20 +593,6 @@ def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
         except subprocess.TimeoutExpired:
             continue
     proc.wait()
-
-
-def _free_ports(count: int) -> list[int]:
-    """Distinct ports the kernel hands out on 127.0.0.1 (held open together while picking)."""
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            socks.append(sock)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def _openssl(template: str, **values: str | Path) -> None:

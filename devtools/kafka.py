@@ -26,7 +26,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from types import TracebackType
 from typing import Any
 
 from devtools.maven import ANSI, MVN_TIMEOUT, mvn_failure
+from devtools.net import free_ports
 
 __all__ = [
     "KAFKA_VERSION",
@@ -191,20 +191,6 @@ def ensure_jars() -> Path:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _free_ports(count: int) -> list[int]:
-    """Ports the kernel hands out on 127.0.0.1, all held open together so they differ."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _cluster_id() -> str:
@@ -392,7 +378,7 @@ class KafkaBroker:
         self.extra_props: dict[str, str] = dict(extra_props or {})
         self.jvm_options: list[str] = list(DEFAULT_JVM_OPTIONS)
         self.tls = tls
-        ports = _free_ports(2 + int(bool(scram_users)) + int(tls) + int(tls and bool(scram_users)))
+        ports = free_ports(2 + int(bool(scram_users)) + int(tls) + int(tls and bool(scram_users)))
         self.port, self.controller_port = ports.pop(0), ports.pop(0)
         self.sasl_port: int | None = ports.pop(0) if scram_users else None
         self.ssl_port: int | None = ports.pop(0) if tls else None

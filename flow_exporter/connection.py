@@ -14,7 +14,7 @@ IPS_DYING = 1 << 9
 IPS_OFFLOAD = 1 << 14  # in a (software) flowtable
 IPS_HW_OFFLOAD = 1 << 15  # in a hardware flowtable
 
-# Kernel enum tcp_conntrack, in order (REFERENCE.md section 2).
+# Kernel enum tcp_conntrack, in order (README, "Record fields": tcpState).
 TCP_STATE_NAMES = (
     "NONE",
     "SYN_SENT",

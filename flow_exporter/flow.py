@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Protocol
 
 from flow_exporter.connection import Connection, ConnectionKey
 
-# flowEndReason codes (IPFIX, REFERENCE.md section 2).
+# flowEndReason codes (IPFIX; README, "Record codes").
 IDLE_TIMEOUT = 1
 ACTIVE_TIMEOUT = 2
 END_OF_FLOW = 3

@@ -153,12 +153,7 @@ class Enricher:
         if src is not None and dst is not None:  # the common case, pod to pod
             src_node = src.node
             dst_node = dst.node
-            if src_node != dst_node:
-                flow_type = INTER_NODE
-            elif src_node == self.node_name:
-                flow_type = INTRA_NODE
-            else:
-                flow_type = 0
+            flow_type = self._pod_to_pod(src_node, dst_node)
         else:
             src_node, dst_node, flow_type = self._classify(c, src, dst)
             if src is None and dst is None and src_node is None and dst_node is None and svc is None:
@@ -172,6 +167,12 @@ class Enricher:
                 self._shared.clear()  # also lets go of replaced PodInfos
             meta = self._shared[key] = self._build(src, dst, src_node, dst_node, svc, flow_type)
         return meta
+
+    def _pod_to_pod(self, src_node: str | None, dst_node: str | None) -> int:
+        """flowType of a connection between two pods, from their nodes."""
+        if src_node != dst_node:
+            return INTER_NODE
+        return INTRA_NODE if src_node == self.node_name else 0
 
     def _classify(self, c: Any, src: PodInfo | None, dst: PodInfo | None) -> tuple[str | None, str | None, int]:
         """Nodes and flowType when at least one end is not a known pod; counts the misses."""
@@ -196,12 +197,7 @@ class Enricher:
         blind = caches.scope == "node" and not nodes.has_pod_cidrs
 
         if src_pod and dst_pod:
-            if src_node != dst_node:
-                flow_type = INTER_NODE
-            elif src_node == self.node_name:
-                flow_type = INTRA_NODE
-            else:
-                flow_type = 0
+            flow_type = self._pod_to_pod(src_node, dst_node)
         elif src_pod and not dst_known and not blind:
             flow_type = TO_EXTERNAL
         elif dst_pod and not src_known and not blind:

@@ -1,4 +1,4 @@
-"""Store and expiry-queue rules (REFERENCE.md section 1) and the accounting contract, driven by a fake clock.
+"""Store and expiry-queue rules (README: How it works) and the accounting contract, driven by a fake clock.
 
 Each race is driven in both orders by hand; a model-based test then runs random
 interleavings of kernel activity, polls, events, deliveries and failures, and checks
