@@ -19,6 +19,7 @@ from flow_exporter.app import Exporter
 from flow_exporter.checkpoint import Checkpoint, CheckpointError, Loaded
 from flow_exporter.completeness import Completeness, Delivered, Losses, MarkerRounds
 from flow_exporter.config import Config, ConfigError
+from flow_exporter.conntrack.errors import is_fatal
 from flow_exporter.conntrack.events import ConntrackEvents
 from flow_exporter.health import HealthReporter
 from flow_exporter.lifecycle import Lifecycle
@@ -296,13 +297,6 @@ def open_state(cfg: Config, stop: threading.Event) -> tuple[Checkpoint | None, L
     return cp, loaded
 
 
-def is_fatal_source_error(exc: BaseException) -> bool:
-    """Errors that no retry can fix: missing capability, missing module, missing namespace."""
-    from flow_exporter.conntrack.errors import ConntrackPermissionError, ConntrackUnavailable, NetnsError
-
-    return isinstance(exc, ConntrackPermissionError | ConntrackUnavailable | NetnsError)
-
-
 def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None] | None = None) -> int:
     from flow_exporter.conntrack.dumper import ConntrackDumper
     from flow_exporter.conntrack.errors import ConntrackError
@@ -369,7 +363,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         grace=cfg["shutdown.grace"],
         max_connections=cfg["limits.maxConnections"],
         max_in_flight=cfg["limits.maxInFlight"],
-        is_fatal=is_fatal_source_error,
+        is_fatal=is_fatal,
         on_new=enricher,
         checkpoint=checkpoint,
         adopt=not (loaded and loaded.valid),

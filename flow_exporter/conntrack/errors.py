@@ -1,7 +1,9 @@
 """Exceptions of the conntrack source.
 
 All are `OSError`s carrying the errno, so callers may treat them as I/O errors; the
-subclasses tell apart what to do: retry now (`retryable`), or fix the host.
+subclasses tell apart what to do: retry (after a backoff), or stop and fix the host (`fatal`:
+a missing capability, module or namespace, which no retry can fix). `is_fatal` is the one rule
+the poll loop follows.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ __all__ = [
     "ConntrackUnavailable",
     "NetnsError",
     "error_from_errno",
+    "is_fatal",
 ]
 
 
 class ConntrackError(OSError):
-    """A conntrack netlink operation failed."""
+    """A conntrack netlink operation failed: retried with a backoff unless ``fatal``."""
 
-    retryable = False
+    fatal = False
 
     def __init__(self, errno: int, message: str) -> None:
         super().__init__(errno, message)
@@ -32,25 +35,32 @@ class ConntrackError(OSError):
 class ConntrackPermissionError(ConntrackError):
     """EPERM/EACCES: reading conntrack needs CAP_NET_ADMIN (in the netns' user namespace)."""
 
+    fatal = True
+
 
 class ConntrackUnavailable(ConntrackError):
     """ENOENT/EPROTONOSUPPORT/EOPNOTSUPP: nf_conntrack(_netlink) is not loaded."""
+
+    fatal = True
 
 
 class ConntrackOverrun(ConntrackError):
     """ENOBUFS: the kernel dropped dump data; the dump is incomplete, retry it."""
 
-    retryable = True
-
 
 class ConntrackDumpInterrupted(ConntrackError):
     """EINTR, or NLM_F_DUMP_INTR on a reply: the dump may be inconsistent, retry it."""
 
-    retryable = True
-
 
 class NetnsError(ConntrackError):
     """The network namespace could not be opened or entered."""
+
+    fatal = True
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Whether no retry can fix ``exc``: stop and say what the host lacks (every other error is retried)."""
+    return isinstance(exc, ConntrackError) and exc.fatal
 
 
 _UNAVAILABLE = {_errno.ENOENT, _errno.EPROTONOSUPPORT, _errno.EOPNOTSUPP, _errno.EAFNOSUPPORT}

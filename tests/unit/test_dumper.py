@@ -22,7 +22,7 @@ from flow_exporter.conntrack import (
     ConntrackPermissionError,
     ConntrackUnavailable,
 )
-from flow_exporter.conntrack.errors import error_from_errno
+from flow_exporter.conntrack.errors import error_from_errno, is_fatal
 from flow_exporter.conntrack.events import grown
 from tests.support.netlink_messages import ct_message, done_message, ip4_tuple
 
@@ -91,24 +91,24 @@ def test_dump_streams_batches_and_filters_zones() -> None:
 
 
 @pytest.mark.parametrize(
-    ("replies", "exc", "retryable"),
+    ("replies", "exc", "fatal"),
     [
-        ([OSError(errno.ENOBUFS, "No buffer space available")], ConntrackOverrun, True),
-        ([udp_entry(1), done_message(errno.ENOBUFS)], ConntrackOverrun, True),
-        ([OSError(errno.EINTR, "Interrupted")], ConntrackDumpInterrupted, True),
-        ([nlmsg_error(errno.EPERM)], ConntrackPermissionError, False),
-        ([nlmsg_error(errno.EOPNOTSUPP)], ConntrackUnavailable, False),
-        ([nlmsg_error(errno.ENOENT)], ConntrackUnavailable, False),
-        ([nlmsg_error(errno.EPROTONOSUPPORT)], ConntrackUnavailable, False),
-        ([nlmsg_error(errno.EINVAL)], ConntrackError, False),
+        ([OSError(errno.ENOBUFS, "No buffer space available")], ConntrackOverrun, False),
+        ([udp_entry(1), done_message(errno.ENOBUFS)], ConntrackOverrun, False),
+        ([OSError(errno.EINTR, "Interrupted")], ConntrackDumpInterrupted, False),
+        ([nlmsg_error(errno.EPERM)], ConntrackPermissionError, True),
+        ([nlmsg_error(errno.EOPNOTSUPP)], ConntrackUnavailable, True),
+        ([nlmsg_error(errno.ENOENT)], ConntrackUnavailable, True),
+        ([nlmsg_error(errno.EPROTONOSUPPORT)], ConntrackUnavailable, True),
+        ([nlmsg_error(errno.EINVAL)], ConntrackError, False),  # unknown: retried with a backoff
         ([TimeoutError()], ConntrackError, False),
     ],
 )
-def test_dump_errors(replies: list[bytes | BaseException], exc: type[ConntrackError], retryable: bool) -> None:
+def test_dump_errors(replies: list[bytes | BaseException], exc: type[ConntrackError], fatal: bool) -> None:
     with fake_dumper(replies) as (d, fake):
         with pytest.raises(exc) as info:
             d.dump()
-        assert type(info.value) is exc and info.value.retryable is retryable
+        assert type(info.value) is exc and info.value.fatal is fatal and is_fatal(info.value) is fatal
         assert isinstance(info.value, OSError) and info.value.errno
         assert fake.closed and d._sock is None  # a failed dump never leaves its rest behind
 
