@@ -37,16 +37,16 @@ round is built); :class:`MarkerRounds` builds, sends, resends and confirms the r
 from __future__ import annotations
 
 import io
-import json
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
-from importlib import resources
 from typing import Any
 
 import fastavro
+
+from flow_exporter.record import load_schema
 
 __all__ = ["Completeness", "Delivered", "Losses", "MarkerRounds", "Produce", "Round", "encode_marker"]
 
@@ -62,8 +62,7 @@ Produce = Callable[[bytes, Delivered], None]
 
 @lru_cache(maxsize=1)
 def marker_schema() -> Any:
-    text = (resources.files("flow_exporter") / "schemas" / SCHEMA_FILE).read_text()
-    return fastavro.parse_schema(json.loads(text))
+    return fastavro.parse_schema(load_schema(SCHEMA_FILE))
 
 
 def encode_marker(marker: dict[str, Any]) -> bytes:

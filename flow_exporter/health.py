@@ -15,18 +15,17 @@ A failed delivery is logged and not retried: the next record carries cumulative 
 from __future__ import annotations
 
 import io
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 from functools import lru_cache
-from importlib import resources
 from typing import Any
 
 import fastavro
 
 from flow_exporter.readings import Readings
+from flow_exporter.record import load_schema
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +45,7 @@ KERNEL_FIELDS = {
 
 @lru_cache(maxsize=1)
 def health_schema() -> Any:
-    text = (resources.files("flow_exporter") / "schemas" / SCHEMA_FILE).read_text()
-    return fastavro.parse_schema(json.loads(text))
+    return fastavro.parse_schema(load_schema(SCHEMA_FILE))
 
 
 def health_record(r: Readings, node: str, now_ms: int, interval: float, flows: bool) -> dict[str, Any]:

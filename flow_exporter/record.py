@@ -40,14 +40,15 @@ K8S_FIELDS = (
 )
 
 
-def schema_path() -> Path:
-    """The schema file, as package data (in a checkout, ``flow_exporter/schemas`` links to ``schemas/``)."""
-    return Path(str(resources.files("flow_exporter") / "schemas" / SCHEMA_FILE))
+def schema_path(name: str = SCHEMA_FILE) -> Path:
+    """A schema file, as package data (in a checkout, ``flow_exporter/schemas`` links to ``schemas/``)."""
+    return Path(str(resources.files("flow_exporter") / "schemas" / name))
 
 
-@lru_cache(maxsize=1)
-def load_schema() -> dict[str, Any]:
-    schema: dict[str, Any] = json.loads(schema_path().read_text())
+@lru_cache(maxsize=4)
+def load_schema(name: str = SCHEMA_FILE) -> dict[str, Any]:
+    """The parsed JSON of a packaged schema (flow records by default; health and marker records by name)."""
+    schema: dict[str, Any] = json.loads(schema_path(name).read_text())
     return schema
 
 
