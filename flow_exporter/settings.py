@@ -363,7 +363,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "conntrack.eventBufferMax",
         lambda k, v: parse_count(k, v, minimum=4096),
-        256 << 20,
+        128 << 20,
         "Ceiling the event buffer doubles up to when events are lost; at or below eventBuffer: no growth.",
     ),
     Setting("conntrack.setSysctls", parse_bool, True, "Turn on nf_conntrack_acct and _timestamp at start."),
