@@ -411,6 +411,7 @@ class NodeIndex:
         self.placed: dict[str, tuple[str | None, str | None]] = {}
         self.version = 0
         self._names: dict[str, str] = {}  # object key -> node name
+        self._placer: dict[str, str] = {}  # node name -> the object key whose values ``placed`` holds
         self.by_ip: dict[bytes, str] = {}
         # address length in bytes -> ((prefix length, {network number >> host bits: node}), ...);
         # the tuple is replaced, never changed, so a lookup can walk it while the cache thread writes.
@@ -479,6 +480,7 @@ class NodeIndex:
             self.placed[name] = placed
             self.version += 1
         self._names[key] = name
+        self._placer[name] = key
         old = self._nodes.get(key)
         self._nodes[key] = (ips, tuple(cidrs))
         if old is not None:
@@ -490,9 +492,11 @@ class NodeIndex:
         if old is not None:
             self._drop(old, set(), set())
         name = self._names.pop(key, None)
-        # (a node recreated under its name is upserted, new uid, before the old one's DELETED)
-        if name is not None and name not in self._names.values() and self.placed.pop(name, None) is not None:
-            self.version += 1
+        # only its own values: a node recreated under its name (new uid) may be upserted before this DELETED
+        if name is not None and self._placer.get(name) == key:
+            del self._placer[name]
+            if self.placed.pop(name, None) is not None:
+                self.version += 1
 
     def _drop(
         self,

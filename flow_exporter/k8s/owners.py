@@ -37,7 +37,8 @@ class OwnerIndex:
     """
 
     def __init__(self) -> None:
-        self.owners: dict[tuple[str, str], Owner | None] = {}
+        # (namespace, name) -> (object key, its controller): the key tells whose entry it is
+        self.owners: dict[tuple[str, str], tuple[str, Owner | None]] = {}
         self._keys: dict[str, tuple[str, str]] = {}  # object key (uid) -> (namespace, name)
         self.version = 0
 
@@ -48,7 +49,8 @@ class OwnerIndex:
         return set(self._keys)
 
     def get(self, namespace: str, name: str) -> Owner | None:
-        return self.owners.get((namespace, name))
+        entry = self.owners.get((namespace, name))
+        return entry[1] if entry is not None else None
 
     def apply(self, event: str, obj: Mapping[str, Any], now: int) -> None:
         if event == "DELETED":
@@ -61,16 +63,18 @@ class OwnerIndex:
         key = _key(obj)
         where = (sys.intern(meta.get("namespace") or ""), str(meta.get("name") or ""))
         owner = controller_of(meta)
-        if self.owners.get(where, ...) != owner:
-            self.owners[where] = owner
+        old = self.owners.get(where)
+        if old is None or old[1] != owner:
             self.version += 1
+        self.owners[where] = (key, owner)
         self._keys[key] = where
         return key
 
     def delete(self, key: str, now: int = 0, exact: bool = True) -> None:
         where = self._keys.pop(key, None)
-        # (an object recreated under its name is upserted, new uid, before the old one's DELETED)
-        if where is not None and where not in self._keys.values() and where in self.owners:
+        entry = self.owners.get(where) if where is not None else None
+        # only its own entry: an object recreated under its name (new uid) may be upserted before this DELETED
+        if where is not None and entry is not None and entry[0] == key:
             del self.owners[where]
             self.version += 1
 

@@ -753,6 +753,14 @@ def test_owner_index_keeps_only_the_controller_and_counts_changes() -> None:
     ix.replicasets.apply("ADDED", rs, T0)
     v = ix.replicasets.version
     ix.replicasets.apply("MODIFIED", {**rs, "status": {"readyReplicas": 2}}, T0)  # a status update
-    assert ix.replicasets.version == v and ix.replicasets.owners == {("shop", "web-aaa"): ("Deployment", "web")}
+    assert ix.replicasets.version == v and ix.replicasets.get("shop", "web-aaa") == ("Deployment", "web")
     ix.replicasets.apply("DELETED", rs, T0)
-    assert ix.replicasets.owners == {} and ix.replicasets.version == v + 1 and len(ix.replicasets) == 0
+    assert ix.replicasets.get("shop", "web-aaa") is None and ix.replicasets.version == v + 1
+    assert len(ix.replicasets) == 0 and not ix.replicasets.owners
+    # Recreated under its name (a new uid) before the old object's DELETED is read: the new one stays.
+    ix.replicasets.apply("ADDED", rs, T0)
+    again = workload_object("ReplicaSet", "web-aaa", ("Deployment", "web-v2"))
+    again["metadata"]["uid"] = "ReplicaSet-shop-web-aaa-2"
+    ix.replicasets.apply("ADDED", again, T0)
+    ix.replicasets.apply("DELETED", rs, T0)
+    assert ix.replicasets.get("shop", "web-aaa") == ("Deployment", "web-v2") and len(ix.replicasets) == 1
