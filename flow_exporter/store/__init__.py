@@ -60,6 +60,7 @@ class ConnectionStore(Shutdown):
     max_connections: int = DEFAULTS["limits.maxConnections"]  # bounded memory: beyond this, connections are given up
     adopt: bool = True  # no state to continue from: connections found live are flagged ADOPTED
     id_seed: bytes | None = None  # the id allocator's start (tests); random by default
+    compiled: bool = True  # apply dump buffers with the compiled path when it is built (apply_dump_buffer)
 
     def __post_init__(self) -> None:
         self._init_columns()

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from flow_exporter import native
 from flow_exporter.connection import Connection, ConnectionKey
 from flow_exporter.flow import (
     ADOPTED,
@@ -43,6 +44,7 @@ from flow_exporter.flow import (
     Restored,
     Totals,
 )
+from flow_exporter.ports import DecodeResult
 from flow_exporter.store.columns import (
     ACTIVE,
     DESTROYED,
@@ -184,8 +186,15 @@ class Table(Columns):
     max_connections: int
     adopt: bool
     id_seed: bytes | None
+    compiled: bool
 
     def _init_table(self) -> None:
+        self._native = native.compiled(self.compiled)
+        # The columns the compiled poll path reads and writes, in the order _native.c names them.
+        self._fused_columns = (
+            self._seen, self._ct, self._start, self._first, self._seq, self._bits, self._op, self._ob, self._rp,
+            self._rb, self._tcp, self._status, self._mark, self._last_active,
+        )  # fmt: skip
         self._new_id = IdAllocator(self.id_seed)
         self.connections: dict[ConnectionKey, int] = {}  # key -> slot of the incarnation that holds the tuple
         self._orphans: dict[int, int] = {}  # flow_id -> slot: out of the table, final record pending
@@ -320,6 +329,36 @@ class Table(Columns):
             if begin - _DUMP_MARGIN_NS >= start:
                 return end <= stop
         return False
+
+    @property
+    def fused(self) -> bool:
+        """Whether ``apply_dump_buffer`` is available (the compiled module is built and not turned off)."""
+        return self._native is not None
+
+    def apply_dump_buffer(
+        self,
+        buf: memoryview,
+        zones: Container[int] | None,
+        now: float,
+        wall_ns: int,
+        zone_counts: dict[int, int],
+    ) -> DecodeResult:
+        """One receive buffer of the current dump, decoded and applied in one compiled pass.
+
+        The same as decoding it into Connections and calling ``update_batch`` with them (the property
+        tests hold both to the same state): a row of a known connection that did not move (most rows
+        of a steady poll) is written into the columns in place, without a Python object; every other
+        row becomes a Connection and goes through ``update_batch``, in dump order. ``zone_counts``
+        gets the number of kept entries per zone added.
+        """
+        nat = self._native
+        if nat is None:
+            raise RuntimeError("the compiled poll path is not available (see .fused)")
+        res = nat.apply_dump(
+            buf, zones, Connection, self.connections, self._labels, self._fused_columns, self._generation,
+            lambda rows: self.update_batch(rows, now, wall_ns), zone_counts,
+        )  # fmt: skip
+        return DecodeResult(*res)
 
     def update_batch(self, dumped: Iterable[Connection], now: float, wall_ns: int) -> None:
         """Add or update the connections of one part of the current dump.

@@ -26,6 +26,7 @@ from flow_exporter.app import Exporter
 from flow_exporter.connection import Connection
 from flow_exporter.conntrack.dumper import ConntrackDumper
 from flow_exporter.conntrack.errors import ConntrackDumpInterrupted, ConntrackError, ConntrackOverrun
+from flow_exporter.ports import DecodeResult
 from flow_exporter.sink import KafkaSink
 from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.timeouts import Timeouts
@@ -183,6 +184,13 @@ class FlakySource:
     @property
     def skipped(self) -> int:
         return self.real.skipped
+
+    def dump_buffers(
+        self, apply: Callable[[memoryview], DecodeResult], zones: Collection[int] | None = None
+    ) -> int | None:
+        if self.failures:
+            raise self.failures.pop(0)
+        return self.real.dump_buffers(apply, zones)
 
     def dump_into(self, consume: Callable[[list[Connection]], None], zones: Collection[int] | None = None) -> int:
         if self.failures:

@@ -233,6 +233,9 @@ def test_first_poll_line_has_thousands_separators(caplog: pytest.LogCaptureFixtu
     class Source:
         skipped = 0
 
+        def dump_buffers(self, apply: Any, zones: object = None) -> None:
+            return None
+
         def dump_into(self, consume: Any, zones: object = None) -> int:
             consume(conns)
             return len(conns)

@@ -12,7 +12,7 @@ from typing import Any
 from pyroute2.netlink.nfnetlink.nfctsocket import nfct_msg
 
 from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_UDP, Connection
-from flow_exporter.conntrack.decode import CT_NEW
+from flow_exporter.conntrack.decode import CT_DELETE, CT_NEW
 
 NLM_F_MULTI = 2
 NLMSG_DONE = 3
@@ -126,3 +126,57 @@ def ip4_tuple(src: str, dst: str, proto: int = PROTO_UDP, sport: int = 1, dport:
     return {"attrs": [("CTA_TUPLE_IP", {"attrs": [("CTA_IP_V4_SRC", src), ("CTA_IP_V4_DST", dst)]}),
                       ("CTA_TUPLE_PROTO", {"attrs": [("CTA_PROTO_NUM", proto), ("CTA_PROTO_SRC_PORT", sport),
                                                      ("CTA_PROTO_DST_PORT", dport)]})]}
+
+
+# -- a kernel-shaped encoder: Connection -> one ctnetlink message ------------------------------
+
+def _nla(ty: int, payload: bytes, nested: bool = False) -> bytes:
+    head = struct.pack("=HH", 4 + len(payload), ty | (0x8000 if nested else 0))
+    return head + payload + b"\0" * (-len(payload) % 4)
+
+
+def _tuple(c: Connection, reply: bool, family: int) -> bytes:
+    src, dst = (c.reply_src, c.reply_dst) if reply else (c.orig_src, c.orig_dst)
+    sport, dport = (c.reply_sport, c.reply_dport) if reply else (c.orig_sport, c.orig_dport)
+    v6 = family == socket.AF_INET6
+    ip = _nla(3 if v6 else 1, src) + _nla(4 if v6 else 2, dst)
+    proto = _nla(1, struct.pack("B", c.proto))
+    if c.proto in (PROTO_ICMP, PROTO_ICMPV6):
+        base = 4 if c.proto == PROTO_ICMP else 7  # CTA_PROTO_ICMP_ID or CTA_PROTO_ICMPV6_ID
+        proto += _nla(base, struct.pack(">H", sport)) + _nla(base + 1, bytes([dport >> 8])) + _nla(
+            base + 2, bytes([dport & 0xFF])
+        )
+    else:
+        proto += _nla(2, struct.pack(">H", sport)) + _nla(3, struct.pack(">H", dport))
+    return _nla(1, ip, True) + _nla(2, proto, True)
+
+
+def encode_connection(c: Connection, *, counters32: bool = False, delete: bool = False) -> bytes:
+    """The message the kernel sends for ``c`` (the attribute order of ctnetlink_dump_info); decodes back to ``c``.
+
+    Counters go out as 64-bit attributes (``counters32``: the 32-bit ones, as very old kernels sent),
+    none when ``c.counted`` is false; the zone as CTA_ZONE, omitted at 0 as the kernel does.
+    """
+    attrs = _nla(1, _tuple(c, False, c.family), True) + _nla(2, _tuple(c, True, c.family), True)
+    if c.zone:
+        attrs += _nla(18, struct.pack(">H", c.zone))
+    attrs += _nla(3, struct.pack(">I", c.status))
+    if c.counted:
+        fmt, base = (">I", 3) if counters32 else (">Q", 1)
+        attrs += _nla(9, _nla(base, struct.pack(fmt, c.orig_packets)) + _nla(base + 1, struct.pack(fmt, c.orig_bytes)),
+                      True)
+        attrs += _nla(10, _nla(base, struct.pack(fmt, c.reply_packets))
+                      + _nla(base + 1, struct.pack(fmt, c.reply_bytes)), True)
+    if c.start_ns:
+        ts = _nla(1, struct.pack(">Q", c.start_ns)) + (_nla(2, struct.pack(">Q", c.stop_ns)) if c.stop_ns else b"")
+        attrs += _nla(20, ts, True)
+    attrs += _nla(7, struct.pack(">I", 120))  # CTA_TIMEOUT: skipped by the decoders
+    attrs += _nla(8, struct.pack(">I", c.mark))
+    if c.tcp_state is not None:
+        attrs += _nla(4, _nla(1, _nla(1, bytes([c.tcp_state])), True), True)
+    attrs += _nla(12, struct.pack(">I", c.ct_id))
+    if c.labels is not None:
+        attrs += _nla(22, c.labels)
+    body = struct.pack("BBH", c.family, 0, 0) + attrs
+    mtype = CT_DELETE if delete else CT_NEW
+    return struct.pack("=IHHII", 16 + len(body), mtype, NLM_F_MULTI, 0, 0) + body

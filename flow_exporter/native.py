@@ -1,0 +1,50 @@
+"""The compiled poll path (``flow_exporter/_native.c``, README "Performance"), when this installation has it.
+
+The extension is optional: a build without a C compiler leaves it out, and ``conntrack.compiled: false``
+turns it off. Either way the pure-Python decoder and store update do the same work (the property tests
+in ``tests/unit/test_native.py`` hold both to the same Connections, store state and records), slower.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container
+from typing import Any, Protocol
+
+__all__ = ["Native", "compiled"]
+
+# (decoded, skipped, ignored, done, errno, interrupted, kept): DecodeResult's fields, in order.
+NativeResult = tuple[int, int, int, bool, int, bool, int]
+
+
+class Native(Protocol):
+    """What ``flow_exporter._native`` offers (its docstring and ``_native.c`` say what each does)."""
+
+    def decode(
+        self, buf: Any, out: list[Any], zones: Container[int] | None, destroyed: list[Any] | None, connection: type
+    ) -> NativeResult: ...
+
+    def apply_dump(
+        self,
+        buf: Any,
+        zones: Container[int] | None,
+        connection: type,
+        connections: dict[Any, int],
+        labels: dict[int, bytes],
+        columns: tuple[Any, ...],
+        generation: int,
+        slow: Callable[[list[Any]], None],
+        zone_counts: dict[int, int],
+    ) -> NativeResult: ...
+
+
+try:
+    from flow_exporter import _native as _module
+
+    _loaded: Native | None = _module
+except ImportError:  # built without a C compiler: the pure path
+    _loaded = None
+
+
+def compiled(enabled: bool = True) -> Native | None:
+    """The compiled module, or None when it is not built or ``enabled`` is false."""
+    return _loaded if enabled else None
