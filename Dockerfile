@@ -5,7 +5,8 @@
 # Two stages. "build" turns the project and its dependencies into wheels; the final stage
 # installs those wheels into a virtual environment and keeps nothing else: no build tree, no
 # wheel files (they are bind-mounted from the build stage, never copied into a layer), no pip
-# cache, no compilers (the slim base has none, and every dependency ships a manylinux wheel).
+# cache, no compilers (the build stage installs one for the project's own C extension; every
+# dependency ships a manylinux wheel).
 #
 # tests/integration/test_dockerfile.py builds this file with podman (on a stand-in base, below) and
 # checks the image.
@@ -53,6 +54,18 @@ RUN --mount=type=cache,target=/root/.cache/pip \
  && /sbom-tool/bin/cyclonedx-py requirements --output-reproducible --of JSON \
         -o /src/sbom.cdx.json requirements/image.lock
 
+# A C compiler for the compiled poll path (flow_exporter/_native.c), in this stage only: the runtime stage
+# installs the built wheel and has no compiler. The official image has Python's headers; a base without
+# them (Debian's own python3.11) gets python3.11-dev as well. Debian's packages, current for the base's
+# release (pinning versions here would break as soon as the release's point updates move them).
+# hadolint ignore=DL3008,SC2086
+RUN include=$(python -c 'import sysconfig; print(sysconfig.get_paths()["include"])') \
+ && pkgs="gcc libc6-dev" \
+ && { [ -f "$include/Python.h" ] || pkgs="$pkgs python3.11-dev"; } \
+ && apt-get update -qq \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $pkgs \
+ && rm -rf /var/lib/apt/lists/*
+
 COPY pyproject.toml README.md LICENSE MANIFEST.in ./
 COPY flow_exporter/ flow_exporter/
 # The Avro schema lives at the repo root (schemas/); flow_exporter/schemas links to it and the
@@ -61,8 +74,10 @@ COPY schemas/ schemas/
 
 # Then the project's own wheel, next to them: no dependencies resolved (the lock has them all).
 # Their digests, for the runtime stage to copy before it installs (see there).
+# The extension is optional for a plain `pip install .`; here its absence fails the build.
 RUN --mount=type=cache,target=/root/.cache/pip \
     python -m pip wheel --no-deps --wheel-dir /wheels . \
+ && python -c "import glob, sys, zipfile; names = zipfile.ZipFile(glob.glob('/wheels/flow_exporter-*.whl')[0]).namelist(); sys.exit(0 if any(n.startswith('flow_exporter/_native.') and n.endswith('.so') for n in names) else 'the compiled poll path was not built')" \
  && sha256sum /wheels/*.whl > /src/wheels.sha256
 
 # ----------------------------------------------------------------------------- runtime

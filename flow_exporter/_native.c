@@ -17,19 +17,22 @@
  *     generic walk does (its rules are restated in decode.py's docstring; this file follows them
  *     one by one). Events use it.
  *
- *   apply_dump(buf, zones, Connection, connections, labels, columns, generation, slow, zone_counts)
- *       -> the same tuple
+ *   apply_dump(buf, zones, Connection, connections, keys, labels, columns, generation, ordinal, slow,
+ *              zone_counts) -> the same tuple
  *     The steady poll, fused: each dump row is decoded and looked up in the store's key index
  *     without making a Connection; a row whose connection is known and did not move (the common
  *     case) updates the store's columns in place, exactly as Table.update_batch would. Every other
  *     row (new, moved, reset, re-created, labelled, anything odd) becomes a Connection and goes to
  *     `slow` (Table.update_batch) in dump order: pending slow rows are handed over before a known
- *     row is looked at, so the store sees the rows in the order a pure poll would.
+ *     row is looked at, so the store sees the rows in the order a pure poll would. A row is first
+ *     matched against the slot its position in the dump held last poll (the kernel lists its table in
+ *     the same order every time), which needs no key object; only a miss builds the key for the index.
  *
  * Nothing here raises on garbage: a malformed message is skipped and counted.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -282,11 +285,48 @@ static void to_row(const Entry *e, Row *r) {
 
 static PyObject *addr(const Entry *e, int f) { return PyBytes_FromStringAndSize((const char *)e->p[f], e->plen[f]); }
 
-/* A new reference to the Connection of an Entry (26 positional arguments, Connection's field order). */
+/* Connection's fields in its positional order (flow_exporter/connection.py). */
+static const char *const FIELDS[26] = {
+    "family", "proto", "orig_src", "orig_dst", "orig_sport", "orig_dport", "reply_src", "reply_dst",
+    "reply_sport", "reply_dport", "zone", "ct_id", "mark", "labels", "status", "tcp_state", "orig_packets",
+    "orig_bytes", "reply_packets", "reply_bytes", "start_ns", "stop_ns", "icmp_type", "icmp_code", "icmp_id",
+    "counted"};
+
+/* Where each field lives in a Connection (a slots dataclass): filling the slots directly skips the generated
+ * Python __init__, the larger part of a decoded entry's cost. Resolved once per class; a class whose fields
+ * are not plain object slots is called instead. */
+static PyObject *bound_type = NULL;
+static Py_ssize_t bound_off[26];
+static int bound_direct = 0;
+
+static int bind(PyObject *ctype) {
+    if (ctype == bound_type) return 0;
+    int direct = PyType_Check(ctype) && ((PyTypeObject *)ctype)->tp_init != NULL;
+    for (int i = 0; i < 26 && direct; i++) {
+        PyObject *d = PyObject_GetAttrString(ctype, FIELDS[i]);
+        if (d == NULL) {
+            PyErr_Clear();
+            direct = 0;
+            break;
+        }
+        if (Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX &&
+            !(((PyMemberDescrObject *)d)->d_member->flags & READONLY))
+            bound_off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+        else
+            direct = 0;
+        Py_DECREF(d);
+    }
+    Py_XSETREF(bound_type, Py_NewRef(ctype));
+    bound_direct = direct;
+    return 0;
+}
+
+/* A new reference to the Connection of an Entry. */
 static PyObject *make_connection(PyObject *ctype, const Entry *e, const Row *r) {
     PyObject *a[26] = {0};
     PyObject *res = NULL;
     int i = 0;
+    if (bind(ctype)) return NULL;
     a[i++] = PyLong_FromLong(e->family);
     a[i++] = PyLong_FromUnsignedLong(r->proto);
     a[i++] = addr(e, O_ + T_SRC);
@@ -322,7 +362,17 @@ static PyObject *make_connection(PyObject *ctype, const Entry *e, const Row *r) 
     a[i++] = PyBool_FromLong(r->counted);
     for (int k = 0; k < 26; k++)
         if (a[k] == NULL) goto done;
-    res = PyObject_Vectorcall(ctype, a, 26, NULL);
+    if (bound_direct) {
+        PyTypeObject *t = (PyTypeObject *)ctype;
+        res = t->tp_alloc(t, 0);
+        if (res == NULL) goto done;
+        for (int k = 0; k < 26; k++) {
+            *(PyObject **)((char *)res + bound_off[k]) = a[k]; /* the slot takes the reference */
+            a[k] = NULL;
+        }
+    } else {
+        res = PyObject_Vectorcall(ctype, a, 26, NULL);
+    }
 done:
     for (int k = 0; k < 26; k++) Py_XDECREF(a[k]);
     return res;
@@ -395,6 +445,7 @@ static int next_message(const uint8_t *buf, Py_ssize_t n, Py_ssize_t *off, Resul
 }
 
 static PyObject *native_decode(PyObject *self, PyObject *args) {
+    (void)self;
     Py_buffer view;
     PyObject *out, *zones, *destroyed, *ctype;
     if (!PyArg_ParseTuple(args, "y*O!OOO", &view, &PyList_Type, &out, &zones, &destroyed, &ctype)) return NULL;
@@ -440,18 +491,20 @@ fail:
 /* ---------------------------------------------------------------------------- the fused poll */
 
 enum { C_SEEN, C_CT, C_START, C_FIRST, C_SEQ, C_BITS, C_OP, C_OB, C_RP, C_RB, C_TCP, C_STATUS, C_MARK,
-       C_LAST_ACTIVE, C_N };
-static const Py_ssize_t COL_SIZE[C_N] = {4, 4, 8, 8, 4, 1, 8, 8, 8, 8, 1, 4, 4, 8};
+       C_LAST_ACTIVE, C_ORDER, C_N };
+static const Py_ssize_t COL_SIZE[C_N] = {4, 4, 8, 8, 4, 1, 8, 8, 8, 8, 1, 4, 4, 8, 8};
 
 /* Bits of a slot's state column (flow_exporter/store/columns.py). */
 #define B_PRESENT 1
 #define B_DESTROYED 4
+#define B_ORPHAN 32
 #define B_UNCOUNTED 128
 
 typedef struct {
     Py_buffer b[C_N];
     int held;
-    Py_ssize_t slots;
+    Py_ssize_t slots;  /* slots every slot column has */
+    Py_ssize_t orders; /* rows the dump-order column has room for */
 } Cols;
 
 static void cols_release(Cols *c) {
@@ -474,7 +527,8 @@ static int cols_acquire(Cols *c, PyObject *columns) {
             return -1;
         }
         Py_ssize_t len = c->b[i].len / COL_SIZE[i];
-        if (len < c->slots) c->slots = len;
+        if (i == C_ORDER) c->orders = len;
+        else if (len < c->slots) c->slots = len;
     }
     return 0;
 }
@@ -502,9 +556,39 @@ static PyObject *row_key(const Entry *e, const Row *r) {
     return t;
 }
 
+static inline int long_is(PyObject *o, uint64_t v) {
+    if (!PyLong_CheckExact(o)) return 0;
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (x == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return !overflow && x >= 0 && (uint64_t)x == v;
+}
+
+static inline int bytes_is(PyObject *o, const uint8_t *p, Py_ssize_t n) {
+    return PyBytes_CheckExact(o) && PyBytes_GET_SIZE(o) == n && memcmp(PyBytes_AS_STRING(o), p, (size_t)n) == 0;
+}
+
+/* Whether slot s holds this row's tuple in the keyed table: a dump lists the table in the same order poll after
+ * poll, so the slot the same row position had last time is checked first, without building the key. A slot
+ * that holds a key and is not an orphan is the one the key index maps it to (Table keeps that invariant). */
+static int slot_holds(Cols *c, PyObject *keys, Py_ssize_t s, const Entry *e, const Row *r) {
+    if (s < 0 || s >= c->slots || s >= PyList_GET_SIZE(keys)) return 0;
+    if (COL(c, C_BITS, uint8_t)[s] & B_ORPHAN) return 0;
+    PyObject *k = PyList_GET_ITEM(keys, s);
+    if (!PyTuple_CheckExact(k) || PyTuple_GET_SIZE(k) != 6) return 0;
+    return long_is(PyTuple_GET_ITEM(k, 3), r->sport) &&
+           bytes_is(PyTuple_GET_ITEM(k, 2), e->p[O_ + T_SRC], e->plen[O_ + T_SRC]) &&
+           long_is(PyTuple_GET_ITEM(k, 5), r->icmp ? r->dport : r->rsport) &&
+           bytes_is(PyTuple_GET_ITEM(k, 4), e->p[R_ + T_SRC], e->plen[R_ + T_SRC]) &&
+           long_is(PyTuple_GET_ITEM(k, 1), r->proto) && long_is(PyTuple_GET_ITEM(k, 0), r->zone);
+}
+
 /* Apply a known row in place if Table.update_batch would only write its status, seen mark, counted bit and stop
  * time: 1 done, 0 leave it to the slow path (nothing written). Mirrors update_batch line by line. */
-static int fast_update(Cols *c, Py_ssize_t s, const Row *r, uint64_t gen, PyObject *labels, int labels_hold_s) {
+static int fast_update(Cols *c, Py_ssize_t s, const Row *r, uint64_t gen, int labels_hold_s) {
     uint32_t *seen = COL(c, C_SEEN, uint32_t);
     if ((uint64_t)seen[s] == gen) return 1; /* the same tuple twice in one dump: keep the first */
     if (r->start > (uint64_t)INT64_MAX || r->stop > (uint64_t)INT64_MAX) return 0;
@@ -535,7 +619,6 @@ static int fast_update(Cols *c, Py_ssize_t s, const Row *r, uint64_t gen, PyObje
     COL(c, C_BITS, uint8_t)[s] = b;
     COL(c, C_STATUS, uint32_t)[s] = (uint32_t)r->status;
     if (r->stop) COL(c, C_LAST_ACTIVE, int64_t)[s] = (int64_t)r->stop;
-    (void)labels;
     return 1;
 }
 
@@ -576,12 +659,27 @@ fail:
     return -1;
 }
 
+/* The slot of a row in the keyed table, or -1 (unknown); -2 on error. */
+static Py_ssize_t find_slot(PyObject *conns, const Entry *e, const Row *r) {
+    PyObject *key = row_key(e, r);
+    if (key == NULL) return -2;
+    PyObject *slot = PyDict_GetItemWithError(conns, key);
+    Py_DECREF(key);
+    if (slot == NULL) return PyErr_Occurred() ? -2 : -1;
+    Py_ssize_t s = PyLong_AsSsize_t(slot);
+    if (s == -1 && PyErr_Occurred()) return -2;
+    return s < 0 ? -1 : s;
+}
+
 static PyObject *native_apply_dump(PyObject *self, PyObject *args) {
+    (void)self;
     Py_buffer view;
-    PyObject *zones, *ctype, *conns, *labels, *columns, *slow, *zone_counts;
+    PyObject *zones, *ctype, *conns, *keys, *labels, *columns, *slow, *zone_counts;
     unsigned long long gen;
-    if (!PyArg_ParseTuple(args, "y*OOO!O!O!KOO!", &view, &zones, &ctype, &PyDict_Type, &conns, &PyDict_Type, &labels,
-                          &PyTuple_Type, &columns, &gen, &slow, &PyDict_Type, &zone_counts))
+    Py_ssize_t ordinal;
+    if (!PyArg_ParseTuple(args, "y*OOO!O!O!O!KnOO!", &view, &zones, &ctype, &PyDict_Type, &conns, &PyList_Type, &keys,
+                          &PyDict_Type, &labels, &PyTuple_Type, &columns, &gen, &ordinal, &slow, &PyDict_Type,
+                          &zone_counts))
         return NULL;
     if (PyTuple_GET_SIZE(columns) != C_N) {
         PyBuffer_Release(&view);
@@ -616,6 +714,7 @@ static PyObject *native_apply_dump(PyObject *self, PyObject *args) {
         int keep = keep_zone(zones, r.zone);
         if (keep < 0) goto fail;
         if (!keep) continue;
+        Py_ssize_t pos = ordinal + res.kept; /* this row's position among the dump's kept rows */
         res.kept++;
         if (run && r.zone != run_zone) {
             if (count_zone(zone_counts, run_zone, run)) goto fail;
@@ -623,41 +722,28 @@ static PyObject *native_apply_dump(PyObject *self, PyObject *args) {
         }
         run_zone = r.zone;
         run++;
-        PyObject *key = row_key(&e, &r);
-        if (key == NULL) goto fail;
-        PyObject *slot = PyDict_GetItemWithError(conns, key);
-        if (slot == NULL && PyErr_Occurred()) {
-            Py_DECREF(key);
-            goto fail;
-        }
-        if (slot != NULL && PyList_GET_SIZE(pending)) {
+        int64_t *order = COL(&c, C_ORDER, int64_t);
+        Py_ssize_t s = -1;
+        if (pos < c.orders && slot_holds(&c, keys, (Py_ssize_t)order[pos], &e, &r)) s = (Py_ssize_t)order[pos];
+        else if ((s = find_slot(conns, &e, &r)) == -2) goto fail;
+        if (s >= 0 && PyList_GET_SIZE(pending)) {
             /* earlier rows first: they may change what this one finds */
-            if (flush(slow, &pending, &c, columns)) {
-                Py_DECREF(key);
-                goto fail;
-            }
-            slot = PyDict_GetItemWithError(conns, key);
-            if (slot == NULL && PyErr_Occurred()) {
-                Py_DECREF(key);
-                goto fail;
-            }
+            if (flush(slow, &pending, &c, columns)) goto fail;
+            if ((s = find_slot(conns, &e, &r)) == -2) goto fail;
+            order = COL(&c, C_ORDER, int64_t);
         }
-        Py_DECREF(key);
         int done = 0;
-        if (slot != NULL) {
-            Py_ssize_t s = PyLong_AsSsize_t(slot);
-            if (s == -1 && PyErr_Occurred()) goto fail;
-            if (s >= 0 && s < c.slots) {
-                int held = 0;
-                if (PyDict_GET_SIZE(labels)) {
-                    PyObject *so = PyLong_FromSsize_t(s);
-                    if (so == NULL) goto fail;
-                    held = PyDict_Contains(labels, so);
-                    Py_DECREF(so);
-                    if (held < 0) goto fail;
-                }
-                done = fast_update(&c, s, &r, gen, labels, held);
+        if (s >= 0 && s < c.slots) {
+            if (pos < c.orders) order[pos] = s;
+            int held = 0;
+            if (PyDict_GET_SIZE(labels)) {
+                PyObject *so = PyLong_FromSsize_t(s);
+                if (so == NULL) goto fail;
+                held = PyDict_Contains(labels, so);
+                Py_DECREF(so);
+                if (held < 0) goto fail;
             }
+            done = fast_update(&c, s, &r, gen, held);
         }
         if (!done) {
             PyObject *conn = make_connection(ctype, &e, &r);
@@ -684,12 +770,13 @@ static PyMethodDef methods[] = {
     {"decode", native_decode, METH_VARARGS,
      "decode(buf, out, zones, destroyed, Connection): the ctnetlink decoder (see flow_exporter.conntrack.decode)."},
     {"apply_dump", native_apply_dump, METH_VARARGS,
-     "apply_dump(buf, zones, Connection, connections, labels, columns, generation, slow, zone_counts): "
+     "apply_dump(buf, zones, Connection, connections, keys, labels, columns, generation, ordinal, slow, zone_counts): "
      "one dump buffer decoded and applied to the store (see flow_exporter.store.table)."},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "flow_exporter._native",
-                                    "The compiled poll path (issue 24); optional.", -1, methods};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "flow_exporter._native", "The compiled poll path (issue 24); optional.", -1, methods,
+    NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

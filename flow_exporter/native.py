@@ -29,9 +29,11 @@ class Native(Protocol):
         zones: Container[int] | None,
         connection: type,
         connections: dict[Any, int],
+        keys: list[Any],
         labels: dict[int, bytes],
         columns: tuple[Any, ...],
         generation: int,
+        ordinal: int,
         slow: Callable[[list[Any]], None],
         zone_counts: dict[int, int],
     ) -> NativeResult: ...

@@ -22,6 +22,7 @@ Ending a connection for the exporter (scheduling the record that reports it) is 
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import deque
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, replace
@@ -190,10 +191,13 @@ class Table(Columns):
 
     def _init_table(self) -> None:
         self._native = native.compiled(self.compiled)
+        # The compiled path's memory of the dump's order: the slot each row position held last poll (-1: none).
+        self._dump_order = array("q")
+        self._dump_rows = 0  # rows of the current dump applied so far
         # The columns the compiled poll path reads and writes, in the order _native.c names them.
         self._fused_columns = (
             self._seen, self._ct, self._start, self._first, self._seq, self._bits, self._op, self._ob, self._rp,
-            self._rb, self._tcp, self._status, self._mark, self._last_active,
+            self._rb, self._tcp, self._status, self._mark, self._last_active, self._dump_order,
         )  # fmt: skip
         self._new_id = IdAllocator(self.id_seed)
         self.connections: dict[ConnectionKey, int] = {}  # key -> slot of the incarnation that holds the tuple
@@ -256,6 +260,7 @@ class Table(Columns):
         """
         self._generation += 1
         self._dump_begin = wall_ns
+        self._dump_rows = 0
 
     def end_poll(self, now: float, wall_ns: int = 0) -> None:
         """The dump is complete: whatever it did not contain has left the table.
@@ -263,6 +268,9 @@ class Table(Columns):
         ``wall_ns``: the real time after the dump's last entry was read (0: unknown).
         """
         self._sweep(now, self._generation)
+        order = self._dump_order
+        if self._dump_rows > len(order):  # room for every row position of a dump this large
+            order.frombytes(b"\xff" * (8 * (self._dump_rows - len(order))))
         self._polls_done += 1
         if self._dump_begin and wall_ns:
             self._dumps.append((self._dump_begin, wall_ns))
@@ -354,11 +362,14 @@ class Table(Columns):
         nat = self._native
         if nat is None:
             raise RuntimeError("the compiled poll path is not available (see .fused)")
-        res = nat.apply_dump(
-            buf, zones, Connection, self.connections, self._labels, self._fused_columns, self._generation,
-            lambda rows: self.update_batch(rows, now, wall_ns), zone_counts,
+        res = DecodeResult(
+            *nat.apply_dump(
+                buf, zones, Connection, self.connections, self._keys, self._labels, self._fused_columns,
+                self._generation, self._dump_rows, lambda rows: self.update_batch(rows, now, wall_ns), zone_counts,
+            )
         )  # fmt: skip
-        return DecodeResult(*res)
+        self._dump_rows += res.kept
+        return res
 
     def update_batch(self, dumped: Iterable[Connection], now: float, wall_ns: int) -> None:
         """Add or update the connections of one part of the current dump.

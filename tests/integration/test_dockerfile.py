@@ -342,3 +342,14 @@ def test_image_reads_conntrack_with_net_admin_only(image: str) -> None:
     assert root.returncode == 0, root.stderr
     denied = python_in(image, code, *confined)
     assert denied.returncode != 0 and "CAP_NET_ADMIN" in denied.stderr, denied.stdout + denied.stderr
+
+
+def test_image_has_the_compiled_poll_path(image: str) -> None:
+    """The build stage compiles flow_exporter/_native.c; the runtime stage has the module, no compiler."""
+    code = (
+        "from flow_exporter import native; from flow_exporter.conntrack.decode import Decoder; "
+        "print(native.compiled() is not None, Decoder(compiled=True).native is not None)"
+    )
+    proc = python_in(image, code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "True"]
