@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import time
 import tomllib
@@ -51,8 +52,12 @@ NODE = "node-packaging"
 EXPORT_MS = 1_767_225_600_123  # 2026-01-01T00:00:00.123Z
 # Not part of the sdist's source tree: version control, environments, caches, build output.
 NOT_SOURCE = shutil.ignore_patterns(
-    ".git", ".venv", ".cache", "*.egg-info", "build", "dist", "__pycache__", "*.pyc", ".*_cache", ".hypothesis"
+    ".git", ".venv", ".cache", "*.egg-info", "build", "dist", "__pycache__", "*.pyc", ".*_cache", ".hypothesis",
+    "*.so",  # the editable install's build of the compiled poll path
 )
+# The wheel carries the compiled poll path, so it is built for this interpreter and platform.
+WHEEL = f"{NAME}-cp{sys.version_info.major}{sys.version_info.minor}-cp{sys.version_info.major}" \
+    f"{sys.version_info.minor}-{sysconfig.get_platform().replace('-', '_').replace('.', '_')}.whl"
 # Top-level names the distributions must not carry: the harness, the tests, the benchmarks.
 NOT_SHIPPED = ("devtools", "tests", "bench")
 TIMEOUT = 300
@@ -125,7 +130,7 @@ def dists(tmp_path_factory: pytest.TempPathFactory) -> Dists:
     run([sys.executable, "-m", "build", "--wheel", "--outdir", out, unpacked / NAME], cwd=work)
     timings["wheel"] = time.monotonic() - started
     wheels = list(out.glob("*.whl"))
-    assert [p.name for p in wheels] == [f"{NAME}-py3-none-any.whl"]
+    assert [p.name for p in wheels] == [WHEEL]
     return Dists(sdists[0], wheels[0], source, timings)
 
 
@@ -212,12 +217,30 @@ def test_wheel_contents(dists: Dists) -> None:
         metadata = whl.read(f"{info}/METADATA").decode()
         entry_points = whl.read(f"{info}/entry_points.txt").decode()
     assert {n.split("/")[0] for n in names} == {"flow_exporter", info}, "the package and its metadata only"
+    assert [n for n in names if n.startswith("flow_exporter/_native.") and n.endswith(".so")], "no compiled path"
+    assert "flow_exporter/_native.pyi" in names
     modules = {p.relative_to(dists.source).as_posix() for p in (dists.source / "flow_exporter").rglob("*.py")}
     assert modules <= names, sorted(modules - names)
     assert f"\nVersion: {__version__}\n" in metadata
     assert "\nLicense-Expression: Apache-2.0\n" in metadata
     assert "\nLicense-File: LICENSE\n" in metadata
     assert "flow-exporter = flow_exporter.cli:main" in entry_points
+
+
+def test_sdist_builds_without_a_compiler(dists: Dists, tmp_path: Path) -> None:
+    """Where no C compiler works, the build leaves the compiled path out instead of failing (pure Python runs)."""
+    unpacked = tmp_path / "from-sdist"
+    with tarfile.open(dists.sdist) as tar:
+        tar.extractall(unpacked, filter="data")
+        assert f"{NAME}/flow_exporter/_native.c" in tar.getnames()
+    out = tmp_path / "dist"
+    env = {**os.environ, "CC": "false"}  # a compiler that always fails
+    run([sys.executable, "-m", "build", "--wheel", "--outdir", out, unpacked / NAME], cwd=tmp_path, env=env)
+    (wheel,) = out.glob("*.whl")
+    with zipfile.ZipFile(wheel) as whl:
+        names = whl.namelist()
+    assert "flow_exporter/native.py" in names
+    assert not [n for n in names if n.endswith(".so")], names
 
 
 # ------------------------------------------------------------------------------ the installed wheel
