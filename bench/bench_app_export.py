@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         sink.missing_topics()  # connected before timing
         table = FakeTable(batch=2000)
         table.entries = conns
-        exp = Exporter(table, sink, timeouts=Timeouts(5.0, 5.0, 15.0, 300.0), node_name="bench", lifecycle=life,
+        exp = Exporter(table, sink, timeouts=Timeouts(5.0, 5.0, 15.0), node_name="bench", lifecycle=life,
                        clock=lambda: clock[0], max_in_flight=n)  # fmt: skip
         exp.poll_once()
         first, first_cpu, payloads = app_round(exp, sink, clock, n)

@@ -48,7 +48,7 @@ def measure(n: int) -> dict[str, Any]:
     from flow_exporter.timeouts import Timeouts
 
     enc = RecordEncoder("bench-node")
-    store = ConnectionStore(Timeouts(5, 5, 15, 300), adopt=False)
+    store = ConnectionStore(Timeouts(5, 5, 15), adopt=False)
     now, wall = 1000.0, 1_700_000_000_000_000_000
     store.update(connections(n, 1), now, wall)
     now += 5
@@ -117,13 +117,13 @@ def measure(n: int) -> dict[str, Any]:
         got = Checkpoint(work / "state", boot=b"b" * 16).load()
         loads.append(time.perf_counter() - t0)
     assert got.valid and len(got.rows) == n, (got.why, len(got.rows))
-    restored = ConnectionStore(Timeouts(5, 5, 15, 300))
+    restored = ConnectionStore(Timeouts(5, 5, 15))
     t0 = time.perf_counter()
     restored.restore(got.rows, got.resends)
     restored.update(connections(n, 5), now, wall)
     restore_poll_s = time.perf_counter() - t0
     assert restored.stats.restored == n
-    fresh = ConnectionStore(Timeouts(5, 5, 15, 300))
+    fresh = ConnectionStore(Timeouts(5, 5, 15))
     t0 = time.perf_counter()
     fresh.update(connections(n, 5), now, wall)
     fresh_poll_s = time.perf_counter() - t0
@@ -163,7 +163,7 @@ def cap_polls(n: int, over: float, polls: int) -> dict[str, Any]:
     table = int(n * over)
     out: dict[str, Any] = {"cap": n, "table": table}
     for label, cap in (("over_cap", n), ("roomy", table * 2)):
-        store = ConnectionStore(Timeouts(5, 5, 15, 300), max_connections=cap)
+        store = ConnectionStore(Timeouts(5, 5, 15), max_connections=cap)
         now, wall = 1000.0, 1_700_000_000_000_000_000
         times = []
         for p in range(polls):

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         cp.lock()
         cp.begin(cp.load())
         rss_table = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the harness's table, before any poll
-        exp = Exporter(table, sink, timeouts=Timeouts(5.0, 5.0, 15.0, 300.0), node_name="bench", lifecycle=life,
+        exp = Exporter(table, sink, timeouts=Timeouts(5.0, 5.0, 15.0), node_name="bench", lifecycle=life,
                        checkpoint=cp, max_connections=250_000, max_in_flight=50_000,  # the DaemonSet's limits
                        grace=10.0)  # fmt: skip
         runner = threading.Thread(target=exp.run)

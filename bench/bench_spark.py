@@ -82,7 +82,7 @@ def synthetic_records(
         )
     enc = RecordEncoder("bench-node").encode
     # Idle timeout out of reach: every connection is due once per round, as a busy one would be.
-    timeouts = Timeouts(poll_interval=ACTIVE_S, active=ACTIVE_S, idle=3600.0, stale=7200.0)
+    timeouts = Timeouts(poll_interval=ACTIVE_S, active=ACTIVE_S, idle=3600.0)
     store = ConnectionStore(timeouts=timeouts)
     out: list[tuple[bytes, bytes]] = []
 

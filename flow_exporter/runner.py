@@ -65,7 +65,6 @@ def timeouts_from(cfg: Config) -> Timeouts:
         cfg["conntrack.pollInterval"],
         cfg["expiry.activeTimeout"],
         cfg["expiry.idleTimeout"],
-        cfg["expiry.staleTimeout"],
     )
 
 

@@ -17,16 +17,16 @@ class Timeouts:
     poll_interval: float = DEFAULTS["conntrack.pollInterval"]
     active: float = DEFAULTS["expiry.activeTimeout"]
     idle: float = DEFAULTS["expiry.idleTimeout"]
-    stale: float = DEFAULTS["expiry.staleTimeout"]
 
     @classmethod
-    def normalized(cls, poll_interval: float, active: float, idle: float, stale: float) -> Timeouts:
+    def normalized(cls, poll_interval: float, active: float, idle: float) -> Timeouts:
         """Apply Antrea's rules, logging every value that had to be raised.
 
         A timeout shorter than the poll interval could never be observed (the
-        counters only move once per poll), so active and idle are raised to it;
-        a stale timeout shorter than the larger timeout would delete connections
-        that are merely waiting for their next record, so it becomes twice that.
+        counters only move once per poll), so active and idle are raised to it.
+        Antrea's stale timeout has no counterpart: a connection that left the table
+        is reported at the poll that misses it (``expiry.staleTimeout`` is parsed
+        so that older configs load, and ignored).
         """
         if active < poll_interval:
             log.warning("active timeout %.3gs raised to the poll interval %.3gs", active, poll_interval)
@@ -34,8 +34,4 @@ class Timeouts:
         if idle < poll_interval:
             log.warning("idle timeout %.3gs raised to the poll interval %.3gs", idle, poll_interval)
             idle = poll_interval
-        larger = max(active, idle)
-        if stale < larger:
-            log.warning("stale timeout %.3gs raised to twice the larger timeout (%.3gs)", stale, 2 * larger)
-            stale = 2 * larger
-        return cls(poll_interval, active, idle, stale)
+        return cls(poll_interval, active, idle)

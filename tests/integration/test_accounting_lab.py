@@ -353,7 +353,7 @@ def test_sweep_and_destroy_race_in_both_orders(lab: Lab, kafka_broker: Any, kafk
     p1, p2, _ = lab.pods
     sink = KafkaSink({"bootstrap.servers": kafka_broker.bootstrap}, kafka_topic, RecordEncoder("race").encode)
     source = ConntrackDumper(netns=lab.node_ns)
-    exporter = Exporter(source, sink, timeouts=Timeouts(1, 1, 1, 2), node_name="race")
+    exporter = Exporter(source, sink, timeouts=Timeouts(1, 1, 1), node_name="race")
     events = ConntrackEvents(exporter.apply_events, lambda: None, netns=lab.node_ns)  # thread not started
 
     def deliver() -> None:

@@ -228,7 +228,7 @@ def test_loops_export_and_shutdown_flushes_forced_records(kafka_broker: Any) -> 
     ser = AvroSerializer()
     sink = KafkaSink({"bootstrap.servers": kafka_broker.bootstrap}, topic, RecordEncoder("n1").encode)
     source = ListSource([[conn(i, packets=1) for i in range(1, 51)], [conn(i, packets=2) for i in range(1, 51)]])
-    exp = Exporter(source, sink, timeouts=Timeouts(0.2, 0.5, 5.0, 60.0), node_name="n1", grace=10.0)
+    exp = Exporter(source, sink, timeouts=Timeouts(0.2, 0.5, 5.0), node_name="n1", grace=10.0)
     t = threading.Thread(target=exp.run)
     t.start()
     time.sleep(1.5)

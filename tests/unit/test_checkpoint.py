@@ -415,7 +415,7 @@ def continues_exactly(path: Path, broker: FakeBroker) -> None:
 def exporter_on(path: Path, disk: Disk, clock: Clock) -> tuple[Exporter, FakeTable, FakeBroker]:
     cp, loaded = on_disk(path, disk, clock)
     table, broker = FakeTable(), FakeBroker(RecordEncoder("node-a").encode)
-    exp = Exporter(table, broker, timeouts=Timeouts(poll_interval=1.0, active=5.0, idle=15.0, stale=30.0),
+    exp = Exporter(table, broker, timeouts=Timeouts(poll_interval=1.0, active=5.0, idle=15.0),
                    node_name="node-a", clock=lambda: clock.now, wall_ns=clock.wall, checkpoint=cp,
                    adopt=not loaded.valid)  # fmt: skip
     return exp, table, broker

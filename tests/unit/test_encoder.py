@@ -30,7 +30,7 @@ def test_store_keeps_the_prefix_while_active_and_drops_it_when_it_would_change()
     """The encoded prefix is cached by the store; a mark, labels or metadata change must not reuse it."""
     clock = Clock()
     handles: list[NewConnection] = []
-    store = ConnectionStore(Timeouts(poll_interval=5, active=5, idle=15, stale=300), on_new=handles.append)
+    store = ConnectionStore(Timeouts(poll_interval=5, active=5, idle=15), on_new=handles.append)
     enc = RecordEncoder("n")
 
     cached: list[bool] = []

@@ -30,7 +30,7 @@ from tests.support.fakes import FakeBroker, FakeTable
 from tests.support.store_builders import Clock, tcp, udp
 
 SCHEMA = fastavro.parse_schema(load_schema())
-TIMEOUTS = Timeouts(poll_interval=1.0, active=5.0, idle=15.0, stale=30.0)
+TIMEOUTS = Timeouts(poll_interval=1.0, active=5.0, idle=15.0)
 
 
 def decode(value: bytes) -> dict:

@@ -243,9 +243,9 @@ def test_vanished_idle_connection_with_nothing_unreported_is_deleted_at_once() -
 
 
 def test_timeouts_raised_like_antrea() -> None:
-    t = Timeouts.normalized(poll_interval=10, active=5, idle=8, stale=8)
-    assert (t.active, t.idle, t.stale) == (10, 10, 20)
-    assert Timeouts.normalized(5, 5, 15, 300) == Timeouts(5, 5, 15, 300)
+    t = Timeouts.normalized(poll_interval=10, active=5, idle=8)
+    assert (t.active, t.idle) == (10, 10)
+    assert Timeouts.normalized(5, 5, 15) == Timeouts(5, 5, 15)
 
 
 def test_queue_orders_by_min_deadline_and_updates_lazily() -> None:
