@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from flow_exporter import __version__, tools
-from flow_exporter.config import Config, ConfigError, load, parse_overrides
+from flow_exporter import __version__, commands
+from flow_exporter.config import Config, ConfigError, add_flags, from_flags
 from flow_exporter.settings import defaults_text
 
 log = logging.getLogger("flow_exporter")
@@ -30,43 +30,23 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     run = sub.add_parser("run", help="run the exporter (the DaemonSet entry point)")
-    _config_args(run)
+    add_flags(run)
 
     cfg = sub.add_parser("config", help="show settings")
-    _config_args(cfg)
+    add_flags(cfg)
     g = cfg.add_mutually_exclusive_group()
     g.add_argument("--print-defaults", action="store_true", help="every setting, its default and meaning")
     g.add_argument("--print", action="store_true", help="the effective settings as JSON")
 
-    tools.add_parsers(sub)  # tail, schema
+    commands.add_parsers(sub)  # tail, schema
     return p
 
 
-def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="YAML config file")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one setting")
-    p.add_argument("--bootstrap-servers", help="same as --set kafka.bootstrapServers=...")
-    p.add_argument("--topic", help="same as --set kafka.topic=...")
-    p.add_argument("--netns", help="same as --set conntrack.netns=...")
-    p.add_argument("--node-name", help="same as --set nodeName=...")
-    p.add_argument("--log-level", help="same as --set log.level=...")
-    p.add_argument("--log-format", help="same as --set log.format=...")
-
-
 def _load_config(args: argparse.Namespace) -> Config:
-    overrides: dict[str, Any] = parse_overrides(args.set)
-    for flag, key in (
-        ("bootstrap_servers", "kafka.bootstrapServers"),
-        ("topic", "kafka.topic"),
-        ("netns", "conntrack.netns"),
-        ("node_name", "nodeName"),
-        ("log_level", "log.level"),
-        ("log_format", "log.format"),
-    ):
-        value = getattr(args, flag)
-        if value is not None:
-            overrides[key] = value
-    return load(args.config, overrides=overrides)
+    """The settings, with librdkafka's judgement of ``kafka.producer`` (a bad one exits 2 before anything starts)."""
+    from flow_exporter.sink.kafka import check_config
+
+    return from_flags(args, checks=(check_config,))
 
 
 class _JsonFormatter(logging.Formatter):
@@ -99,8 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         _parser().print_help()
         return 2
-    if args.command in tools.COMMANDS:
-        return tools.run(args)
+    if args.command in commands.COMMANDS:
+        return commands.run(args)
     try:
         cfg = _load_config(args)
     except ConfigError as exc:

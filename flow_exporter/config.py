@@ -8,10 +8,11 @@ it into exit code 2.
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import ssl
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import yaml
 
 from flow_exporter.settings import BY_KEY, ENV_PREFIX, SASL_MECHANISMS, SETTINGS, ConfigError, shown
 
-__all__ = ["Config", "ConfigError", "from_env", "load", "parse_overrides", "read_file"]
+__all__ = ["Config", "ConfigError", "add_flags", "from_env", "from_flags", "load", "parse_overrides", "read_file"]
 
 
 @dataclass(frozen=True)
@@ -237,12 +238,18 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+# A check the caller adds to loading (the entry points add the Kafka producer's, so that this module
+# stays below the edges): it raises ConfigError naming the setting.
+Check = Callable[[Mapping[str, Any]], None]
+
+
 def load(
     path: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    checks: Sequence[Check] = (),
 ) -> Config:
-    """Merge file < environment < flags over the defaults, and validate every value."""
+    """Merge file < environment < flags over the defaults, and validate every value (``checks`` last)."""
     raw: dict[str, Any] = {}
     if path is not None:
         raw.update(read_file(path))
@@ -254,8 +261,39 @@ def load(
     if values["retry.maxBackoff"] < values["retry.initialBackoff"]:
         raise ConfigError("retry.maxBackoff", values["retry.maxBackoff"], "must be >= retry.initialBackoff")
     secrets = _kafka_security(values)
-    # librdkafka judges its own settings (imported here: loading a config builds no client otherwise).
-    from flow_exporter.sink.kafka import check_producer_settings
-
-    check_producer_settings(values["kafka.producer"], allow_unsafe=values["kafka.allowUnsafeProducer"])
+    for check in checks:
+        check(values)
     return Config(values, secrets)
+
+
+# The command line's third source: --config, --set for any key, and shortcuts for the keys set most
+# often (flag, key), declared once for every command that reads the settings.
+SHORTCUTS = (
+    ("bootstrap-servers", "kafka.bootstrapServers"),
+    ("topic", "kafka.topic"),
+    ("netns", "conntrack.netns"),
+    ("node-name", "nodeName"),
+    ("log-level", "log.level"),
+    ("log-format", "log.format"),
+)
+
+
+def add_flags(
+    parser: argparse.ArgumentParser, shortcuts: Collection[str] | None = None, config_help: str = "YAML config file"
+) -> None:
+    """Declare ``--config``, ``--set`` and the ``shortcuts`` (flag names; all when None) on a command."""
+    parser.add_argument("--config", metavar="FILE", help=config_help)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one setting")
+    for flag, key in SHORTCUTS:
+        if shortcuts is None or flag in shortcuts:
+            parser.add_argument(f"--{flag}", help=f"same as --set {key}=...")
+
+
+def from_flags(args: argparse.Namespace, checks: Sequence[Check] = ()) -> Config:
+    """The settings of a command whose flags ``add_flags`` declared: file < environment < flags."""
+    overrides: dict[str, Any] = parse_overrides(args.set)
+    for flag, key in SHORTCUTS:
+        value = getattr(args, flag.replace("-", "_"), None)
+        if value is not None:
+            overrides[key] = value
+    return load(args.config, overrides=overrides, checks=checks)

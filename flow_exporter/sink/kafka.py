@@ -11,7 +11,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +95,11 @@ _ALIASES = {
     "queue.buffering.max.messages": "queue.buffering.max.messages",
     "request.required.acks": "acks",
 }
+
+
+def check_config(values: Mapping[str, Any]) -> None:
+    """The entry points' loading check (``config.load(checks=...)``): ``kafka.producer`` as librdkafka judges it."""
+    check_producer_settings(values["kafka.producer"], allow_unsafe=values["kafka.allowUnsafeProducer"])
 
 
 def check_producer_settings(settings: dict[str, Any], *, allow_unsafe: bool) -> None:

@@ -18,6 +18,7 @@ import yaml
 
 from devtools.apiserver import ApiServer
 from flow_exporter.config import BY_KEY, ENV_PREFIX, SETTINGS, Config, load
+from flow_exporter.sink.kafka import check_config
 from tests.support.go_tools import go_tool
 from tests.support.paths import REPO
 
@@ -128,7 +129,7 @@ def config(docs: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory,
     """The ConfigMap's config.yaml, loaded as the exporter loads it, with the DaemonSet's plain env."""
     path = tmp_path_factory.mktemp("configmap") / "config.yaml"
     path.write_text(find(docs, "ConfigMap")["data"]["config.yaml"])
-    return load(path, environ=pod_env(container))
+    return load(path, environ=pod_env(container), checks=(check_config,))
 
 
 def pod_env(container: dict[str, Any], secret: dict[str, str] | None = None) -> dict[str, str]:

@@ -19,13 +19,13 @@ from confluent_kafka import Producer
 from bench.bench_export import synthetic_exports
 from devtools.kafka import KafkaBroker
 from flow_exporter.app import Exporter
+from flow_exporter.commands import ValueDecoder, matches, table_header, table_row
 from flow_exporter.flow import Export
 from flow_exporter.record import load_schema
 from flow_exporter.sink import KafkaSink
 from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.sink.registry import header
 from flow_exporter.timeouts import Timeouts
-from flow_exporter.tools import ValueDecoder, matches, table_header, table_row
 from tests.support.cli import EXPORT_MS, NODE, clean_env, from_json, json_run_command, run_cli, run_tail
 from tests.support.paths import REPO
 from tests.support.reference import build_record

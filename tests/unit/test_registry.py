@@ -22,13 +22,13 @@ from confluent_kafka.schema_registry.avro import AvroDeserializer
 from hypothesis import given, settings
 
 from bench.bench_export import synthetic_exports
+from flow_exporter.commands import ValueDecoder
 from flow_exporter.config import ConfigError, load
 from flow_exporter.flow import Export
 from flow_exporter.runner import build_sink
 from flow_exporter.sink import registry
 from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.sink.registry import RECORD_SUBJECT, RegistryError, framed, register, split_header
-from flow_exporter.tools import ValueDecoder
 from tests.support.cli import EXPORT_MS, NODE
 from tests.support.reference import build_record
 from tests.support.schema_registry import (

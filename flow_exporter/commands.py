@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
-from flow_exporter.config import ConfigError, load, parse_overrides
+from flow_exporter.config import ConfigError, add_flags, from_flags
 from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_NAMES
 from flow_exporter.flow import REASON_NAMES
 
@@ -46,10 +46,7 @@ def add_parsers(sub: Any) -> None:
         help="print the flow records on the topic as a live table or JSON lines",
         description="Read flow records from Kafka (settings as for run: --config, FLOW_EXPORTER_*, flags).",
     )
-    tail.add_argument("--config", metavar="FILE", help="YAML config file (Kafka and registry settings)")
-    tail.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one setting")
-    tail.add_argument("--bootstrap-servers", help="same as --set kafka.bootstrapServers=...")
-    tail.add_argument("--topic", help="same as --set kafka.topic=...")
+    add_flags(tail, ("bootstrap-servers", "topic"), "YAML config file (Kafka and registry settings)")
     tail.add_argument("--from-beginning", action="store_true", help="start at the oldest record, not the newest")
     tail.add_argument("--json", action="store_true", help="JSON lines (ISO 8601 times, bytes as hex)")
     tail.add_argument("--namespace", metavar="NS", help="only flows whose source or destination pod is in NS")
@@ -88,12 +85,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> Config:
-    overrides: dict[str, Any] = parse_overrides(args.set)
-    if args.bootstrap_servers is not None:
-        overrides["kafka.bootstrapServers"] = args.bootstrap_servers
-    if args.topic is not None:
-        overrides["kafka.topic"] = args.topic
-    return load(args.config, overrides=overrides)
+    from flow_exporter.sink.kafka import check_config
+
+    return from_flags(args, checks=(check_config,))
 
 
 # -------------------------------------------------------------------- schema
@@ -410,7 +404,7 @@ def _messages(consumer: Any, timeout: float = 0.5) -> Iterator[Any]:
 
 
 # librdkafka's log repeats every reconnect attempt; its errors come through error_cb instead.
-_QUIET = logging.getLogger("flow_exporter.tools.rdkafka")
+_QUIET = logging.getLogger("flow_exporter.commands.rdkafka")
 _QUIET.addHandler(logging.NullHandler())
 _QUIET.propagate = False
 
