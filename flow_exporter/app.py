@@ -20,13 +20,20 @@ from operator import attrgetter
 import tenacity
 
 from flow_exporter import gc_policy
-from flow_exporter.checkpoint import Checkpoint
-from flow_exporter.completeness import Completeness
 from flow_exporter.connection import Connection
 from flow_exporter.flow import FORCED_END, Export, NewConnection, Restored
 from flow_exporter.lifecycle import Lifecycle
-from flow_exporter.ports import DecodeResult, EventSource, Sink, Source
-from flow_exporter.readings import CheckpointReadings, Readings, Timings
+from flow_exporter.ports import (
+    DecodeResult,
+    DeliveryObserver,
+    EventSource,
+    Journal,
+    NoJournal,
+    NoObserver,
+    Sink,
+    Source,
+)
+from flow_exporter.readings import Readings, Timings
 from flow_exporter.retry import sleep_on
 from flow_exporter.settings import DEFAULTS
 from flow_exporter.store import ConnectionStore
@@ -85,13 +92,13 @@ class Exporter:
         clock: Callable[[], float] = time.monotonic,
         wall_ns: Callable[[], int] = time.time_ns,
         is_fatal: Callable[[BaseException], bool] = lambda e: False,  # the runner knows the real source's errors
-        checkpoint: Checkpoint | None = None,
+        checkpoint: Journal | None = None,
         adopt: bool = True,
         timings: Timings | None = None,
-        completeness: Completeness | None = None,
+        completeness: DeliveryObserver | None = None,
     ) -> None:
         self.source = source
-        self.completeness = completeness
+        self.completeness: DeliveryObserver = completeness if completeness is not None else NoObserver()
         self.sink = sink
         self.lifecycle = lifecycle or Lifecycle()
         self.timeouts = timeouts
@@ -103,7 +110,7 @@ class Exporter:
         self.store = ConnectionStore(
             timeouts, on_new=on_new, max_connections=max_connections, adopt=adopt, compiled=compiled
         )
-        self.checkpoint = checkpoint
+        self.checkpoint: Journal = checkpoint if checkpoint is not None else NoJournal()
         self.events: EventSource | None = None
         self._given_up_logged_at = float("-inf")
         self.max_in_flight = max_in_flight
@@ -250,17 +257,15 @@ class Exporter:
             for r in reports:
                 if r.delivered:
                     settled.append(r.export)
-                    if done is not None:
-                        done.settled(id(r.export), r.partition, r.offset)
+                    done.settled(id(r.export), r.partition, r.offset)
                 elif r.permanent:
                     settled.append(r.export)
                     self._given_up(r.export, r.error)
-                    if done is not None:
-                        done.settled(id(r.export))
+                    done.settled(id(r.export))
                 else:
                     log.debug("record not delivered (%s); the same record goes again", r.error)
                 self.store.acknowledge(r.export, r.delivered, now, permanent=r.permanent)
-        if self.checkpoint is not None and settled:
+        if settled:
             self.checkpoint.delivered(settled)
 
     def _given_up(self, export: Export, error: str | None) -> None:
@@ -298,20 +303,19 @@ class Exporter:
             if ready is not exports:
                 ready.append(e)
         cp = self.checkpoint
-        if cp is not None:
-            cp.sent(ready)
-            if cp.stale:  # this journal write failed, and the old state could not be deleted: hold them back
-                now = self.clock()
-                with self.lock:
-                    for e in ready:
-                        self.store.acknowledge(e, False, now)  # kept as built; the fresh snapshot will hold them
-                return
+        cp.sent(ready)
+        if cp.stale:  # this journal write failed, and the old state could not be deleted: hold them back
+            now = self.clock()
+            with self.lock:
+                for e in ready:
+                    self.store.acknowledge(e, False, now)  # kept as built; the fresh snapshot will hold them
+            return
         produce = sink.produce
         done = self.completeness
         for i, e in enumerate(ready):
-            if done is not None:  # before produce: its delivery report may come at once
-                # A record restored from the checkpoint was built before this process started.
-                done.produced(id(e), e.export_ms or done.started_ms - 1)
+            # Before produce: its delivery report may come at once. A record restored from the
+            # checkpoint was built before this process started.
+            done.produced(id(e), e.export_ms or done.started_ms - 1)
             try:
                 produce(e)
             except Exception:
@@ -328,8 +332,8 @@ class Exporter:
 
     def snapshot(self) -> None:
         """Write the checkpoint (from the expire thread, which is also the journal's only writer)."""
-        if self.checkpoint is None:
-            return
+        if not self.checkpoint.keeps:
+            return  # nothing kept: no pass over the store
         with self.lock, gc_policy.paused():  # 250k rows at once, no cycles: see gc_policy
             rows = list(self.store.reported())
             records = list(self.store.in_flight())
@@ -338,7 +342,7 @@ class Exporter:
     def held_back(self) -> bool:
         """Records may not be produced: the state directory holds an old state it could not delete
         (a read-only volume), and one more record would make it lie. Until a snapshot succeeds."""
-        return self.checkpoint is not None and self.checkpoint.stale
+        return self.checkpoint.stale
 
     def expire_once(self) -> int:
         """Export everything that is due; returns the number of records produced."""
@@ -372,7 +376,7 @@ class Exporter:
             self.lifecycle.beat("expire")
             try:
                 self.expire_once()
-                if cp is not None and cp.due():
+                if cp.due():
                     self.snapshot()
                 with self.lock:
                     deadline = self.store.next_deadline()
@@ -396,7 +400,6 @@ class Exporter:
         st = self.store.stats
         sc = self.sink.counters
         ev = self.events
-        cp = self.checkpoint
         return Readings(
             table_count=s.table_count,
             table_max=s.table_max,
@@ -435,17 +438,7 @@ class Exporter:
             records_failed=sc.failed,
             records_given_up=s.records_given_up,
             bytes_produced=sc.bytes_produced,
-            checkpoint=None
-            if cp is None
-            else CheckpointReadings(
-                cp.stats.snapshots,
-                cp.stats.errors,
-                cp.stats.last_snapshot_bytes,
-                cp.stats.last_snapshot_seconds,
-                cp.stats.journal_bytes,
-                int(cp.broken),
-                int(cp.stale),
-            ),
+            checkpoint=self.checkpoint.readings(),
             kafka_client=sc.client,
             delivery_failures=dict(sc.failures_by_error),
             extra=extra or {},
@@ -484,7 +477,7 @@ class Exporter:
         sent = 0
         cp = self.checkpoint
         while True:
-            if cp is not None and cp.stale and cp.due():
+            if cp.stale and cp.due():
                 self.snapshot()  # held back until one succeeds (the records built so far are in it)
             with self.lock:
                 exports = self.store.export_all(self.clock(), FORCED_END)
@@ -510,16 +503,15 @@ class Exporter:
             self.sink.purge()  # so closing the producer does not wait on a broker that is gone
             self._apply_reports()  # purged records come back as failed: they stay in the store
         self.outcome.final_records = sent
-        if cp is not None:
-            self.snapshot()  # also when a write failed before: the disk may have room again
-        if cp is not None and cp.stale:
+        self.snapshot()  # also when a write failed before: the disk may have room again
+        if cp.stale:
             self.outcome.kept = left
             log.error(
                 "shutdown: state.dir could not be written, %d records held back (not produced); the next start "
                 "continues every connection exactly from the old state there",
                 left,
             )
-        elif cp is not None and not cp.broken:
+        elif cp.keeps and not cp.broken:
             self.outcome.kept = left
             if left:
                 log.warning(

@@ -61,6 +61,7 @@ from typing import Any
 
 from flow_exporter import gc_policy
 from flow_exporter.flow import RECORD_FLAGS, ROW_ENDED, Export, Restored
+from flow_exporter.readings import CheckpointReadings
 
 log = logging.getLogger(__name__)
 
@@ -382,6 +383,16 @@ class Checkpoint:
             off += tlen + klen + vlen
             if off > len(payload):
                 raise ValueError("record past the end")
+
+    keeps = True  # the Journal port: a state directory keeps the state
+
+    def readings(self) -> CheckpointReadings:
+        """Its counters for the metrics endpoint."""
+        st = self.stats
+        return CheckpointReadings(
+            st.snapshots, st.errors, st.last_snapshot_bytes, st.last_snapshot_seconds, st.journal_bytes,
+            int(self.broken), int(self._stale),
+        )  # fmt: skip
 
     # ----------------------------------------------------------------- write
     def sent(self, exports: Iterable[Export]) -> None:

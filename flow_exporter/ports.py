@@ -8,12 +8,15 @@ waiting, a heartbeat while blocked) are given to the adapter when it is built, n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from flow_exporter.connection import Connection
-from flow_exporter.flow import Export
+from flow_exporter.flow import Export, Restored
+
+if TYPE_CHECKING:  # readings imports this module (ClientStats)
+    from flow_exporter.readings import CheckpointReadings
 
 
 @dataclass(slots=True)
@@ -161,3 +164,94 @@ class Sink(Protocol):
     def take_reports(self) -> list[DeliveryReport]:
         """The delivery reports collected since the last call."""
         ...
+
+
+class Journal(Protocol):
+    """The state directory as the loops use it (the real one: ``checkpoint.Checkpoint``; none: ``NoJournal``).
+
+    Records are journaled before they are produced and marked when delivered; a snapshot
+    replaces the journal when it is due.
+    """
+
+    keeps: bool
+    """Whether anything is kept at all (a snapshot costs a pass over the store: skipped when not)."""
+    broken: bool
+    """A write failed: the state on disk is not kept up to date."""
+
+    @property
+    def stale(self) -> bool:
+        """A write failed and the old state could not be deleted: no record may be produced until a snapshot."""
+        ...
+
+    def sent(self, exports: Iterable[Export]) -> None:
+        """Journal records about to be produced."""
+        ...
+
+    def delivered(self, exports: Iterable[Export]) -> None:
+        """Journal records Kafka acknowledged (or refused for good)."""
+        ...
+
+    def due(self) -> bool:
+        """Time for a snapshot."""
+        ...
+
+    def snapshot(self, reported: Iterable[Restored], in_flight: Iterable[Export]) -> None:
+        """Write the whole state at once; the journal starts over after it."""
+        ...
+
+    def readings(self) -> CheckpointReadings | None:
+        """Its counters for the metrics endpoint (None: nothing kept)."""
+        ...
+
+
+class NoJournal:
+    """No state directory: nothing is kept, nothing is held back."""
+
+    keeps = False
+    broken = False
+
+    @property
+    def stale(self) -> bool:
+        return False
+
+    def sent(self, exports: Iterable[Export]) -> None:
+        pass
+
+    def delivered(self, exports: Iterable[Export]) -> None:
+        pass
+
+    def due(self) -> bool:
+        return False
+
+    def snapshot(self, reported: Iterable[Restored], in_flight: Iterable[Export]) -> None:
+        pass
+
+    def readings(self) -> CheckpointReadings | None:
+        return None
+
+
+class DeliveryObserver(Protocol):
+    """Told of every record produced and settled (the real one: ``completeness.Completeness``; none: ``NoObserver``)."""
+
+    started_ms: int
+    """When this process started (ms): a record restored from a checkpoint counts as built just before it."""
+
+    def produced(self, key: int, export_ms: int) -> None:
+        """Record ``key`` (built at ``export_ms``) is about to be produced."""
+        ...
+
+    def settled(self, key: int, partition: int | None = None, offset: int | None = None) -> None:
+        """Record ``key`` is delivered (where Kafka put it) or given up (no partition)."""
+        ...
+
+
+class NoObserver:
+    """No completeness markers: deliveries are not followed."""
+
+    started_ms = 0
+
+    def produced(self, key: int, export_ms: int) -> None:
+        pass
+
+    def settled(self, key: int, partition: int | None = None, offset: int | None = None) -> None:
+        pass
