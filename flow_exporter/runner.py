@@ -5,6 +5,7 @@ Kept apart from :mod:`flow_exporter.app` so the loops stay testable with any sou
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -17,11 +18,10 @@ from confluent_kafka import KafkaException
 from flow_exporter import gc_policy
 from flow_exporter.app import Exporter
 from flow_exporter.checkpoint import Checkpoint, CheckpointError, Loaded
-from flow_exporter.completeness import Completeness, Delivered, Losses, MarkerRounds
+from flow_exporter.completeness import Completeness
 from flow_exporter.config import Config, ConfigError
 from flow_exporter.conntrack.errors import is_fatal
 from flow_exporter.conntrack.events import ConntrackEvents
-from flow_exporter.health import HealthReporter
 from flow_exporter.lifecycle import Lifecycle
 from flow_exporter.listener import Listener
 from flow_exporter.metrics import Metrics, liveness, readiness, routes
@@ -32,6 +32,7 @@ from flow_exporter.sink.discard import DiscardSink
 from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.sink.kafka import redact
 from flow_exporter.sink.registry import ensure_registered, with_registry
+from flow_exporter.sink.streams import HealthStream, MarkerStream
 from flow_exporter.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
@@ -157,97 +158,21 @@ def start_health_stream(cfg: Config, exporter: Exporter) -> HealthStream | None:
     topic = cfg["health.topic"]
     if not topic:
         return None
-    return HealthStream(cfg, exporter, topic)
+    return HealthStream(
+        cfg.producer_config(), exporter.readings, topic,
+        node=cfg.node_name, interval=cfg["health.interval"], flows=cfg["export.flows"],
+    )  # fmt: skip
 
 
-def side_producer(cfg: Config) -> Any:
-    """A producer of its own for a low-rate side stream (health, markers): the flows' settings, not their queue."""
-    from confluent_kafka import Producer
-
-    return Producer({"logger": logging.getLogger("flow_exporter.rdkafka"), **cfg.producer_config()})
-
-
-class HealthStream:
-    """A :class:`HealthReporter` and the Kafka producer it writes with (same settings as the flows')."""
-
-    def __init__(self, cfg: Config, exporter: Exporter, topic: str) -> None:
-        self._producer = side_producer(cfg)
-        self.topic = topic
-
-        def produce(key: bytes, value: bytes) -> None:
-            self._producer.produce(topic, value, key, on_delivery=self._delivered)
-            self._producer.poll(0)
-
-        self.reporter = HealthReporter(
-            exporter.readings,
-            produce,
-            node=cfg.node_name,
-            interval=cfg["health.interval"],
-            flows=cfg["export.flows"],
-        ).start()
-        log.info("health stream: a ConntrackHealth record every %.0fs to %s", cfg["health.interval"], topic)
-
-    @staticmethod
-    def _delivered(err: Any, msg: Any) -> None:
-        if err is not None:
-            log.warning("health record not delivered to %s: %s", msg.topic(), err)
-
-    def stop(self) -> None:
-        self.reporter.stop()
-        self.reporter.send_once()  # the last readings, so a stopped node's final state is on the topic
-        self._producer.flush(5)
-
-
-class MarkerStream:
-    """Completeness markers (flow_exporter.completeness) every markers.interval, on a producer of their own.
-
-    :class:`MarkerRounds` decides what goes: one round in flight at a time, a failed marker sent
-    again as the same bytes, so no count is in two markers and none is dropped with a lost one.
-    """
-
-    def __init__(self, cfg: Config, exporter: Exporter, completeness: Completeness, topic: str) -> None:
-        self._producer = side_producer(cfg)
-        self.topic, self.node, self.interval = topic, cfg.node_name, cfg["markers.interval"]
-        self._exporter = exporter
-        key = self.node.encode()
-
-        def produce(value: bytes, delivered: Delivered) -> None:
-            def report(err: Any, _msg: Any) -> None:
-                delivered(None if err is None else str(err))
-
-            self._producer.produce(topic, value, key, on_delivery=report)
-
-        self.rounds = MarkerRounds(
-            completeness, self.node, produce, wall_ms=lambda: time.time_ns() // 1_000_000, losses=self._losses
-        )
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="markers", daemon=True)
-        self._thread.start()
-        log.info("completeness markers every %.0fs to %s", self.interval, topic)
-
-    def _losses(self) -> Losses:
-        r = self._exporter.readings()
-        return Losses(r.event_losses, sum(r.given_up.values()), r.records_given_up)
-
-    def send_round(self) -> None:
-        self.rounds.tick()
-        self._producer.poll(0)
-
-    def _run(self) -> None:
-        due = time.monotonic() + self.interval
-        while not self._stop.wait(min(0.2, self.interval)):
-            self._producer.poll(0)  # delivery reports: a confirmed round lets the next one be built
-            if time.monotonic() >= due:
-                due += self.interval
-                self.send_round()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        deadline = time.monotonic() + 5  # the same 5 s as one flush: a broker that is gone costs no more
-        self._producer.flush(5)  # the round in flight first: the final one starts where it ends
-        self.send_round()  # after the last flush: what this process sent, confirmed up to now
-        self._producer.flush(max(deadline - time.monotonic(), 0))
+def start_markers(cfg: Config, exporter: Exporter, completeness: Completeness | None) -> MarkerStream | None:
+    """Completeness markers every markers.interval, when markers.topic is set and flows are exported."""
+    topic = cfg["markers.topic"]
+    if completeness is None or not topic:
+        return None
+    return MarkerStream(
+        cfg.producer_config(), exporter.readings, completeness, topic,
+        node=cfg.node_name, interval=cfg["markers.interval"],
+    )  # fmt: skip
 
 
 def start_events(cfg: Config, exporter: Exporter) -> ConntrackEvents | None:
@@ -329,56 +254,63 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
     except ConntrackError as exc:
         log.error("cannot open conntrack: %s", exc)
         return 1
-    lifecycle = Lifecycle()
-    stop = lifecycle.stop_event
-    if install_signals is not None:
-        install_signals(stop)
-    try:
-        checkpoint, loaded = open_state(cfg, stop)
-    except CheckpointError as exc:
-        log.error("%s", exc)
-        source.close()
-        return 2
-    if stop.is_set():
-        source.close()
-        return 0
-    flows = cfg["export.flows"]
-    sink: Sink = build_sink(cfg, lifecycle) if flows else DiscardSink()
-    metrics = Metrics() if cfg["metrics.port"] else None
-    markers_topic = cfg["markers.topic"] if flows else None
-    completeness = Completeness(cfg["kafka.topic"], time.time_ns() // 1_000_000) if markers_topic else None
-    enricher = None
-    if api is not None:  # caches fill in the background; records go out meanwhile
-        from flow_exporter.k8s import start_enricher
+    # Every service registers its stop as it starts; they stop in the reverse order, however this ends.
+    with contextlib.ExitStack() as services:
+        services.callback(source.close)
+        lifecycle = Lifecycle()
+        stop = lifecycle.stop_event
+        if install_signals is not None:
+            install_signals(stop)
+        try:
+            checkpoint, loaded = open_state(cfg, stop)
+        except CheckpointError as exc:
+            log.error("%s", exc)
+            return 2
+        if checkpoint is not None:
+            services.callback(checkpoint.close)
+        if stop.is_set():
+            return 0
+        flows = cfg["export.flows"]
+        sink: Sink = build_sink(cfg, lifecycle) if flows else DiscardSink()
+        metrics = Metrics() if cfg["metrics.port"] else None
+        markers_topic = cfg["markers.topic"] if flows else None
+        completeness = Completeness(cfg["kafka.topic"], time.time_ns() // 1_000_000) if markers_topic else None
+        enricher = None
+        if api is not None:  # caches fill in the background; records go out meanwhile
+            from flow_exporter.k8s import start_enricher
 
-        enricher = start_enricher(cfg, api)
-    exporter = Exporter(
-        source,
-        sink,
-        timeouts=timeouts_from(cfg),
-        node_name=cfg.node_name,
-        zones=cfg["conntrack.zones"],
-        retry_initial=cfg["retry.initialBackoff"],
-        retry_max=cfg["retry.maxBackoff"],
-        grace=cfg["shutdown.grace"],
-        max_connections=cfg["limits.maxConnections"],
-        compiled=cfg["conntrack.compiled"],
-        max_in_flight=cfg["limits.maxInFlight"],
-        is_fatal=is_fatal,
-        on_new=enricher,
-        checkpoint=checkpoint,
-        adopt=not (loaded and loaded.valid),
-        lifecycle=lifecycle,
-        timings=metrics,
-        completeness=completeness,
-    )
-    if loaded is not None and loaded.valid:
-        exporter.restore(loaded.rows, loaded.resends)
-    http = start_health_server(cfg, metrics, exporter, enricher)
-    events = start_events(cfg, exporter)
-    health = start_health_stream(cfg, exporter)
-    markers = MarkerStream(cfg, exporter, completeness, markers_topic) if completeness and markers_topic else None
-    try:
+            enricher = start_enricher(cfg, api)
+        exporter = Exporter(
+            source,
+            sink,
+            timeouts=timeouts_from(cfg),
+            node_name=cfg.node_name,
+            zones=cfg["conntrack.zones"],
+            retry_initial=cfg["retry.initialBackoff"],
+            retry_max=cfg["retry.maxBackoff"],
+            grace=cfg["shutdown.grace"],
+            max_connections=cfg["limits.maxConnections"],
+            compiled=cfg["conntrack.compiled"],
+            max_in_flight=cfg["limits.maxInFlight"],
+            is_fatal=is_fatal,
+            on_new=enricher,
+            checkpoint=checkpoint,
+            adopt=not (loaded and loaded.valid),
+            lifecycle=lifecycle,
+            timings=metrics,
+            completeness=completeness,
+        )
+        if loaded is not None and loaded.valid:
+            exporter.restore(loaded.rows, loaded.resends)
+        for start in (
+            partial(start_health_server, cfg, metrics, exporter, enricher),
+            partial(start_events, cfg, exporter),
+            partial(start_health_stream, cfg, exporter),
+            partial(start_markers, cfg, exporter, completeness),
+        ):
+            service = start()  # registered before the next one starts: a failure stops those before it
+            if service is not None:
+                services.callback(service.stop)
         if isinstance(sink, KafkaSink):
             if cfg["kafka.checkTopics"] and not check_topics(
                 sink, exporter.stop_event, cfg["retry.initialBackoff"], cfg["retry.maxBackoff"]
@@ -389,15 +321,3 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         else:
             log.info("flow export off (export.flows=false): connections are tracked, no flow record is sent")
         return exporter.run()
-    finally:
-        if markers is not None:
-            markers.stop()
-        if health is not None:
-            health.stop()
-        if events is not None:
-            events.stop()
-        if http is not None:
-            http.stop()
-        if checkpoint is not None:
-            checkpoint.close()
-        source.close()
