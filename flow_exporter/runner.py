@@ -24,8 +24,9 @@ from flow_exporter.conntrack.errors import is_fatal
 from flow_exporter.conntrack.events import ConntrackEvents
 from flow_exporter.lifecycle import Lifecycle
 from flow_exporter.listener import Listener
-from flow_exporter.metrics import Metrics, liveness, readiness, routes
+from flow_exporter.metrics import Metrics
 from flow_exporter.ports import Sink
+from flow_exporter.probes import liveness, readiness, routes
 from flow_exporter.readings import Readings
 from flow_exporter.sink import KafkaSink, Route
 from flow_exporter.sink.discard import DiscardSink
@@ -95,7 +96,7 @@ def check_topics(sink: KafkaSink, stop: threading.Event, initial: float, maximum
     return False
 
 
-def start_health_server(
+def start_listener(
     cfg: Config, metrics: Metrics | None, exporter: Exporter, enricher: Any = None
 ) -> Listener | None:
     """/metrics, /healthz and /readyz, unless metrics.port is 0 (then ``metrics`` is None)."""
@@ -154,7 +155,7 @@ def start_health_server(
 
 
 def start_health_stream(cfg: Config, exporter: Exporter) -> HealthStream | None:
-    """The ConntrackHealth records (flow_exporter.health), on a producer of their own, if health.topic is set."""
+    """ConntrackHealth records (flow_exporter.conntrack_health) on a producer of their own, when health.topic is set."""
     topic = cfg["health.topic"]
     if not topic:
         return None
@@ -303,7 +304,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         if loaded is not None and loaded.valid:
             exporter.restore(loaded.rows, loaded.resends)
         for start in (
-            partial(start_health_server, cfg, metrics, exporter, enricher),
+            partial(start_listener, cfg, metrics, exporter, enricher),
             partial(start_events, cfg, exporter),
             partial(start_health_stream, cfg, exporter),
             partial(start_markers, cfg, exporter, completeness),

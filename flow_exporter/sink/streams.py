@@ -17,7 +17,7 @@ from typing import Any
 from confluent_kafka import Producer
 
 from flow_exporter.completeness import Completeness, Delivered, Losses, MarkerRounds
-from flow_exporter.health import HealthReporter
+from flow_exporter.conntrack_health import HealthReporter
 from flow_exporter.readings import Readings
 
 log = logging.getLogger("flow_exporter.sink.streams")

@@ -3,7 +3,7 @@ naming TOPIC_AUTHORIZATION_FAILED, counts it by code, answers /readyz 503 once k
 passes with no delivery, and 200 again once the ACL is back (the records waiting go out).
 
 The exporter runs in this process as ``flow-exporter run`` wires it (``build_sink``,
-``start_health_server``, the real loops), over SASL as a user whose only right is that ACL; the
+``start_listener``, the real loops), over SASL as a user whose only right is that ACL; the
 conntrack table is an in-memory one whose counters keep moving, so records keep coming.
 """
 
@@ -31,7 +31,7 @@ from flow_exporter.app import Exporter
 from flow_exporter.config import load
 from flow_exporter.lifecycle import Lifecycle
 from flow_exporter.metrics import Metrics
-from flow_exporter.runner import build_sink, start_health_server, timeouts_from
+from flow_exporter.runner import build_sink, start_listener, timeouts_from
 from tests.support.exporter_process import scrape
 from tests.support.fakes import FakeTable
 from tests.support.store_builders import tcp
@@ -116,7 +116,7 @@ def test_a_revoked_write_acl_warns_then_not_ready_then_ready_again(
         table, build_sink(cfg, lifecycle), timeouts=timeouts_from(cfg), node_name=cfg.node_name, lifecycle=lifecycle,
         grace=cfg["shutdown.grace"],
     )  # fmt: skip
-    http = start_health_server(cfg, Metrics(), exporter)
+    http = start_listener(cfg, Metrics(), exporter)
     assert http is not None
     moving = threading.Event()
 

@@ -21,8 +21,8 @@ from confluent_kafka import Consumer
 
 from devtools.kafka import KafkaBroker
 from devtools.lab import Lab
+from flow_exporter.conntrack_health import health_schema
 from flow_exporter.flow import COUNTERS_RESET, NO_COUNTERS
-from flow_exporter.health import health_schema
 from tests.support.exporter_process import start_exporter, stop_exporter
 from tests.support.records import read_records
 

@@ -23,7 +23,7 @@ import pytest
 from flow_exporter.app import Exporter
 from flow_exporter.checkpoint import CHECKPOINT, JOURNAL, Checkpoint, CheckpointError, Loaded
 from flow_exporter.flow import Export, Restored
-from flow_exporter.metrics import readiness
+from flow_exporter.probes import readiness
 from flow_exporter.record import load_schema
 from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.store import ConnectionStore

@@ -15,7 +15,7 @@ import pytest
 from flow_exporter.delivery import DeliveryHealth, duration_text
 from flow_exporter.flow import Export
 from flow_exporter.lifecycle import Lifecycle
-from flow_exporter.metrics import readiness
+from flow_exporter.probes import readiness
 from flow_exporter.settings import DEFAULTS, ConfigError
 from flow_exporter.sink import KafkaSink
 from flow_exporter.store import ConnectionStore
@@ -281,7 +281,7 @@ def test_flow_exporter_run_wires_the_rule_into_readyz(ready_timeout: str) -> Non
     from flow_exporter.app import Exporter
     from flow_exporter.config import load
     from flow_exporter.metrics import Metrics
-    from flow_exporter.runner import build_sink, start_health_server, timeouts_from
+    from flow_exporter.runner import build_sink, start_listener, timeouts_from
     from tests.support.exporter_process import scrape
     from tests.support.fakes import FakeTable
 
@@ -289,7 +289,7 @@ def test_flow_exporter_run_wires_the_rule_into_readyz(ready_timeout: str) -> Non
                                       "metrics.port": 0, "kafka.producer": {"log_level": 0}})  # fmt: skip
     sink = build_sink(cfg)
     exporter = Exporter(FakeTable(), sink, timeouts=timeouts_from(cfg), node_name="node-a")
-    http = start_health_server(cfg, Metrics(), exporter)
+    http = start_listener(cfg, Metrics(), exporter)
     assert http is not None
     try:
         clock = Clock()

@@ -21,7 +21,8 @@ from prometheus_client import generate_latest
 from flow_exporter.app import Exporter
 from flow_exporter.flow import ACTIVE_TIMEOUT, END_OF_FLOW, FORCED_END, IDLE_TIMEOUT, Export
 from flow_exporter.lifecycle import Lifecycle
-from flow_exporter.metrics import _CHECKPOINT_FAMILIES, _FAMILIES, Metrics, readiness
+from flow_exporter.metrics import _CHECKPOINT_FAMILIES, _FAMILIES, Metrics
+from flow_exporter.probes import readiness
 from flow_exporter.readings import CheckpointReadings, Readings
 from flow_exporter.record import load_schema
 from flow_exporter.sink.encoder import RecordEncoder
