@@ -36,6 +36,17 @@ REASON_NAMES = {
     LACK_OF_RESOURCES: "resources",
 }
 
+# flowType codes (README, "Record fields"): where the destination is, as enrichment sees it; 0 unknown.
+INTRA_NODE = 1  # pod to pod on this node
+INTER_NODE = 2  # pod to pod across nodes
+TO_EXTERNAL = 3  # pod to something outside the cluster's pods
+FROM_EXTERNAL = 4  # something outside the cluster's pods to a pod
+
+# Why a connection was given up at the cap (the label of flow_exporter_connections_given_up_total).
+GIVE_UP_REFUSED = "cap_refused"  # a new connection found the store full
+GIVE_UP_IDLE = "cap_idle"  # an idle, fully reported connection made room for a new one
+GIVE_UP_REASONS = (GIVE_UP_REFUSED, GIVE_UP_IDLE)
+
 # Record ``flags`` bits: facts about the connectionId. ADOPTED and COUNTERS_RESET are the same in
 # all of its records; NO_COUNTERS and OFFLOADED are set from the first record that shows them.
 ADOPTED = 1

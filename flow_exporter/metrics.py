@@ -24,6 +24,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from flow_exporter.flow import GIVE_UP_REASONS
 from flow_exporter.ports import BrokerStats, ClientStats
 from flow_exporter.readings import Readings
 
@@ -122,7 +123,7 @@ _CHECKPOINT_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     ("broken", "checkpoint_broken", "1 while state.dir cannot be written (a snapshot is retried).", "gauge"),
     ("stale", "checkpoint_stale", "1 while state.dir keeps an old state it cannot delete: records held back.", "gauge"),
 )
-GIVEN_UP_REASONS = ("cap_refused", "cap_idle")
+GIVEN_UP_REASONS = GIVE_UP_REASONS
 # Counters other parts hand in through Readings.extra (the runner: Kubernetes enrichment), with their help.
 EXTRA_FAMILIES = {
     "enrichment_lookups": "Connections looked up in the Kubernetes caches.",

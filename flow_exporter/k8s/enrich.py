@@ -27,16 +27,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from flow_exporter.connection import Connection
-from flow_exporter.flow import NewConnection
+from flow_exporter.flow import FROM_EXTERNAL, INTER_NODE, INTRA_NODE, TO_EXTERNAL, NewConnection
 from flow_exporter.k8s.index import NodeIndex, PodIndex, PodInfo, ServiceIndex
 from flow_exporter.k8s.owners import OwnerIndex, workload
 
 log = logging.getLogger(__name__)
-
-INTRA_NODE = 1
-INTER_NODE = 2
-TO_EXTERNAL = 3
-FROM_EXTERNAL = 4
 
 _UNPLACED: tuple[None, None] = (None, None)  # an end with no node, or a node not (yet) in the cache
 DEFAULT_LABEL_KEYS = ("app", "app.kubernetes.io/name")

@@ -21,14 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from flow_exporter.flow import Export, NewConnection
+from flow_exporter.flow import GIVE_UP_IDLE, GIVE_UP_REFUSED, Export, NewConnection
 from flow_exporter.settings import DEFAULTS
 from flow_exporter.store.ledger import RESEND_MAX_DELAY, RETRY_DELAY
 from flow_exporter.store.shutdown import Shutdown
 from flow_exporter.store.stats import StoreStats
 from flow_exporter.store.table import (
-    GIVE_UP_IDLE,
-    GIVE_UP_REFUSED,
     TOMBSTONE_MIN_TTL,
     GivenUp,
     Tombstone,

@@ -35,6 +35,8 @@ from flow_exporter.flow import (
     COUNTERS_RESET,
     END_OF_FLOW,
     FORCED_END,
+    GIVE_UP_IDLE,
+    GIVE_UP_REFUSED,
     LACK_OF_RESOURCES,
     RECORD_FLAGS,
     ROW_ENDED,
@@ -63,9 +65,6 @@ log = logging.getLogger("flow_exporter.store")
 # The cap's log line comes at most this often (seconds), with the counts since the last one.
 CAP_LOG_INTERVAL = 60.0
 
-# Labels of the give-up counter (metrics: flow_exporter_connections_given_up_total{reason}).
-GIVE_UP_REFUSED = "cap_refused"  # a new connection found the store full
-GIVE_UP_IDLE = "cap_idle"  # an idle, fully reported connection made room for a new one
 
 # A tombstone lives at least this long (seconds) after its connection was forgotten: a DESTROY
 # event read later than that (listener lag under load, a large conntrack.eventBuffer) finds no

@@ -26,8 +26,9 @@ from kubernetes.client.rest import ApiException
 from devtools.apiserver import ApiServer
 from devtools.lab import Lab
 from flow_exporter.connection import PROTO_TCP, Connection
+from flow_exporter.flow import INTER_NODE, INTRA_NODE
 from flow_exporter.k8s.cache import RESOURCES, K8sCaches, load_configuration
-from flow_exporter.k8s.enrich import INTER_NODE, INTRA_NODE, Enricher
+from flow_exporter.k8s.enrich import Enricher
 from flow_exporter.k8s.index import pack_ip
 from flow_exporter.record import K8S_FIELDS
 from tests.support.exporter_process import start_exporter, stop_exporter

@@ -23,8 +23,9 @@ from kubernetes.client.rest import ApiException
 
 from flow_exporter.config import ConfigError, load
 from flow_exporter.connection import PROTO_TCP, PROTO_UDP, Connection
+from flow_exporter.flow import FROM_EXTERNAL, INTER_NODE, INTRA_NODE, TO_EXTERNAL
 from flow_exporter.k8s.cache import K8sCaches
-from flow_exporter.k8s.enrich import FROM_EXTERNAL, INTER_NODE, INTRA_NODE, TO_EXTERNAL, Enricher
+from flow_exporter.k8s.enrich import Enricher
 from flow_exporter.k8s.index import Indexes, PodIndex, ServiceIndex, pack_ip, parse_time_ns
 from flow_exporter.record import K8S_FIELDS
 from tests.support.fakes import NewFlow
