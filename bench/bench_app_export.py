@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     import dataclasses
 
     from devtools.kafka import KafkaBroker
-    from flow_exporter.app import Exporter
+    from flow_exporter.app import Exporter, ExporterOptions
     from flow_exporter.lifecycle import Lifecycle
     from flow_exporter.sink.encoder import RecordEncoder
     from flow_exporter.timeouts import Timeouts
@@ -123,8 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         sink.missing_topics()  # connected before timing
         table = FakeTable(batch=2000)
         table.entries = conns
-        exp = Exporter(table, sink, timeouts=Timeouts(5.0, 5.0, 15.0), node_name="bench", lifecycle=life,
-                       clock=lambda: clock[0], max_in_flight=n)  # fmt: skip
+        exp = Exporter(
+            table,
+            sink,
+            ExporterOptions(timeouts=Timeouts(5.0, 5.0, 15.0), node_name="bench", max_in_flight=n),
+            lifecycle=life,
+            clock=lambda: clock[0],
+        )  # fmt: skip
         exp.poll_once()
         first, first_cpu, payloads = app_round(exp, sink, clock, n)
         steady, steady_cpu = [], []

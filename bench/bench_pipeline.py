@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from devtools.kafka import KafkaBroker
     from flow_exporter import gc_policy
-    from flow_exporter.app import Exporter
+    from flow_exporter.app import Exporter, ExporterOptions
     from flow_exporter.checkpoint import Checkpoint
     from flow_exporter.lifecycle import Lifecycle
     from flow_exporter.sink import KafkaSink
@@ -117,9 +117,16 @@ def main(argv: list[str] | None = None) -> int:
         cp.lock()
         cp.begin(cp.load())
         rss_table = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the harness's table, before any poll
-        exp = Exporter(table, sink, timeouts=Timeouts(5.0, 5.0, 15.0), node_name="bench", lifecycle=life,
-                       checkpoint=cp, max_connections=250_000, max_in_flight=50_000,  # the DaemonSet's limits
-                       grace=10.0)  # fmt: skip
+        exp = Exporter(
+            table,
+            sink,
+            ExporterOptions(
+                timeouts=Timeouts(5.0, 5.0, 15.0), node_name="bench", max_connections=250_000, max_in_flight=50_000,
+                grace=10.0,
+            ),
+            lifecycle=life,
+            checkpoint=cp,
+        )  # fmt: skip
         runner = threading.Thread(target=exp.run)
         t_start = time.monotonic()
         runner.start()

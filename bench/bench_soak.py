@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from devtools.kafka import KafkaBroker
     from devtools.lab import Lab
-    from flow_exporter.app import Exporter
+    from flow_exporter.app import Exporter, ExporterOptions
     from flow_exporter.conntrack.dumper import ConntrackDumper
     from flow_exporter.sink import KafkaSink
     from flow_exporter.sink.encoder import RecordEncoder
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         steady = args.rate * args.lifetime
         feeder.load(steady, lambda i: 1 + (i * args.lifetime) // steady)  # staggered expiry: steady state at once
         sink = KafkaSink({"bootstrap.servers": broker.bootstrap}, "soak", RecordEncoder("soak").encode)
-        exp = Exporter(ConntrackDumper(netns=ns), sink, timeouts=Timeouts(), node_name="soak")
+        exp = Exporter(ConntrackDumper(netns=ns), sink, ExporterOptions(timeouts=Timeouts(), node_name="soak"))
         th = threading.Thread(target=exp.run)
         th.start()
         t0 = time.monotonic()

@@ -32,8 +32,8 @@ from confluent_kafka import Consumer
 from devtools.apiserver import ApiServer
 from devtools.kafka import KafkaBroker
 from devtools.lab import Lab, LabError, Pod
+from flow_exporter.commands import table_header, table_row
 from flow_exporter.record import load_schema
-from flow_exporter.tools import table_header, table_row
 
 TOPIC = "flows"
 

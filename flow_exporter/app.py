@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -70,6 +70,26 @@ class ShutdownOutcome:
 _zone = attrgetter("zone")
 
 
+@dataclass(frozen=True, slots=True)
+class ExporterOptions:
+    """The loops' settings in one value: the runner builds it from the config (``runner.options_from``).
+
+    The collaborators (source, sink, journal, observers, clocks) are passed to :class:`Exporter`
+    beside it; these are plain values.
+    """
+
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    node_name: str = ""
+    zones: frozenset[int] = frozenset()  # empty: every zone
+    retry_initial: float = DEFAULTS["retry.initialBackoff"]
+    retry_max: float = DEFAULTS["retry.maxBackoff"]
+    grace: float = DEFAULTS["shutdown.grace"]
+    max_connections: int = DEFAULTS["limits.maxConnections"]
+    max_in_flight: int = DEFAULTS["limits.maxInFlight"]
+    compiled: bool = True  # the compiled poll path, when built (conntrack.compiled)
+    adopt: bool = True  # no state to continue from: connections found live are flagged adopted
+
+
 class Exporter:
     """Runs the poll and expire loops against a :class:`Source` and a :class:`Sink`."""
 
@@ -77,51 +97,47 @@ class Exporter:
         self,
         source: Source,
         sink: Sink,
+        options: ExporterOptions,
         *,
-        timeouts: Timeouts,
-        node_name: str,
         lifecycle: Lifecycle | None = None,
-        zones: Collection[int] = (),
-        retry_initial: float = DEFAULTS["retry.initialBackoff"],
-        retry_max: float = DEFAULTS["retry.maxBackoff"],
-        grace: float = DEFAULTS["shutdown.grace"],
-        max_connections: int = DEFAULTS["limits.maxConnections"],
-        max_in_flight: int = DEFAULTS["limits.maxInFlight"],
-        compiled: bool = True,
         on_new: Callable[[NewConnection], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_ns: Callable[[], int] = time.time_ns,
         is_fatal: Callable[[BaseException], bool] = lambda e: False,  # the runner knows the real source's errors
         checkpoint: Journal | None = None,
-        adopt: bool = True,
         timings: Timings | None = None,
         completeness: DeliveryObserver | None = None,
     ) -> None:
         self.source = source
         self.completeness: DeliveryObserver = completeness if completeness is not None else NoObserver()
         self.sink = sink
+        self.options = options
         self.lifecycle = lifecycle or Lifecycle()
-        self.timeouts = timeouts
-        self.node_name = node_name
-        self.zones = frozenset(zones)
-        self.grace = grace
+        self.timeouts = options.timeouts
+        self.node_name = options.node_name
+        self.zones = frozenset(options.zones)
+        self.grace = options.grace
         self.clock = clock
         self.wall_ns = wall_ns
         self.store = ConnectionStore(
-            timeouts, on_new=on_new, max_connections=max_connections, adopt=adopt, compiled=compiled
+            options.timeouts,
+            on_new=on_new,
+            max_connections=options.max_connections,
+            adopt=options.adopt,
+            compiled=options.compiled,
         )
         self.checkpoint: Journal = checkpoint if checkpoint is not None else NoJournal()
         self.events: EventSource | None = None
         self._given_up_logged_at = float("-inf")
-        self.max_in_flight = max_in_flight
+        self.max_in_flight = options.max_in_flight
         self.lock = threading.Lock()
         self.stop_event = self.lifecycle.stop_event
         self.stats = LoopStats()
         self.outcome = ShutdownOutcome()
         self.fatal: BaseException | None = None
         self._is_fatal = is_fatal
-        self._retry_initial = retry_initial
-        self._retry_max = retry_max
+        self._retry_initial = options.retry_initial
+        self._retry_max = options.retry_max
         self._timings = timings
         self._resync = threading.Event()
 

@@ -16,7 +16,7 @@ from typing import Any
 from confluent_kafka import KafkaException
 
 from flow_exporter import gc_policy
-from flow_exporter.app import Exporter
+from flow_exporter.app import Exporter, ExporterOptions
 from flow_exporter.checkpoint import Checkpoint, CheckpointError, Loaded
 from flow_exporter.completeness import Completeness
 from flow_exporter.config import Config, ConfigError
@@ -67,6 +67,22 @@ def timeouts_from(cfg: Config) -> Timeouts:
         cfg["conntrack.pollInterval"],
         cfg["expiry.activeTimeout"],
         cfg["expiry.idleTimeout"],
+    )
+
+
+def options_from(cfg: Config, *, adopt: bool) -> ExporterOptions:
+    """The loops' settings from the config (``adopt``: no state to continue from)."""
+    return ExporterOptions(
+        timeouts=timeouts_from(cfg),
+        node_name=cfg.node_name,
+        zones=frozenset(cfg["conntrack.zones"]),
+        retry_initial=cfg["retry.initialBackoff"],
+        retry_max=cfg["retry.maxBackoff"],
+        grace=cfg["shutdown.grace"],
+        max_connections=cfg["limits.maxConnections"],
+        max_in_flight=cfg["limits.maxInFlight"],
+        compiled=cfg["conntrack.compiled"],
+        adopt=adopt,
     )
 
 
@@ -284,19 +300,10 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         exporter = Exporter(
             source,
             sink,
-            timeouts=timeouts_from(cfg),
-            node_name=cfg.node_name,
-            zones=cfg["conntrack.zones"],
-            retry_initial=cfg["retry.initialBackoff"],
-            retry_max=cfg["retry.maxBackoff"],
-            grace=cfg["shutdown.grace"],
-            max_connections=cfg["limits.maxConnections"],
-            compiled=cfg["conntrack.compiled"],
-            max_in_flight=cfg["limits.maxInFlight"],
+            options_from(cfg, adopt=not (loaded and loaded.valid)),
             is_fatal=is_fatal,
             on_new=enricher,
             checkpoint=checkpoint,
-            adopt=not (loaded and loaded.valid),
             lifecycle=lifecycle,
             timings=metrics,
             completeness=completeness,

@@ -22,7 +22,7 @@ import pytest
 
 from devtools.kafka import KafkaBroker
 from devtools.lab import CtEntry, Lab, LongConnection, run_in
-from flow_exporter.app import Exporter
+from flow_exporter.app import Exporter, ExporterOptions
 from flow_exporter.conntrack.dumper import ConntrackDumper
 from flow_exporter.conntrack.events import ConntrackEvents
 from flow_exporter.flow import ADOPTED, COUNTERS_RESET, END_OF_FLOW, FORCED_END, LACK_OF_RESOURCES
@@ -353,7 +353,7 @@ def test_sweep_and_destroy_race_in_both_orders(lab: Lab, kafka_broker: Any, kafk
     p1, p2, _ = lab.pods
     sink = KafkaSink({"bootstrap.servers": kafka_broker.bootstrap}, kafka_topic, RecordEncoder("race").encode)
     source = ConntrackDumper(netns=lab.node_ns)
-    exporter = Exporter(source, sink, timeouts=Timeouts(1, 1, 1), node_name="race")
+    exporter = Exporter(source, sink, ExporterOptions(timeouts=Timeouts(1, 1, 1), node_name="race"))
     events = ConntrackEvents(exporter.apply_events, lambda: None, netns=lab.node_ns)  # thread not started
 
     def deliver() -> None:

@@ -27,7 +27,7 @@ from confluent_kafka.admin import (
 )
 
 from devtools.kafka import KafkaBroker
-from flow_exporter.app import Exporter
+from flow_exporter.app import Exporter, ExporterOptions
 from flow_exporter.config import load
 from flow_exporter.lifecycle import Lifecycle
 from flow_exporter.metrics import Metrics
@@ -113,8 +113,10 @@ def test_a_revoked_write_acl_warns_then_not_ready_then_ready_again(
     lifecycle = Lifecycle()
     table = FakeTable()
     exporter = Exporter(
-        table, build_sink(cfg, lifecycle), timeouts=timeouts_from(cfg), node_name=cfg.node_name, lifecycle=lifecycle,
-        grace=cfg["shutdown.grace"],
+        table,
+        build_sink(cfg, lifecycle),
+        ExporterOptions(timeouts=timeouts_from(cfg), node_name=cfg.node_name, grace=cfg["shutdown.grace"]),
+        lifecycle=lifecycle,
     )  # fmt: skip
     http = start_listener(cfg, Metrics(), exporter)
     assert http is not None

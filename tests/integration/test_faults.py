@@ -22,7 +22,7 @@ import pytest
 
 from devtools.kafka import KafkaBroker
 from devtools.lab import Lab
-from flow_exporter.app import Exporter
+from flow_exporter.app import Exporter, ExporterOptions
 from flow_exporter.connection import Connection
 from flow_exporter.conntrack.dumper import ConntrackDumper
 from flow_exporter.conntrack.errors import ConntrackDumpInterrupted, ConntrackError, ConntrackOverrun
@@ -216,7 +216,11 @@ def test_failing_dumps_are_retried_with_backoff_and_counted(lab: Lab, kafka_brok
     ]
     source = FlakySource(ConntrackDumper(netns=lab.node_ns), failures)
     sink = KafkaSink({"bootstrap.servers": kafka_broker.bootstrap}, kafka_topic, RecordEncoder("n").encode)
-    exp = Exporter(source, sink, timeouts=Timeouts(0.5, 1, 2), node_name="n", retry_initial=0.1, retry_max=0.4)
+    exp = Exporter(
+        source,
+        sink,
+        ExporterOptions(timeouts=Timeouts(0.5, 1, 2), node_name="n", retry_initial=0.1, retry_max=0.4),
+    )
     t0 = time.monotonic()
     th = threading.Thread(target=exp.run)
     th.start()

@@ -26,7 +26,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from devtools.lab import Lab, run_in
-from flow_exporter.app import Exporter
+from flow_exporter.app import Exporter, ExporterOptions
 from flow_exporter.connection import Connection
 from flow_exporter.conntrack.dumper import ConntrackDumper
 from flow_exporter.conntrack.events import ConntrackEvents
@@ -204,7 +204,7 @@ def test_destroy_read_after_its_tombstone_expired_gets_a_new_adopted_connection_
     source = ConntrackDumper(netns=lab.node_ns)
     # The real tombstone life (60 s at this poll interval) on a clock the test moves: no 60 s wait,
     # and exporter.store.tombstone_ttl is left as the product sets it.
-    exporter = Exporter(source, sink, timeouts=Timeouts(1, 1, 1), node_name="late", clock=clock)
+    exporter = Exporter(source, sink, ExporterOptions(timeouts=Timeouts(1, 1, 1), node_name="late"), clock=clock)
     metrics = Metrics()
     metrics.bind(exporter.readings)
     gate = HeldDestroys(exporter)

@@ -14,7 +14,7 @@ import pytest
 from confluent_kafka import Consumer, KafkaError
 from prometheus_client import generate_latest
 
-from flow_exporter.app import Exporter
+from flow_exporter.app import Exporter, ExporterOptions
 from flow_exporter.connection import PROTO_TCP, Connection
 from flow_exporter.flow import END_OF_FLOW
 from flow_exporter.metrics import Metrics
@@ -154,7 +154,7 @@ def test_client_statistics_reach_the_metrics(kafka_broker: Any) -> None:
     assert broker.name.startswith("127.0.0.1:") and broker.request_errors == 0 and broker.disconnects == 0
     assert broker.requests > 0 and 0 < broker.rtt_seconds < 5  # a produce and metadata requests: not a count we set
     metrics = Metrics()
-    exp = Exporter(FakeTable(), sink, timeouts=Timeouts(), node_name="n1")
+    exp = Exporter(FakeTable(), sink, ExporterOptions(timeouts=Timeouts(), node_name="n1"))
     metrics.bind(exp.readings)
     text = generate_latest(metrics.registry).decode()
     assert f'flow_exporter_kafka_broker_requests_total{{broker="{broker.name}"}}' in text
@@ -228,7 +228,7 @@ def test_loops_export_and_shutdown_flushes_forced_records(kafka_broker: Any) -> 
     ser = AvroSerializer()
     sink = KafkaSink({"bootstrap.servers": kafka_broker.bootstrap}, topic, RecordEncoder("n1").encode)
     source = ListSource([[conn(i, packets=1) for i in range(1, 51)], [conn(i, packets=2) for i in range(1, 51)]])
-    exp = Exporter(source, sink, timeouts=Timeouts(0.2, 0.5, 5.0), node_name="n1", grace=10.0)
+    exp = Exporter(source, sink, ExporterOptions(timeouts=Timeouts(0.2, 0.5, 5.0), node_name="n1", grace=10.0))
     t = threading.Thread(target=exp.run)
     t.start()
     time.sleep(1.5)

@@ -18,7 +18,7 @@ from confluent_kafka import Producer
 
 from bench.bench_export import synthetic_exports
 from devtools.kafka import KafkaBroker
-from flow_exporter.app import Exporter
+from flow_exporter.app import Exporter, ExporterOptions
 from flow_exporter.commands import ValueDecoder, matches, table_header, table_row
 from flow_exporter.flow import Export
 from flow_exporter.record import load_schema
@@ -251,7 +251,7 @@ def test_first_poll_line_has_thousands_separators(caplog: pytest.LogCaptureFixtu
 
     # Never connects (nothing is produced); log_level 0 keeps librdkafka's connect errors out of the output.
     sink = KafkaSink({"bootstrap.servers": "127.0.0.1:9", "log_level": 0}, "t", RecordEncoder(NODE).encode)
-    exp = Exporter(Source(), sink, timeouts=Timeouts(1.0, 5.0, 15.0), node_name=NODE)  # type: ignore[arg-type]
+    exp = Exporter(Source(), sink, ExporterOptions(timeouts=Timeouts(1.0, 5.0, 15.0), node_name=NODE))  # type: ignore[arg-type]
     with caplog.at_level(logging.INFO, logger="flow_exporter.app"):
         exp.poll_once()
     assert any("first poll: 12,345 connections in" in r.getMessage() for r in caplog.records)

@@ -20,7 +20,7 @@ from typing import Any
 import fastavro
 import pytest
 
-from flow_exporter.app import Exporter
+from flow_exporter.app import Exporter, ExporterOptions
 from flow_exporter.checkpoint import CHECKPOINT, JOURNAL, Checkpoint, CheckpointError, Loaded
 from flow_exporter.flow import Export, Restored
 from flow_exporter.probes import readiness
@@ -415,9 +415,16 @@ def continues_exactly(path: Path, broker: FakeBroker) -> None:
 def exporter_on(path: Path, disk: Disk, clock: Clock) -> tuple[Exporter, FakeTable, FakeBroker]:
     cp, loaded = on_disk(path, disk, clock)
     table, broker = FakeTable(), FakeBroker(RecordEncoder("node-a").encode)
-    exp = Exporter(table, broker, timeouts=Timeouts(poll_interval=1.0, active=5.0, idle=15.0),
-                   node_name="node-a", clock=lambda: clock.now, wall_ns=clock.wall, checkpoint=cp,
-                   adopt=not loaded.valid)  # fmt: skip
+    exp = Exporter(
+        table,
+        broker,
+        ExporterOptions(
+            timeouts=Timeouts(poll_interval=1.0, active=5.0, idle=15.0), node_name="node-a", adopt=not loaded.valid
+        ),
+        clock=lambda: clock.now,
+        wall_ns=clock.wall,
+        checkpoint=cp,
+    )  # fmt: skip
     return exp, table, broker
 
 

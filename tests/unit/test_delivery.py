@@ -278,7 +278,7 @@ def test_the_sink_counts_a_record_too_large_as_permanent_and_stays_ready() -> No
 @pytest.mark.parametrize("ready_timeout", ["2m", "0"])
 def test_flow_exporter_run_wires_the_rule_into_readyz(ready_timeout: str) -> None:
     """As ``flow-exporter run`` builds it: the sink's delivery health behind /readyz, unless the timeout is 0."""
-    from flow_exporter.app import Exporter
+    from flow_exporter.app import Exporter, ExporterOptions
     from flow_exporter.config import load
     from flow_exporter.metrics import Metrics
     from flow_exporter.runner import build_sink, start_listener, timeouts_from
@@ -288,7 +288,7 @@ def test_flow_exporter_run_wires_the_rule_into_readyz(ready_timeout: str) -> Non
     cfg = load(environ={}, overrides={"kafka.bootstrapServers": "127.0.0.1:9", "kafka.readyTimeout": ready_timeout,
                                       "metrics.port": 0, "kafka.producer": {"log_level": 0}})  # fmt: skip
     sink = build_sink(cfg)
-    exporter = Exporter(FakeTable(), sink, timeouts=timeouts_from(cfg), node_name="node-a")
+    exporter = Exporter(FakeTable(), sink, ExporterOptions(timeouts=timeouts_from(cfg), node_name="node-a"))
     http = start_listener(cfg, Metrics(), exporter)
     assert http is not None
     try:

@@ -18,7 +18,7 @@ import fastavro
 import pytest
 from prometheus_client import generate_latest
 
-from flow_exporter.app import Exporter
+from flow_exporter.app import Exporter, ExporterOptions
 from flow_exporter.flow import ACTIVE_TIMEOUT, END_OF_FLOW, FORCED_END, IDLE_TIMEOUT, Export
 from flow_exporter.lifecycle import Lifecycle
 from flow_exporter.metrics import _CHECKPOINT_FAMILIES, _FAMILIES, Metrics
@@ -42,8 +42,9 @@ def rig(**kw: object) -> tuple[Exporter, FakeTable, FakeBroker, Clock]:
     clock = Clock()
     table = FakeTable()
     broker = FakeBroker(RecordEncoder("node-a").encode)
-    exp = Exporter(table, broker, timeouts=TIMEOUTS, node_name="node-a", clock=lambda: clock.now,
-                   wall_ns=clock.wall, **kw)  # type: ignore[arg-type]  # fmt: skip
+    options = {k: kw.pop(k) for k in list(kw) if k in ExporterOptions.__dataclass_fields__}
+    exp = Exporter(table, broker, ExporterOptions(timeouts=TIMEOUTS, node_name="node-a", **options),  # type: ignore[arg-type]
+                   clock=lambda: clock.now, wall_ns=clock.wall, **kw)  # type: ignore[arg-type]  # fmt: skip
     return exp, table, broker, clock
 
 
@@ -230,8 +231,13 @@ def test_the_expire_loop_survives_an_unexpected_error_and_goes_on() -> None:
     clock = Clock()
     table = FakeTable()
     broker = FlakyBroker(RecordEncoder("node-a").encode)
-    exp = Exporter(table, broker, timeouts=TIMEOUTS, node_name="node-a", clock=lambda: clock.now,
-                   wall_ns=clock.wall, retry_initial=0.01, retry_max=0.02)  # fmt: skip
+    exp = Exporter(
+        table,
+        broker,
+        ExporterOptions(timeouts=TIMEOUTS, node_name="node-a", retry_initial=0.01, retry_max=0.02),
+        clock=lambda: clock.now,
+        wall_ns=clock.wall,
+    )  # fmt: skip
     table.entries = [tcp(46000, packets=2)]
     exp.poll_once()
     clock.tick(TIMEOUTS.active)
@@ -259,8 +265,13 @@ def test_a_record_that_cannot_be_encoded_is_given_up_and_the_connection_goes_on(
     clock = Clock()
     table = FakeTable()
     broker = FakeBroker(flaky_encode)
-    exp = Exporter(table, broker, timeouts=TIMEOUTS, node_name="node-a", clock=lambda: clock.now,
-                   wall_ns=clock.wall)  # fmt: skip
+    exp = Exporter(
+        table,
+        broker,
+        ExporterOptions(timeouts=TIMEOUTS, node_name="node-a"),
+        clock=lambda: clock.now,
+        wall_ns=clock.wall,
+    )  # fmt: skip
     table.entries = [tcp(47000, packets=2)]
     for _ in range(TIMEOUTS.active.__ceil__() + 1):
         step(exp, broker, clock)
