@@ -15,7 +15,9 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -73,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
     """Dispatch a tool command; exit codes as for the CLI (0 done, 1 failure, 2 usage)."""
     if args.command == "schema":
         return schema_command(args, sys.stdout)
+    # Ctrl-C ends the session between two polls. As a KeyboardInterrupt it could land inside one of
+    # librdkafka's callbacks, where the client swallows it and the loop would go on.
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda _signum, _frame: stop.set())
     try:
         cfg = _load(args)
     except ConfigError as exc:
@@ -81,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if args.count is not None and args.count < 1:
         print("flow-exporter tail: --count must be at least 1", file=sys.stderr)
         return 2
-    return tail_command(args, cfg, sys.stdout, sys.stderr)
+    return tail_command(args, cfg, sys.stdout, sys.stderr, stop)
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -333,7 +339,9 @@ def consumer_config(cfg: Config) -> dict[str, Any]:
     return conf
 
 
-def tail_command(args: argparse.Namespace, cfg: Config, out: TextIO, err: TextIO) -> int:
+def tail_command(
+    args: argparse.Namespace, cfg: Config, out: TextIO, err: TextIO, stop: threading.Event | None = None
+) -> int:
     """Read, filter and print records until Ctrl-C or ``--count``."""
     from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaException, TopicPartition
 
@@ -357,11 +365,14 @@ def tail_command(args: argparse.Namespace, cfg: Config, out: TextIO, err: TextIO
         if tmd is None or tmd.error is not None or not tmd.partitions:
             print(f"flow-exporter tail: topic {topic!r} not found ({tmd.error if tmd else 'no metadata'})", file=err)
             return 1
+        stop = stop if stop is not None else threading.Event()
+        if stop.is_set():
+            return 0
         start = OFFSET_BEGINNING if args.from_beginning else OFFSET_END
         consumer.assign([TopicPartition(topic, p, start) for p in sorted(tmd.partitions)])
         printer = _Printer(out, args.json)
         shown = 0
-        for msg in _messages(consumer):
+        for msg in _messages(consumer, stop):
             if msg.error() is not None:
                 if msg.error().fatal():
                     print(f"flow-exporter tail: {msg.error().str()}", file=err)
@@ -396,8 +407,8 @@ def tail_command(args: argparse.Namespace, cfg: Config, out: TextIO, err: TextIO
             consumer.close()
 
 
-def _messages(consumer: Any, timeout: float = 0.5) -> Iterator[Any]:
-    while True:
+def _messages(consumer: Any, stop: threading.Event, timeout: float = 0.5) -> Iterator[Any]:
+    while not stop.is_set():
         msg = consumer.poll(timeout)
         if msg is not None:
             yield msg
