@@ -444,6 +444,26 @@ static int next_message(const uint8_t *buf, Py_ssize_t n, Py_ssize_t *off, Resul
     return 2;
 }
 
+/* The next message of the buffer that decodes to an entry passing the zone filter: 1 (e, r and *mtype set),
+ * 0 at the buffer's end, -1 on error (an exception set). Skipped and decoded messages are counted in res. */
+static int next_entry(const uint8_t *buf, Py_ssize_t n, Py_ssize_t *off, Result *res, PyObject *zones, Entry *e, Row *r,
+                      uint16_t *mtype) {
+    uint32_t mlen;
+    while (next_message(buf, n, off, res, &mlen, mtype) == 1) {
+        Py_ssize_t here = *off;
+        *off += ((Py_ssize_t)mlen + 3) & ~(Py_ssize_t)3;
+        if (walk_message(e, buf, here, mlen)) {
+            res->skipped++;
+            continue;
+        }
+        res->decoded++;
+        to_row(e, r);
+        int keep = keep_zone(zones, r->zone);
+        if (keep) return keep < 0 ? -1 : 1;
+    }
+    return 0;
+}
+
 static PyObject *native_decode(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer view;
@@ -459,20 +479,9 @@ static PyObject *native_decode(PyObject *self, PyObject *args) {
     Result res = {0};
     Entry e;
     Row r;
-    uint32_t mlen;
     uint16_t mtype;
-    while (next_message(buf, n, &off, &res, &mlen, &mtype) == 1) {
-        Py_ssize_t here = off;
-        off += ((Py_ssize_t)mlen + 3) & ~(Py_ssize_t)3;
-        if (walk_message(&e, buf, here, mlen)) {
-            res.skipped++;
-            continue;
-        }
-        res.decoded++;
-        to_row(&e, &r);
-        int keep = keep_zone(zones, r.zone);
-        if (keep < 0) goto fail;
-        if (!keep) continue;
+    int got;
+    while ((got = next_entry(buf, n, &off, &res, zones, &e, &r, &mtype)) == 1) {
         PyObject *conn = make_connection(ctype, &e, &r);
         if (conn == NULL) goto fail;
         PyObject *target = (destroyed != Py_None && mtype == CT_DELETE) ? destroyed : out;
@@ -481,6 +490,7 @@ static PyObject *native_decode(PyObject *self, PyObject *args) {
         if (rc) goto fail;
         res.kept++;
     }
+    if (got < 0) goto fail;
     PyBuffer_Release(&view);
     return result_tuple(&res);
 fail:
@@ -698,22 +708,11 @@ static PyObject *native_apply_dump(PyObject *self, PyObject *args) {
     Result res = {0};
     Entry e;
     Row r;
-    uint32_t mlen;
     uint16_t mtype;
     uint64_t run_zone = 0;
     Py_ssize_t run = 0;
-    while (next_message(buf, n, &off, &res, &mlen, &mtype) == 1) {
-        Py_ssize_t here = off;
-        off += ((Py_ssize_t)mlen + 3) & ~(Py_ssize_t)3;
-        if (walk_message(&e, buf, here, mlen)) {
-            res.skipped++;
-            continue;
-        }
-        res.decoded++;
-        to_row(&e, &r);
-        int keep = keep_zone(zones, r.zone);
-        if (keep < 0) goto fail;
-        if (!keep) continue;
+    int got;
+    while ((got = next_entry(buf, n, &off, &res, zones, &e, &r, &mtype)) == 1) {
         Py_ssize_t pos = ordinal + res.kept; /* this row's position among the dump's kept rows */
         res.kept++;
         if (run && r.zone != run_zone) {
@@ -753,6 +752,7 @@ static PyObject *native_apply_dump(PyObject *self, PyObject *args) {
             if (rc) goto fail;
         }
     }
+    if (got < 0) goto fail;
     if (count_zone(zone_counts, run_zone, run)) goto fail;
     if (flush(slow, &pending, &c, columns)) goto fail;
     cols_release(&c);

@@ -7,8 +7,9 @@ in ``tests/unit/test_native.py`` hold both to the same Connections, store state 
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Container
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 __all__ = ["Native", "compiled"]
 
@@ -39,10 +40,9 @@ class Native(Protocol):
     ) -> NativeResult: ...
 
 
-try:
-    from flow_exporter import _native as _module
-
-    _loaded: Native | None = _module
+_loaded: Native | None
+try:  # by name: the module's types are the protocol above (no stub to keep in step)
+    _loaded = cast(Native, importlib.import_module("flow_exporter._native"))
 except ImportError:  # built without a C compiler: the pure path
     _loaded = None
 

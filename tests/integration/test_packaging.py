@@ -218,7 +218,6 @@ def test_wheel_contents(dists: Dists) -> None:
         entry_points = whl.read(f"{info}/entry_points.txt").decode()
     assert {n.split("/")[0] for n in names} == {"flow_exporter", info}, "the package and its metadata only"
     assert [n for n in names if n.startswith("flow_exporter/_native.") and n.endswith(".so")], "no compiled path"
-    assert "flow_exporter/_native.pyi" in names
     modules = {p.relative_to(dists.source).as_posix() for p in (dists.source / "flow_exporter").rglob("*.py")}
     assert modules <= names, sorted(modules - names)
     assert f"\nVersion: {__version__}\n" in metadata

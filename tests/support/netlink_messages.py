@@ -109,6 +109,20 @@ def assert_valid(c: Connection) -> None:
         assert c.icmp_type is c.icmp_code is c.icmp_id is None
 
 
+def mutated(buf: bytes, data: Any) -> bytearray:
+    """``buf`` with 1 to 8 bytes flipped or overwritten, drawn from hypothesis' ``data`` (a DataObject)."""
+    from hypothesis import strategies as st
+
+    out = bytearray(buf)
+    for _ in range(data.draw(st.integers(1, 8))):
+        pos = data.draw(st.integers(0, len(out) - 1))
+        if data.draw(st.booleans()):
+            out[pos] ^= 1 << data.draw(st.integers(0, 7))
+        else:
+            out[pos] = data.draw(st.integers(0, 0xFF))
+    return out
+
+
 def done_message(errno: int = 0) -> bytes:
     return struct.pack("=IHHIIi", 20, NLMSG_DONE, NLM_F_MULTI, 0, 0, -errno)
 

@@ -26,6 +26,7 @@ from tests.support.netlink_messages import (
     ct_message,
     done_message,
     ip4_tuple,
+    mutated,
 )
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -214,13 +215,7 @@ def test_truncated_buffer_decodes_complete_prefix(batch: list[tuple[bytes, Conne
 @SETTINGS
 @given(st.lists(entries(), min_size=1, max_size=3), st.data())
 def test_mutated_messages_never_raise(batch: list[tuple[bytes, Connection, bool]], data: st.DataObject) -> None:
-    buf = bytearray(b"".join(m for m, _, _ in batch))
-    for _ in range(data.draw(st.integers(1, 8))):
-        pos = data.draw(st.integers(0, len(buf) - 1))
-        if data.draw(st.booleans()):
-            buf[pos] ^= 1 << data.draw(st.integers(0, 7))
-        else:
-            buf[pos] = data.draw(u8)
+    buf = mutated(b"".join(m for m, _, _ in batch), data)
     learner = Decoder()
     decode_all(learner, b"".join(m for m, _, _ in batch))  # templates of the intact layouts
     generic, gres = decode_all(Decoder(learn=False), bytes(buf))

@@ -29,11 +29,10 @@ from flow_exporter.conntrack.decode import CT_DELETE, CT_NEW, Decoder
 from flow_exporter.flow import Export
 from flow_exporter.store import ConnectionStore
 from flow_exporter.timeouts import Timeouts
-from tests.support.netlink_messages import NLM_F_MULTI, done_message, encode_connection
+from tests.support.netlink_messages import NLM_F_MULTI, done_message, encode_connection, mutated
 from tests.unit.test_decode import entries
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-u8 = st.integers(0, 0xFF)
 
 
 def test_the_extension_is_built() -> None:
@@ -74,13 +73,7 @@ def test_decode_equals_pure(
 @SETTINGS
 @given(st.lists(entries(), min_size=1, max_size=3), st.data())
 def test_mutated_messages_decode_as_pure(batch: list[tuple[bytes, Connection, bool]], data: st.DataObject) -> None:
-    buf = bytearray(b"".join(m for m, _, _ in batch))
-    for _ in range(data.draw(st.integers(1, 8))):
-        pos = data.draw(st.integers(0, len(buf) - 1))
-        if data.draw(st.booleans()):
-            buf[pos] ^= 1 << data.draw(st.integers(0, 7))
-        else:
-            buf[pos] = data.draw(u8)
+    buf = mutated(b"".join(m for m, _, _ in batch), data)
     pure, compiled = both(bytes(buf))
     assert compiled == pure
 
