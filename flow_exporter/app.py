@@ -270,14 +270,13 @@ class Exporter:
         settled: list[Export] = []
         with self.lock:
             done = self.completeness
+            done.settled_all(reports)
             for r in reports:
                 if r.delivered:
                     settled.append(r.export)
-                    done.settled(id(r.export), r.partition, r.offset)
                 elif r.permanent:
                     settled.append(r.export)
                     self._given_up(r.export, r.error)
-                    done.settled(id(r.export))
                 else:
                     log.debug("record not delivered (%s); the same record goes again", r.error)
                 self.store.acknowledge(r.export, r.delivered, now, permanent=r.permanent)
@@ -327,11 +326,8 @@ class Exporter:
                     self.store.acknowledge(e, False, now)  # kept as built; the fresh snapshot will hold them
             return
         produce = sink.produce
-        done = self.completeness
+        self.completeness.produced_all(ready)  # before produce: a delivery report may come at once
         for i, e in enumerate(ready):
-            # Before produce: its delivery report may come at once. A record restored from the
-            # checkpoint was built before this process started.
-            done.produced(id(e), e.export_ms or done.started_ms - 1)
             try:
                 produce(e)
             except Exception:

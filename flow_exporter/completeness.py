@@ -39,13 +39,15 @@ from __future__ import annotations
 import io
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
 from typing import Any
 
 import fastavro
 
+from flow_exporter.flow import Export
+from flow_exporter.ports import DeliveryReport
 from flow_exporter.record import load_schema
 
 __all__ = ["Completeness", "Delivered", "Losses", "MarkerRounds", "Produce", "Round", "encode_marker"]
@@ -134,12 +136,32 @@ class Completeness:
     def settled(self, key: int, partition: int | None = None, offset: int | None = None) -> None:
         """A record is acknowledged (with its partition and offset) or given up for good (without)."""
         with self._lock:
-            self._in_flight.pop(key, None)
-            if partition is not None and partition >= 0:
-                p = self._partitions.setdefault(partition, _Partition())
-                p.acked += 1
-                if offset is not None and offset > p.last_offset:
-                    p.last_offset = offset
+            self._settle(key, partition, offset)
+
+    def _settle(self, key: int, partition: int | None, offset: int | None) -> None:
+        self._in_flight.pop(key, None)
+        if partition is not None and partition >= 0:
+            p = self._partitions.setdefault(partition, _Partition())
+            p.acked += 1
+            if offset is not None and offset > p.last_offset:
+                p.last_offset = offset
+
+    # The DeliveryObserver port (flow_exporter.ports): one call per batch of the loops.
+    def produced_all(self, exports: Iterable[Export]) -> None:
+        """Records about to go to the producer; one restored from a checkpoint was built before this process."""
+        before = self.started_ms - 1
+        with self._lock:
+            for e in exports:
+                self._in_flight.setdefault(id(e), e.export_ms or before)
+
+    def settled_all(self, reports: Iterable[DeliveryReport]) -> None:
+        """Delivery reports: delivered ones and ones refused for good settle; a record to be resent stays in flight."""
+        with self._lock:
+            for r in reports:
+                if r.delivered:
+                    self._settle(id(r.export), r.partition, r.offset)
+                elif r.permanent:
+                    self._settle(id(r.export), None, None)
 
     def build_round(self, node: str, now_ms: int, losses: Losses) -> Round:
         """The round to send now: one marker per partition written to (partition -1 before any).

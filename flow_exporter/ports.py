@@ -231,27 +231,23 @@ class NoJournal:
 
 
 class DeliveryObserver(Protocol):
-    """Told of every record produced and settled (the real one: ``completeness.Completeness``; none: ``NoObserver``)."""
+    """Told of every record produced and settled, a batch at a time (the real one: ``completeness.Completeness``;
+    none: ``NoObserver``, which costs one call per batch)."""
 
-    started_ms: int
-    """When this process started (ms): a record restored from a checkpoint counts as built just before it."""
-
-    def produced(self, key: int, export_ms: int) -> None:
-        """Record ``key`` (built at ``export_ms``) is about to be produced."""
+    def produced_all(self, exports: Iterable[Export]) -> None:
+        """These records are about to be produced."""
         ...
 
-    def settled(self, key: int, partition: int | None = None, offset: int | None = None) -> None:
-        """Record ``key`` is delivered (where Kafka put it) or given up (no partition)."""
+    def settled_all(self, reports: Iterable[DeliveryReport]) -> None:
+        """The broker's answers: a delivered record (where Kafka put it) or one refused for good is settled."""
         ...
 
 
 class NoObserver:
     """No completeness markers: deliveries are not followed."""
 
-    started_ms = 0
-
-    def produced(self, key: int, export_ms: int) -> None:
+    def produced_all(self, exports: Iterable[Export]) -> None:
         pass
 
-    def settled(self, key: int, partition: int | None = None, offset: int | None = None) -> None:
+    def settled_all(self, reports: Iterable[DeliveryReport]) -> None:
         pass
