@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         broker.create_topic("plain")
         clock = [1000.0]
         life = Lifecycle()
-        sink = RecordingSink({"bootstrap.servers": broker.bootstrap}, "app", RecordEncoder("bench").encode,
+        sink = RecordingSink({"bootstrap.servers": broker.bootstrap}, "app", RecordEncoder("bench"),
                              stopping=life.stopping)  # fmt: skip
         sink.missing_topics()  # connected before timing
         table = FakeTable(batch=2000)

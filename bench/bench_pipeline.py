@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, KafkaBroker(Path(tmp) / "kafka") as broker:
         broker.create_topic("pipeline", partitions=3)
         life = Lifecycle()
-        sink = KafkaSink({"bootstrap.servers": broker.bootstrap}, "pipeline", RecordEncoder("bench").encode,
+        sink = KafkaSink({"bootstrap.servers": broker.bootstrap}, "pipeline", RecordEncoder("bench"),
                          stopping=life.stopping)  # fmt: skip
         sink.missing_topics()
         cp = Checkpoint(Path(tmp) / "state")

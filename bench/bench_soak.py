@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         feeder = Feeder(ns)
         steady = args.rate * args.lifetime
         feeder.load(steady, lambda i: 1 + (i * args.lifetime) // steady)  # staggered expiry: steady state at once
-        sink = KafkaSink({"bootstrap.servers": broker.bootstrap}, "soak", RecordEncoder("soak").encode)
+        sink = KafkaSink({"bootstrap.servers": broker.bootstrap}, "soak", RecordEncoder("soak"))
         exp = Exporter(ConntrackDumper(netns=ns), sink, ExporterOptions(timeouts=Timeouts(), node_name="soak"))
         th = threading.Thread(target=exp.run)
         th.start()

@@ -9,7 +9,7 @@
  * builds with setuptools and the compiler every Linux image already uses for wheels, and adds no
  * toolchain to a fresh machine, CI or the image's build stage (measured in BENCHMARKS.md).
  *
- * Two functions:
+ * Two functions here, two more in _records.c (the record path: values, keys, journal rows):
  *
  *   decode(buf, out, zones, destroyed, Connection) -> (decoded, skipped, ignored, done, errno,
  *       interrupted, kept)
@@ -35,6 +35,8 @@
 #include <structmember.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "_records.h"
 
 #define NLMSG_HDRLEN 16
 #define NFGEN_HDRLEN 4
@@ -772,11 +774,16 @@ static PyMethodDef methods[] = {
     {"apply_dump", native_apply_dump, METH_VARARGS,
      "apply_dump(buf, zones, Connection, connections, keys, labels, columns, generation, ordinal, slow, zone_counts): "
      "one dump buffer decoded and applied to the store (see flow_exporter.store.table)."},
+    {"prepare_records", native_prepare_records, METH_VARARGS,
+     "prepare_records(exports, export_ms, static, encode, key_of, tcp_states, topic, framing): a batch's values, "
+     "keys and topics (see flow_exporter.sink.encoder and _records.c)."},
+    {"journal_sent", native_journal_sent, METH_VARARGS,
+     "journal_sent(exports, topics): a batch's journal rows, or None (see flow_exporter.checkpoint and _records.c)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "flow_exporter._native", "The compiled poll path (issue 24); optional.", -1, methods,
+    PyModuleDef_HEAD_INIT, "flow_exporter._native", "The compiled poll and record paths (issue 24); optional.", -1, methods,
     NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

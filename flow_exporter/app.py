@@ -303,20 +303,14 @@ class Exporter:
         forever on a record that never left: one that cannot be encoded is given up (counted,
         like a record Kafka refuses for good); if producing raises, the rest go again later.
         """
-        export_ms = self.wall_ns() // 1_000_000
         sink = self.sink
-        prepare = sink.prepare
+        failures = sink.prepare_all(exports, self.wall_ns() // 1_000_000)  # one call for the batch
         ready = exports
-        for i, e in enumerate(exports):
-            try:
-                prepare(e, export_ms)
-            except Exception as exc:
-                if ready is exports:
-                    ready = exports[:i]
+        if failures:
+            unencodable = {id(e) for e, _ in failures}
+            ready = [e for e in exports if id(e) not in unencodable]
+            for e, exc in failures:
                 self._unencodable(e, exc)
-                continue
-            if ready is not exports:
-                ready.append(e)
         cp = self.checkpoint
         cp.sent(ready)
         if cp.stale:  # this journal write failed, and the old state could not be deleted: hold them back

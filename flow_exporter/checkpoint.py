@@ -61,6 +61,7 @@ from typing import Any
 
 from flow_exporter import gc_policy
 from flow_exporter.flow import RECORD_FLAGS, ROW_ENDED, Export, Restored
+from flow_exporter.native import compiled
 from flow_exporter.readings import CheckpointReadings
 
 log = logging.getLogger(__name__)
@@ -197,8 +198,10 @@ class Checkpoint:
         write: Callable[[int, bytes], int] = os.write,
         unlink: Callable[[Path], None] = os.unlink,
         clock: Callable[[], float] = time.monotonic,
+        compiled_path: bool = True,
     ) -> None:
         self.dir = Path(directory)
+        self._native = compiled(compiled_path)  # journal rows packed in one call (flow_exporter/_records.c)
         self.table = table  # which conntrack table: the netns name, "" for the exporter's own
         self.boot = boot if boot is not None else boot_id()
         self.stats = CheckpointStats()
@@ -399,6 +402,14 @@ class Checkpoint:
         """Journal records about to be produced (first sends only: a resend is already journaled)."""
         if self._journal is None or self.broken:
             return
+        native = self._native
+        if native is not None and isinstance(exports, list):
+            packed = native.journal_sent(exports, self._topics)
+            if packed is not None:  # None: a value would not pack; the code below raises as it always did
+                n, rows = packed
+                if n:
+                    self._append(_SENT, rows)
+                return
         parts: list[bytes] = []
         append = parts.append
         topics = self._topics

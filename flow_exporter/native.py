@@ -1,4 +1,4 @@
-"""The compiled poll path (``flow_exporter/_native.c``, README "Performance"), when this installation has it.
+"""The compiled poll and record paths (``flow_exporter/_native.c``, ``_records.c``, README "Performance"), when built.
 
 The extension is optional: a build without a C compiler leaves it out, and ``conntrack.compiled: false``
 turns it off. Either way the pure-Python decoder and store update do the same work (the property tests
@@ -38,6 +38,20 @@ class Native(Protocol):
         slow: Callable[[list[Any]], None],
         zone_counts: dict[int, int],
     ) -> NativeResult: ...
+
+    def prepare_records(
+        self,
+        exports: list[Any],
+        export_ms: int,
+        static: Callable[[Any], bytes],
+        encode: Callable[[Any, int], bytes],
+        key_of: Callable[[Any], bytes],
+        tcp_states: list[bytes],
+        topic: str | None,
+        framing: bytes,
+    ) -> Any: ...  # list of (export, exception), or NotImplemented
+
+    def journal_sent(self, exports: list[Any], topics: dict[Any, bytes]) -> tuple[int, bytes] | None: ...
 
 
 _loaded: Native | None

@@ -141,7 +141,9 @@ class Sink(Protocol):
 
     counters: SinkCounters
 
-    def prepare(self, export: Export, export_ms: int) -> None: ...
+    def prepare_all(self, exports: list[Export], export_ms: int) -> list[tuple[Export, Exception]]:
+        """Encode every record not encoded yet (one call per batch); the ones that cannot be, with why."""
+        ...
 
     def produce(self, export: Export) -> None: ...
 

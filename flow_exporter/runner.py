@@ -51,7 +51,9 @@ def build_sink(cfg: Config, lifecycle: Lifecycle | None = None) -> KafkaSink:
         # Confluent framing if a registry is set, a subject per topic.
         with_registry(
             cfg,
-            RecordEncoder(cfg.node_name, cfg["communityId.seed"], cfg["clusterName"]).encode,
+            RecordEncoder(
+                cfg.node_name, cfg["communityId.seed"], cfg["clusterName"], compiled_path=cfg["conntrack.compiled"]
+            ),
             [cfg["kafka.topic"], *(r.topic for r in routes)],
         ),
         routes,
@@ -223,7 +225,7 @@ def open_state(cfg: Config, stop: threading.Event) -> tuple[Checkpoint | None, L
             "connectionIds, flagged adopted (see README, Counting: the contract)"
         )
         return None, None
-    cp = Checkpoint(directory, table=cfg["conntrack.netns"] or "")
+    cp = Checkpoint(directory, table=cfg["conntrack.netns"] or "", compiled_path=cfg["conntrack.compiled"])
     if not cp.lock(stop):
         return None, None
     loaded = cp.load()

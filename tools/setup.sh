@@ -43,16 +43,20 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/dev.lo
         || die "the installed dependencies do not satisfy pyproject.toml (requirements/dev.lock is stale: run make lock); log: /tmp/flow-exporter-pip.log"
     touch "$stamp"
 fi
-# The compiled poll path (flow_exporter/_native.c) is built in place by the editable install; rebuilt
-# here when its source changed, since an editable install does not notice. No compiler: it stays out,
-# and the pure-Python path runs (the unit tests then fail on purpose: test_native.py).
+# The compiled poll and record paths (flow_exporter/_native.c, _records.c) are built in place by the
+# editable install; rebuilt here when a source changed, since an editable install does not notice. No
+# compiler: they stay out, and the pure-Python paths run (the unit tests then fail on purpose: test_native*.py).
 native_so=$(ls flow_exporter/_native.*.so 2>/dev/null | head -1 || true)
-if [ -z "$native_so" ] || [ flow_exporter/_native.c -nt "$native_so" ]; then
-    echo "setup: building the compiled poll path (flow_exporter/_native.c)"
+native_stale=0
+for src in flow_exporter/_*.c flow_exporter/_*.h; do
+    if [ -n "$native_so" ] && [ "$src" -nt "$native_so" ]; then native_stale=1; fi
+done
+if [ -z "$native_so" ] || [ "$native_stale" = 1 ]; then
+    echo "setup: building the compiled paths (flow_exporter/_native.c, _records.c)"
     .venv/bin/python -m pip install -q --no-deps -e . >>/tmp/flow-exporter-pip.log 2>&1 \
         || die "pip could not build the project (pip install --no-deps -e .); log: /tmp/flow-exporter-pip.log"
     command -v cc >/dev/null || command -v gcc >/dev/null \
-        || echo "setup: no C compiler (gcc): the compiled poll path is left out (apt-get install gcc)" >&2
+        || echo "setup: no C compiler (gcc): the compiled paths are left out (apt-get install gcc)" >&2
 fi
 
 kafka_jars=$(.venv/bin/python -c 'from devtools.kafka import cache_dir; print(cache_dir())' 2>/dev/null || true)

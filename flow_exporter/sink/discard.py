@@ -20,8 +20,8 @@ class DiscardSink:
         self.discarded = 0
         self._reports: list[DeliveryReport] = []
 
-    def prepare(self, export: Export, export_ms: int) -> None:
-        pass
+    def prepare_all(self, exports: list[Export], export_ms: int) -> list[tuple[Export, Exception]]:
+        return []
 
     def produce(self, export: Export) -> None:
         self.discarded += 1

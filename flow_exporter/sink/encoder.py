@@ -14,18 +14,76 @@ it against fastavro on generated records) at a fraction of the cost by:
 
 It is tied to ``schemas/flow_record.avsc``: a schema change must change this file
 too, and the byte-for-byte test fails until it does.
+
+The export path prepares records a batch at a time (:meth:`RecordEncoder.prepare_all`): with the
+compiled module (``flow_exporter/_records.c``) one call writes every record's value and key, the
+prefix still coming from :meth:`RecordEncoder.static`; :func:`prepare_each` is the same work in
+Python, the reference the property tests hold the compiled one to, and the path for any other encoder.
 """
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Any
+from typing import Any, Protocol, cast, runtime_checkable
 
 from flow_exporter.community_id import community_id
 from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, TCP_STATE_NAMES
 from flow_exporter.flow import Export
-from flow_exporter.record import K8S_FIELDS
+from flow_exporter.native import compiled
+from flow_exporter.record import K8S_FIELDS, partition_key
+
+Encode = Callable[[Export, int], bytes]
+Failures = list[tuple[Export, Exception]]
+
+
+@runtime_checkable
+class BatchEncoder(Protocol):
+    """An encoder that also prepares a whole batch in one call (``RecordEncoder``, registry framing)."""
+
+    def __call__(self, export: Export, export_ms: int) -> bytes: ...
+
+    def prepare_all(
+        self, exports: list[Export], export_ms: int, topic: str | None = None, framing: bytes = b""
+    ) -> Failures: ...
+
+
+def prepare_each(
+    encode: Encode, exports: list[Export], export_ms: int, topic: str | None = None, framing: bytes = b""
+) -> Failures:
+    """Prepare every record not prepared yet: its topic (unless None), then value, key and export time.
+
+    The value is ``framing`` (a registry's header) and the encoded record; the key is the
+    record's partition key. A record whose encoding raises keeps no value and comes back with
+    its exception: the caller gives it up. This is the reference the compiled
+    ``prepare_records`` is held to, one record at a time.
+    """
+    failures: Failures = []
+    for e in exports:
+        if e.value is not None:
+            continue  # prepared before: a resend is the same bytes
+        if topic is not None:
+            e.topic = topic
+        try:
+            value = framing + encode(e, export_ms)
+            key = partition_key(e)
+        except Exception as exc:
+            failures.append((e, exc))
+            continue
+        e.value = value
+        e.export_ms = export_ms
+        e.key = key
+    return failures
+
+
+def prepare_with(
+    encode: Encode, exports: list[Export], export_ms: int, topic: str | None = None, framing: bytes = b""
+) -> Failures:
+    """``encode``'s own batch preparation when it has one, else :func:`prepare_each`."""
+    if isinstance(encode, BatchEncoder):
+        return encode.prepare_all(exports, export_ms, topic, framing)
+    return prepare_each(encode, exports, export_ms, topic, framing)
 
 
 def zigzag_varint(n: int) -> bytes:
@@ -134,12 +192,13 @@ def _snat(family: int, c: Any, icmp: bool) -> tuple[bytes, bytes]:
 class RecordEncoder:
     """Encodes exports of one exporter node as bare Avro FlowRecord values."""
 
-    def __init__(self, node: str, community_id_seed: int = 0, cluster: str = "") -> None:
+    def __init__(self, node: str, community_id_seed: int = 0, cluster: str = "", *, compiled_path: bool = True) -> None:
         self.node = node
+        self._native = compiled(compiled_path)
         # exporterNode and clusterName: the same in every record of this exporter
         self._node = _string(node) + (_SOME + _string(cluster) if cluster else _NULL)
         self._seed = community_id_seed
-        self._ms = -1
+        self._ms: int | None = None  # no batch yet (not -1: that is a valid time, whose bytes are not b"")
         self._ms_bytes = b""
 
     def static(self, export: Export) -> bytes:
@@ -181,6 +240,22 @@ class RecordEncoder:
         ]
         prefix = export.prefix = b"".join(parts)
         return prefix
+
+    def __call__(self, export: Export, export_ms: int) -> bytes:
+        return self.encode(export, export_ms)
+
+    def prepare_all(
+        self, exports: list[Export], export_ms: int, topic: str | None = None, framing: bytes = b""
+    ) -> Failures:
+        """:func:`prepare_each` with this encoder, in one compiled call when the module is built."""
+        native = self._native
+        if native is not None:
+            failures = native.prepare_records(
+                exports, export_ms, self.static, self.encode, partition_key, _TCP_STATES, topic, framing
+            )
+            if failures is not NotImplemented:
+                return cast(Failures, failures)
+        return prepare_each(self.encode, exports, export_ms, topic, framing)
 
     def encode(self, export: Export, export_ms: int) -> bytes:
         t = export.totals

@@ -22,9 +22,9 @@ from confluent_kafka.admin import AdminClient
 from flow_exporter.delivery import DeliveryHealth
 from flow_exporter.flow import Export
 from flow_exporter.ports import BrokerStats, ClientStats, DeliveryReport, SinkCounters
-from flow_exporter.record import partition_key
 from flow_exporter.retry import StopWhen
 from flow_exporter.settings import DEFAULTS, ConfigError, shown
+from flow_exporter.sink.encoder import Encode, prepare_with
 
 log = logging.getLogger(__name__)
 _rdkafka_log = logging.getLogger(__name__ + ".rdkafka")
@@ -206,7 +206,7 @@ class KafkaSink:
         self,
         producer_config: dict[str, Any],
         topic: str,
-        encode: Callable[[Export, int], bytes],
+        encode: Encode,
         routes: Sequence[Route] = (),
         retry_initial: float = DEFAULTS["retry.initialBackoff"],
         retry_max: float = DEFAULTS["retry.maxBackoff"],
@@ -259,17 +259,25 @@ class KafkaSink:
                     return r.topic
         return self.topic
 
-    def prepare(self, export: Export, export_ms: int) -> None:
-        """Encode a record once: its bytes, topic and key are kept on it, so a resend is the same message."""
-        if export.value is None:
-            export.topic = self.route(export)  # first: with a registry, the topic picks the schema id
-            export.value = self.encode(export, export_ms)
-            export.export_ms = export_ms
-            export.key = partition_key(export)
+    def prepare_all(self, exports: list[Export], export_ms: int) -> list[tuple[Export, Exception]]:
+        """Encode records once: bytes, topic and key are kept on each, so a resend is the same message.
+
+        Routed first: with a registry, the topic picks the schema id. Returns the records that
+        could not be encoded, with why.
+        """
+        topic: str | None = self.topic
+        if self.routes:
+            route = self.route
+            for e in exports:
+                if e.value is None:
+                    e.topic = route(e)
+            topic = None
+        return prepare_with(self.encode, exports, export_ms, topic)
 
     def send(self, export: Export, export_ms: int) -> None:
         """Encode (first time only) and produce one record."""
-        self.prepare(export, export_ms)
+        for _, exc in self.prepare_all([export], export_ms):
+            raise exc
         self.produce(export)
 
     def produce(self, export: Export) -> None:

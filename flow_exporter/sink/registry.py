@@ -28,6 +28,7 @@ from flow_exporter.flow import Export
 from flow_exporter.record import schema_path
 from flow_exporter.retry import StopWhen, sleep_on
 from flow_exporter.settings import DEFAULTS, shown
+from flow_exporter.sink.encoder import Encode, Failures, prepare_each, prepare_with
 
 if TYPE_CHECKING:
     from confluent_kafka.schema_registry import SchemaRegistryClient
@@ -43,8 +44,6 @@ HEADER_SIZE = 5
 RECORD_SUBJECT = "io.flowexporter.FlowRecord"
 # New consumers' schema must read every older record still on the topic, not only the last version's.
 DEFAULT_COMPATIBILITY: str = DEFAULTS["schemaRegistry.compatibility"]
-
-Encode = Callable[[Export, int], bytes]
 
 
 class RegistryError(RuntimeError):
@@ -65,15 +64,26 @@ def split_header(value: bytes) -> tuple[int, bytes]:
     return int.from_bytes(value[1:HEADER_SIZE], "big"), value[HEADER_SIZE:]
 
 
-def framed(encode: Encode, schema_id: int) -> Encode:
-    """``encode`` with the 5-byte header in front of every value (one concatenation per record)."""
-    prefix = header(schema_id)
+class Framed:
+    """``encode`` with the 5-byte header in front of every value; a batch is framed in the encoder's own pass."""
 
-    def encode_framed(export: Export, export_ms: int) -> bytes:
-        return prefix + encode(export, export_ms)
+    def __init__(self, encode: Encode, schema_id: int) -> None:
+        self.schema_id = schema_id
+        self.prefix = header(schema_id)
+        self._encode = encode
 
-    encode_framed.schema_id = schema_id  # type: ignore[attr-defined]
-    return encode_framed
+    def __call__(self, export: Export, export_ms: int) -> bytes:
+        return self.prefix + self._encode(export, export_ms)
+
+    def prepare_all(
+        self, exports: list[Export], export_ms: int, topic: str | None = None, framing: bytes = b""
+    ) -> Failures:
+        return prepare_with(self._encode, exports, export_ms, topic, framing + self.prefix)
+
+
+def framed(encode: Encode, schema_id: int) -> Framed:
+    """``encode`` with the 5-byte header in front of every value."""
+    return Framed(encode, schema_id)
 
 
 def subjects(cfg: Config, topics: Iterable[str]) -> dict[str, str]:
@@ -283,6 +293,15 @@ class RegistryFraming:
 
     def __call__(self, export: Export, export_ms: int) -> bytes:
         return self._call(export, export_ms)
+
+    def prepare_all(
+        self, exports: list[Export], export_ms: int, topic: str | None = None, framing: bytes = b""
+    ) -> Failures:
+        """One header for every topic: the encoder's batch pass; per-topic headers or none yet: record by record."""
+        call = self._call
+        if isinstance(call, Framed):
+            return call.prepare_all(exports, export_ms, topic, framing)
+        return prepare_each(call, exports, export_ms, topic, framing)
 
     def _unregistered(self, export: Export, export_ms: int) -> bytes:
         names = ", ".join(repr(s) for s in sorted(set(self.subjects.values())))

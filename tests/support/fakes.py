@@ -78,11 +78,18 @@ class FakeBroker:
     purged: int = 0
     _reports: list[DeliveryReport] = field(default_factory=list)
 
-    def prepare(self, export: Export, export_ms: int) -> None:
-        if export.value is None:
-            export.value = self.encode(export, export_ms)
-            export.topic = self.topic
-            export.key = export.flow_id.to_bytes(8, "big", signed=True)
+    def prepare_all(self, exports: list[Export], export_ms: int) -> list[tuple[Export, Exception]]:
+        failures: list[tuple[Export, Exception]] = []
+        for export in exports:
+            if export.value is None:
+                try:
+                    export.value = self.encode(export, export_ms)
+                except Exception as exc:
+                    failures.append((export, exc))
+                    continue
+                export.topic = self.topic
+                export.key = export.flow_id.to_bytes(8, "big", signed=True)
+        return failures
 
     def produce(self, export: Export) -> None:
         assert export.value is not None, "produce() before prepare()"

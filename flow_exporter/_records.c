@@ -1,0 +1,453 @@
+/*
+ * The compiled record path (issue 24), part of flow_exporter._native: the per-record work between a record
+ * being built and it being produced, done for a whole batch in one call. Optional, like the poll path: the
+ * pure-Python functions it mirrors are the reference, and the property tests (tests/unit/test_native_records.py)
+ * hold both to the same bytes.
+ *
+ *   prepare_records(exports, export_ms, static, encode, key_of, tcp_states, topic, framing) -> failures
+ *     For every Export whose value is None: its topic (when `topic` is not None), then its Avro value
+ *     (framing + the connection's prefix, from `static` when not cached, + the record's own fields) and its
+ *     partition key, and export_ms; exactly what sink.encoder.prepare_each does. A record this code cannot
+ *     encode exactly as the pure encoder would (an integer past 64 bits, an odd type) is handed to the pure
+ *     `encode` and `key_of`; a record whose encoding raises is left unencoded and returned with its
+ *     exception, as a list of (export, exception).
+ *
+ *   journal_sent(exports, topics) -> (count, rows) or None
+ *     The journal's SENT rows of a batch, exactly as checkpoint.Checkpoint.sent packs them; None when a
+ *     value would not pack (the pure code then raises the same error it always did).
+ *
+ * Export is a slots dataclass: its fields are read and written at their slot offsets, resolved once, which
+ * costs a load where an attribute lookup costs a dictionary probe. A type whose fields are not plain slots
+ * gets NotImplemented, and the caller takes the pure path.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "_records.h"
+
+enum {
+    X_REASON, X_SEQ, X_TOTALS, X_DELTAS, X_FLOW_END, X_FLOW_ID, X_FIRST, X_CONN_KEY, X_CT_ID, X_START, X_FLAGS,
+    X_ENDED, X_TCP, X_PREFIX, X_VALUE, X_TOPIC, X_KEY, X_ATTEMPTS, X_EXPORT_MS, X_ROW_KIND, X_N
+};
+static const char *const XNAMES[X_N] = {
+    "reason", "sequence", "totals", "deltas", "flow_end_ns", "flow_id", "first_seen_ns", "conn_key", "ct_id",
+    "start_ns", "flags", "ended", "tcp_state", "prefix", "value", "topic", "key", "attempts", "export_ms",
+    "row_kind"};
+
+static PyObject *x_type = NULL;
+static Py_ssize_t x_off[X_N];
+static int x_direct = 0;
+
+/* Resolve the slot offsets of `type` (once per type); 1 if every field is a plain object slot. */
+static int bind_export(PyTypeObject *type) {
+    if ((PyObject *)type == x_type) return x_direct;
+    int direct = 1;
+    for (int i = 0; i < X_N && direct; i++) {
+        PyObject *d = PyObject_GetAttrString((PyObject *)type, XNAMES[i]);
+        if (d == NULL) {
+            PyErr_Clear();
+            direct = 0;
+            break;
+        }
+        if (Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX &&
+            !(((PyMemberDescrObject *)d)->d_member->flags & READONLY))
+            x_off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+        else
+            direct = 0;
+        Py_DECREF(d);
+    }
+    Py_XSETREF(x_type, Py_NewRef((PyObject *)type));
+    x_direct = direct;
+    return direct;
+}
+
+#define SLOT(o, i) (*(PyObject **)((char *)(o) + x_off[i]))
+
+/* Set a slot, taking the reference to v. */
+static void set_slot(PyObject *o, int i, PyObject *v) {
+    PyObject *old = SLOT(o, i);
+    SLOT(o, i) = v;
+    Py_XDECREF(old);
+}
+
+/* An exact int that fits int64 (bool included, as Python's arithmetic takes it): 0, else -1 (no error set). */
+static int as_i64(PyObject *o, int64_t *out) {
+    if (o == NULL || !PyLong_Check(o)) return -1;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return -1;
+    }
+    *out = (int64_t)v;
+    return 0;
+}
+
+/* An int in [0, 2**64): 0, else -1 (no error set). */
+static int as_u64(PyObject *o, uint64_t *out) {
+    if (o == NULL || !PyLong_Check(o)) return -1;
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+/* Avro long: zigzag, then base-128 little-endian. */
+static inline int put_long(uint8_t *p, int64_t n) {
+    uint64_t z = ((uint64_t)n << 1) ^ (uint64_t)(n >> 63);
+    int i = 0;
+    while (z >= 0x80) {
+        p[i++] = (uint8_t)((z & 0x7F) | 0x80);
+        z >>= 7;
+    }
+    p[i++] = (uint8_t)z;
+    return i;
+}
+
+/* Python's floor division by a positive divisor. */
+static inline int64_t floor_div(int64_t a, int64_t b) {
+    int64_t q = a / b;
+    return (a % b != 0 && a < 0) ? q - 1 : q;
+}
+
+/* The four counters of a totals/deltas tuple, each put as an Avro long; -1 if not four int64s. */
+static int put_counters(uint8_t *p, PyObject *t) {
+    if (t == NULL || !PyTuple_CheckExact(t) || PyTuple_GET_SIZE(t) != 4) return -1;
+    int n = 0;
+    for (int i = 0; i < 4; i++) {
+        int64_t v;
+        if (as_i64(PyTuple_GET_ITEM(t, i), &v)) return -1;
+        n += put_long(p + n, v);
+    }
+    return n;
+}
+
+#define TAIL_MAX 512
+
+/* The record's own fields after its prefix (sink.encoder.RecordEncoder.encode); -1: not exactly encodable here. */
+static int encode_tail(PyObject *e, const uint8_t *ms, int ms_len, PyObject *tcp_states, uint8_t *out) {
+    int n = 0;
+    int64_t seq, end, first, reason;
+    if (as_i64(SLOT(e, X_SEQ), &seq) || as_i64(SLOT(e, X_FLOW_END), &end) || as_i64(SLOT(e, X_FIRST), &first) ||
+        as_i64(SLOT(e, X_REASON), &reason))
+        return -1;
+    if (reason < 0 || reason > 63) return -1; /* _SMALL[reason << 1]: a list of 128 */
+    n += put_long(out + n, seq);
+    memcpy(out + n, ms, ms_len);
+    n += ms_len;
+    n += put_long(out + n, floor_div(end > first ? end : first, 1000000));
+    out[n++] = (uint8_t)(reason << 1);
+    /* tcpState: named only for a TCP key and a known state */
+    PyObject *state = SLOT(e, X_TCP);
+    PyObject *key = SLOT(e, X_CONN_KEY);
+    int named = 0;
+    int64_t st = 0;
+    if (state != Py_None && key != Py_None) {
+        if (as_i64(state, &st)) return -1;
+        if (!PyTuple_CheckExact(key) || PyTuple_GET_SIZE(key) < 2) return -1;
+        int64_t proto;
+        if (as_i64(PyTuple_GET_ITEM(key, 1), &proto)) return -1;
+        named = proto == 6 && st >= 0 && st < PyList_GET_SIZE(tcp_states);
+    }
+    if (named) {
+        PyObject *b = PyList_GET_ITEM(tcp_states, st);
+        if (!PyBytes_CheckExact(b) || PyBytes_GET_SIZE(b) > 64) return -1;
+        memcpy(out + n, PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b));
+        n += (int)PyBytes_GET_SIZE(b);
+    } else {
+        out[n++] = 0;
+    }
+    int c = put_counters(out + n, SLOT(e, X_TOTALS));
+    if (c < 0) return -1;
+    n += c;
+    c = put_counters(out + n, SLOT(e, X_DELTAS));
+    if (c < 0) return -1;
+    return n + c;
+}
+
+/* record.partition_key: proto, then the lower (address, port) end, then the other. NULL, no error: not here. */
+static PyObject *partition_key(PyObject *e) {
+    PyObject *k = SLOT(e, X_CONN_KEY);
+    if (!PyTuple_CheckExact(k) || PyTuple_GET_SIZE(k) != 6) return NULL;
+    PyObject *src = PyTuple_GET_ITEM(k, 2), *dst = PyTuple_GET_ITEM(k, 4);
+    int64_t proto, sport, dport;
+    if (!PyBytes_CheckExact(src) || !PyBytes_CheckExact(dst) || as_i64(PyTuple_GET_ITEM(k, 1), &proto) ||
+        as_i64(PyTuple_GET_ITEM(k, 3), &sport) || as_i64(PyTuple_GET_ITEM(k, 5), &dport))
+        return NULL;
+    if (proto < 0 || proto > 255 || sport < 0 || sport > 0xFFFF || dport < 0 || dport > 0xFFFF) return NULL;
+    Py_ssize_t ls = PyBytes_GET_SIZE(src), ld = PyBytes_GET_SIZE(dst);
+    Py_ssize_t m = ls < ld ? ls : ld;
+    int cmp = memcmp(PyBytes_AS_STRING(src), PyBytes_AS_STRING(dst), m);
+    if (cmp == 0) cmp = ls < ld ? -1 : ls > ld ? 1 : (sport < dport ? -1 : sport > dport ? 1 : 0);
+    PyObject *lo = src, *hi = dst;
+    int64_t lp = sport, hp = dport;
+    if (cmp > 0) {
+        lo = dst, hi = src;
+        lp = dport, hp = sport;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, 1 + ls + ld + 4);
+    if (out == NULL) return NULL;
+    uint8_t *p = (uint8_t *)PyBytes_AS_STRING(out);
+    *p++ = (uint8_t)proto;
+    memcpy(p, PyBytes_AS_STRING(lo), PyBytes_GET_SIZE(lo));
+    p += PyBytes_GET_SIZE(lo);
+    *p++ = (uint8_t)(lp >> 8);
+    *p++ = (uint8_t)lp;
+    memcpy(p, PyBytes_AS_STRING(hi), PyBytes_GET_SIZE(hi));
+    p += PyBytes_GET_SIZE(hi);
+    *p++ = (uint8_t)(hp >> 8);
+    *p++ = (uint8_t)hp;
+    return out;
+}
+
+/* Append (export, the pending exception) to failures and clear it; -1 (still raised) if it is no Exception or that fails. */
+static int fail_record(PyObject *failures, PyObject *e) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1; /* KeyboardInterrupt and the like propagate */
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    if (type == NULL) return 0;
+    PyErr_NormalizeException(&type, &exc, &tb);
+    if (tb != NULL) PyException_SetTraceback(exc, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    PyObject *pair = PyTuple_Pack(2, e, exc);
+    Py_DECREF(exc);
+    if (pair == NULL) return -1;
+    int r = PyList_Append(failures, pair);
+    Py_DECREF(pair);
+    return r;
+}
+
+/* framing + body as one bytes object. */
+static PyObject *join3(const char *a, Py_ssize_t la, const char *b, Py_ssize_t lb, const uint8_t *c, Py_ssize_t lc) {
+    PyObject *out = PyBytes_FromStringAndSize(NULL, la + lb + lc);
+    if (out == NULL) return NULL;
+    char *p = PyBytes_AS_STRING(out);
+    memcpy(p, a, la);
+    memcpy(p + la, b, lb);
+    memcpy(p + la + lb, c, lc);
+    return out;
+}
+
+PyObject *native_prepare_records(PyObject *self, PyObject *args) {
+    PyObject *exports, *ms_obj, *static_, *encode, *key_of, *tcp_states, *topic, *framing;
+    if (!PyArg_ParseTuple(args, "O!OOOOO!OO!", &PyList_Type, &exports, &ms_obj, &static_, &encode, &key_of,
+                          &PyList_Type, &tcp_states, &topic, &PyBytes_Type, &framing))
+        return NULL;
+    int64_t ms;
+    if (as_i64(ms_obj, &ms)) {
+        PyErr_SetString(PyExc_ValueError, "export_ms must be an int64");
+        return NULL;
+    }
+    uint8_t ms_bytes[10];
+    int ms_len = put_long(ms_bytes, ms);
+    PyObject *failures = PyList_New(0);
+    if (failures == NULL) return NULL;
+    const char *fr = PyBytes_AS_STRING(framing);
+    Py_ssize_t fr_len = PyBytes_GET_SIZE(framing);
+    uint8_t tail[TAIL_MAX];
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(exports); i++) {
+        PyObject *e = PyList_GET_ITEM(exports, i);
+        if (!bind_export(Py_TYPE(e))) {
+            Py_DECREF(failures);
+            Py_RETURN_NOTIMPLEMENTED;
+        }
+        if (SLOT(e, X_VALUE) != Py_None) continue; /* prepared before: a resend is the same bytes */
+        Py_INCREF(e);                              /* static() may drop the list's reference: keep ours */
+        if (topic != Py_None) set_slot(e, X_TOPIC, Py_NewRef(topic));
+        PyObject *value = NULL, *key = NULL;
+        PyObject *prefix = SLOT(e, X_PREFIX);
+        if (prefix == Py_None) prefix = PyObject_CallOneArg(static_, e);
+        else Py_INCREF(prefix);
+        if (prefix == NULL) goto failed;
+        int n = PyBytes_CheckExact(prefix) ? encode_tail(e, ms_bytes, ms_len, tcp_states, tail) : -1;
+        if (n >= 0) {
+            value = join3(fr, fr_len, PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix), tail, n);
+            Py_DECREF(prefix);
+            if (value == NULL) goto failed;
+        } else { /* the pure encoder, for what this code does not encode exactly */
+            Py_DECREF(prefix);
+            PyObject *body = PyObject_CallFunctionObjArgs(encode, e, ms_obj, NULL);
+            if (body == NULL) goto failed;
+            if (!PyBytes_Check(body)) {
+                Py_DECREF(body);
+                PyErr_SetString(PyExc_TypeError, "the encoder returned no bytes");
+                goto failed;
+            }
+            value = join3(fr, fr_len, PyBytes_AS_STRING(body), PyBytes_GET_SIZE(body), (const uint8_t *)"", 0);
+            Py_DECREF(body);
+            if (value == NULL) goto failed;
+        }
+        key = partition_key(e);
+        if (key == NULL) {
+            if (PyErr_Occurred()) goto failed;
+            key = PyObject_CallOneArg(key_of, e);
+            if (key == NULL) goto failed;
+        }
+        set_slot(e, X_VALUE, value);
+        set_slot(e, X_EXPORT_MS, Py_NewRef(ms_obj));
+        set_slot(e, X_KEY, key);
+        Py_DECREF(e);
+        continue;
+    failed:
+        Py_XDECREF(value);
+        if (fail_record(failures, e)) {
+            Py_DECREF(e);
+            Py_DECREF(failures);
+            return NULL;
+        }
+        Py_DECREF(e);
+    }
+    return failures;
+}
+
+/* ------------------------------------------------------------------ journal rows */
+
+static inline uint8_t *be_put(uint8_t *p, uint64_t v, int size) {
+    for (int i = size - 1; i >= 0; i--) {
+        p[i] = (uint8_t)v;
+        v >>= 8;
+    }
+    return p + size;
+}
+
+typedef struct {
+    uint8_t *buf;
+    Py_ssize_t len, cap;
+} Buf;
+
+static int buf_room(Buf *b, Py_ssize_t more) {
+    if (b->len + more <= b->cap) return 0;
+    Py_ssize_t cap = b->cap ? b->cap : 4096;
+    while (cap < b->len + more) cap *= 2;
+    uint8_t *p = PyMem_Realloc(b->buf, cap);
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    b->buf = p;
+    b->cap = cap;
+    return 0;
+}
+
+/* One SENT row (checkpoint._SENT_ROW): 0 written, 1 not packable here (the caller falls back), -1 error. */
+static int sent_row(Buf *b, PyObject *e, PyObject *topics) {
+    PyObject *k = SLOT(e, X_CONN_KEY);
+    if (!PyTuple_CheckExact(k) || PyTuple_GET_SIZE(k) != 6) return 1;
+    PyObject *src = PyTuple_GET_ITEM(k, 2), *dst = PyTuple_GET_ITEM(k, 4);
+    if (!PyBytes_CheckExact(src) || !PyBytes_CheckExact(dst)) return 1;
+    Py_ssize_t alen = PyBytes_GET_SIZE(src);
+    if ((alen != 4 && alen != 16) || PyBytes_GET_SIZE(dst) != alen) return 1;
+    int64_t zone, proto, sport, dport, ct, flow_id, flags, row_kind;
+    uint64_t start, first, seq, t[4];
+    if (as_i64(PyTuple_GET_ITEM(k, 0), &zone) || as_i64(PyTuple_GET_ITEM(k, 1), &proto) ||
+        as_i64(PyTuple_GET_ITEM(k, 3), &sport) || as_i64(PyTuple_GET_ITEM(k, 5), &dport) ||
+        as_i64(SLOT(e, X_CT_ID), &ct) || as_u64(SLOT(e, X_START), &start) || as_u64(SLOT(e, X_FIRST), &first) ||
+        as_i64(SLOT(e, X_FLOW_ID), &flow_id) || as_u64(SLOT(e, X_SEQ), &seq) || as_i64(SLOT(e, X_FLAGS), &flags) ||
+        as_i64(SLOT(e, X_ROW_KIND), &row_kind))
+        return 1;
+    if (seq == UINT64_MAX) return 1; /* sequence + 1 must fit */
+    PyObject *tot = SLOT(e, X_TOTALS);
+    if (!PyTuple_CheckExact(tot) || PyTuple_GET_SIZE(tot) != 4) return 1;
+    for (int i = 0; i < 4; i++)
+        if (as_u64(PyTuple_GET_ITEM(tot, i), &t[i])) return 1;
+    int64_t fl = (flags & 0x0F) | row_kind;
+    if (proto < 0 || proto > 255 || sport < 0 || sport > 0xFFFF || dport < 0 || dport > 0xFFFF || fl < 0 || fl > 255)
+        return 1;
+    int ended = PyObject_IsTrue(SLOT(e, X_ENDED));
+    if (ended < 0) return -1;
+    /* topic bytes, cached by topic in `topics` as the pure code does */
+    PyObject *tname = SLOT(e, X_TOPIC);
+    PyObject *tb = PyDict_GetItemWithError(topics, tname);
+    if (tb == NULL) {
+        if (PyErr_Occurred()) return -1;
+        if (tname == Py_None) tb = PyBytes_FromStringAndSize("", 0);
+        else if (PyUnicode_CheckExact(tname)) tb = PyUnicode_AsUTF8String(tname);
+        else return 1;
+        if (tb == NULL) return -1;
+        int r = PyDict_SetItem(topics, tname, tb);
+        Py_DECREF(tb); /* the dict holds it */
+        if (r) return -1;
+    }
+    if (!PyBytes_CheckExact(tb)) return 1;
+    PyObject *key = SLOT(e, X_KEY), *value = SLOT(e, X_VALUE);
+    Py_ssize_t kl = 0, vl = 0;
+    if (key != Py_None) {
+        if (!PyBytes_CheckExact(key)) return 1;
+        kl = PyBytes_GET_SIZE(key);
+    }
+    if (value != Py_None) {
+        if (!PyBytes_CheckExact(value)) return 1;
+        vl = PyBytes_GET_SIZE(value);
+    }
+    Py_ssize_t tl = PyBytes_GET_SIZE(tb);
+    if (tl > 0xFFFF || kl > 0xFFFF || vl > 0xFFFFFFFFLL) return 1;
+    if (buf_room(b, 1 + 2 + 1 + 2 + 2 + 2 * alen + 4 + 8 * 9 + 1 + 1 + 2 + 2 + 4 + tl + kl + vl)) return -1;
+    uint8_t *p = b->buf + b->len;
+    *p++ = (uint8_t)alen;
+    p = be_put(p, (uint64_t)zone & 0xFFFF, 2);
+    *p++ = (uint8_t)proto;
+    p = be_put(p, (uint64_t)sport, 2);
+    p = be_put(p, (uint64_t)dport, 2);
+    memcpy(p, PyBytes_AS_STRING(src), alen);
+    p += alen;
+    memcpy(p, PyBytes_AS_STRING(dst), alen);
+    p += alen;
+    p = be_put(p, (uint64_t)ct & 0xFFFFFFFFu, 4);
+    p = be_put(p, start, 8);
+    p = be_put(p, first, 8);
+    p = be_put(p, (uint64_t)flow_id, 8);
+    p = be_put(p, seq + 1, 8);
+    for (int i = 0; i < 4; i++) p = be_put(p, t[i], 8);
+    *p++ = (uint8_t)fl;
+    *p++ = (uint8_t)ended;
+    p = be_put(p, (uint64_t)tl, 2);
+    p = be_put(p, (uint64_t)kl, 2);
+    p = be_put(p, (uint64_t)vl, 4);
+    memcpy(p, PyBytes_AS_STRING(tb), tl);
+    p += tl;
+    if (kl) memcpy(p, PyBytes_AS_STRING(key), kl);
+    p += kl;
+    if (vl) memcpy(p, PyBytes_AS_STRING(value), vl);
+    p += vl;
+    b->len = p - b->buf;
+    return 0;
+}
+
+PyObject *native_journal_sent(PyObject *self, PyObject *args) {
+    PyObject *exports, *topics;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &exports, &PyDict_Type, &topics)) return NULL;
+    Buf b = {NULL, 0, 0};
+    if (buf_room(&b, 4)) return NULL;
+    b.len = 4; /* the count, filled in at the end */
+    uint32_t n = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(exports); i++) {
+        PyObject *e = PyList_GET_ITEM(exports, i);
+        if (!bind_export(Py_TYPE(e))) goto fallback;
+        int attempts = PyObject_IsTrue(SLOT(e, X_ATTEMPTS));
+        if (attempts < 0) goto error;
+        if (attempts || SLOT(e, X_CONN_KEY) == Py_None) continue; /* a resend is journaled already */
+        int r = sent_row(&b, e, topics);
+        if (r < 0) goto error;
+        if (r > 0) goto fallback;
+        n++;
+    }
+    be_put(b.buf, n, 4);
+    PyObject *rows = PyBytes_FromStringAndSize((const char *)b.buf, b.len);
+    PyMem_Free(b.buf);
+    if (rows == NULL) return NULL;
+    PyObject *out = Py_BuildValue("(IN)", n, rows);
+    return out;
+fallback:
+    PyMem_Free(b.buf);
+    Py_RETURN_NONE;
+error:
+    PyMem_Free(b.buf);
+    return NULL;
+}

@@ -1,0 +1,9 @@
+/* The compiled record path's entry points (flow_exporter/_records.c), in flow_exporter._native's method table. */
+#ifndef FLOW_EXPORTER_RECORDS_H
+#define FLOW_EXPORTER_RECORDS_H
+#include <Python.h>
+
+PyObject *native_prepare_records(PyObject *self, PyObject *args);
+PyObject *native_journal_sent(PyObject *self, PyObject *args);
+
+#endif
