@@ -777,6 +777,9 @@ static PyMethodDef methods[] = {
     {"prepare_records", native_prepare_records, METH_VARARGS,
      "prepare_records(exports, export_ms, static, encode, key_of, tcp_states, topic, framing): a batch's values, "
      "keys and topics (see flow_exporter.sink.encoder and _records.c)."},
+    {"build_records", native_build_records, METH_VARARGS,
+     "build_records(slots, reasons, out, Export, slow, columns, keys, meta, prefix, pending, consts): the records "
+     "of due slots (see flow_exporter.store.ledger and _records.c)."},
     {"journal_sent", native_journal_sent, METH_VARARGS,
      "journal_sent(exports, topics): a batch's journal rows, or None (see flow_exporter.checkpoint and _records.c)."},
     {NULL, NULL, 0, NULL},

@@ -28,14 +28,16 @@
 
 #include "_records.h"
 
+/* Every field of flow.Export, in its order (make_export fills them all). */
 enum {
-    X_REASON, X_SEQ, X_TOTALS, X_DELTAS, X_FLOW_END, X_FLOW_ID, X_FIRST, X_CONN_KEY, X_CT_ID, X_START, X_FLAGS,
-    X_ENDED, X_TCP, X_PREFIX, X_VALUE, X_TOPIC, X_KEY, X_ATTEMPTS, X_EXPORT_MS, X_ROW_KIND, X_N
+    X_REASON, X_SEQ, X_TOTALS, X_DELTAS, X_FINAL, X_FLOW_END, X_FLOW_ID, X_FIRST, X_CONN_KEY, X_CT_ID, X_START,
+    X_FLAGS, X_ENDED, X_TCP, X_META, X_CONN, X_PREFIX, X_SLOT, X_EPOCH, X_VALUE, X_TOPIC, X_KEY, X_ATTEMPTS,
+    X_EXPORT_MS, X_ROW_KIND, X_N
 };
 static const char *const XNAMES[X_N] = {
-    "reason", "sequence", "totals", "deltas", "flow_end_ns", "flow_id", "first_seen_ns", "conn_key", "ct_id",
-    "start_ns", "flags", "ended", "tcp_state", "prefix", "value", "topic", "key", "attempts", "export_ms",
-    "row_kind"};
+    "reason", "sequence", "totals", "deltas", "final", "flow_end_ns", "flow_id", "first_seen_ns", "conn_key",
+    "ct_id", "start_ns", "flags", "ended", "tcp_state", "meta", "conn", "prefix", "slot", "epoch", "value",
+    "topic", "key", "attempts", "export_ms", "row_kind"};
 
 static PyObject *x_type = NULL;
 static Py_ssize_t x_off[X_N];
@@ -44,7 +46,7 @@ static int x_direct = 0;
 /* Resolve the slot offsets of `type` (once per type); 1 if every field is a plain object slot. */
 static int bind_export(PyTypeObject *type) {
     if ((PyObject *)type == x_type) return x_direct;
-    int direct = 1;
+    int direct = type->tp_init != NULL;
     for (int i = 0; i < X_N && direct; i++) {
         PyObject *d = PyObject_GetAttrString((PyObject *)type, XNAMES[i]);
         if (d == NULL) {
@@ -449,5 +451,176 @@ fallback:
     Py_RETURN_NONE;
 error:
     PyMem_Free(b.buf);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ building records */
+
+/* The store's columns build_records reads and writes, in the order store.ledger passes them, and their
+ * item sizes (array typecodes Q, I, b, q and bytearrays). */
+enum {
+    B_OP, B_OB, B_RP, B_RB, B_BP, B_BB, B_BRP, B_BRB, B_SEQ, B_TCP, B_STATUS, B_LAST, B_FID, B_FIRST, B_CT,
+    B_START, B_EPOCH, B_FLAGS, B_REASON, B_BITS, B_N
+};
+static const Py_ssize_t B_SIZE[B_N] = {8, 8, 8, 8, 8, 8, 8, 8, 4, 1, 4, 8, 8, 8, 4, 8, 4, 1, 1, 1};
+/* The bit and code values, from the Python modules that own them (store.columns, flow, connection). */
+enum {
+    K_UNCOUNTED, K_DESTROYED, K_FINAL_DUE, K_LAST_ACTIVE, K_NO_COUNTERS, K_OFFLOADED, K_OFFLOAD_STATUS,
+    K_ACTIVE_TIMEOUT, K_FORCED_END, K_LACK_OF_RESOURCES, K_ROW_ENDED, K_ROW_GIVEN_UP, K_ROW_RESET, K_N
+};
+
+#define BCOL(b, i, T) ((T *)(b)[i].buf)
+
+static void release_views(Py_buffer *b, int held) {
+    for (int i = 0; i < held; i++) PyBuffer_Release(&b[i]);
+}
+
+/* A new Export holding the given field values (references stolen, NULLs allowed: then it fails). */
+static PyObject *make_export(PyTypeObject *type, PyObject **v) {
+    PyObject *e = NULL;
+    for (int i = 0; i < X_N; i++)
+        if (v[i] == NULL) goto done;
+    e = type->tp_alloc(type, 0);
+    if (e == NULL) goto done;
+    for (int i = 0; i < X_N; i++) {
+        SLOT(e, i) = v[i]; /* the slot takes the reference */
+        v[i] = NULL;
+    }
+done:
+    for (int i = 0; i < X_N; i++) Py_XDECREF(v[i]);
+    return e;
+}
+
+/*
+ * build_records(slots, reasons, out, Export, slow, columns, keys, meta, prefix, pending, consts) -> built here
+ *
+ * Ledger._build for each (slot, reason), in order, appending the records to `out`. A slot whose record
+ * needs its prefix encoded (none cached, or the flags it carries change now) or whose sequence would
+ * not fit its column goes to `slow(slot, reason)` (the Python _build) before the next one is looked at.
+ */
+PyObject *native_build_records(PyObject *self, PyObject *args) {
+    PyObject *slots, *reasons, *out, *etype, *slow, *columns, *keys, *meta, *prefix, *pending, *consts;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OO!O!O!O!O!O!", &PyList_Type, &slots, &PyBytes_Type, &reasons, &PyList_Type,
+                          &out, &PyType_Type, &etype, &slow, &PyTuple_Type, &columns, &PyList_Type, &keys,
+                          &PyList_Type, &meta, &PyList_Type, &prefix, &PyList_Type, &pending, &PyTuple_Type, &consts))
+        return NULL;
+    if (PyTuple_GET_SIZE(columns) != B_N || PyTuple_GET_SIZE(consts) != K_N ||
+        PyBytes_GET_SIZE(reasons) != PyList_GET_SIZE(slots)) {
+        PyErr_SetString(PyExc_ValueError, "build_records: columns, constants or reasons of the wrong length");
+        return NULL;
+    }
+    if (!bind_export((PyTypeObject *)etype)) Py_RETURN_NOTIMPLEMENTED;
+    long k[K_N];
+    for (int i = 0; i < K_N; i++) {
+        k[i] = PyLong_AsLong(PyTuple_GET_ITEM(consts, i));
+        if (k[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    Py_buffer b[B_N];
+    int held = 0;
+    Py_ssize_t n_slots = PyList_GET_SIZE(keys);
+    for (; held < B_N; held++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(columns, held), &b[held], PyBUF_WRITABLE)) goto fail;
+        if (b[held].itemsize != B_SIZE[held]) {
+            held++;
+            PyErr_Format(PyExc_TypeError, "build_records: column %d has items of %zd bytes", held - 1,
+                         b[held - 1].itemsize);
+            goto fail;
+        }
+        Py_ssize_t len = b[held].len / B_SIZE[held];
+        if (len < n_slots) n_slots = len;
+    }
+    if (PyList_GET_SIZE(meta) < n_slots || PyList_GET_SIZE(prefix) < n_slots || PyList_GET_SIZE(pending) < n_slots) {
+        PyErr_SetString(PyExc_ValueError, "build_records: a column is shorter than the keys");
+        goto fail;
+    }
+    const uint8_t *why = (const uint8_t *)PyBytes_AS_STRING(reasons);
+    Py_ssize_t built = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(slots); i++) {
+        Py_ssize_t s = PyLong_AsSsize_t(PyList_GET_ITEM(slots, i));
+        if (s == -1 && PyErr_Occurred()) goto fail;
+        if (s < 0 || s >= n_slots) {
+            PyErr_Format(PyExc_IndexError, "build_records: slot %zd out of range", s);
+            goto fail;
+        }
+        int reason = why[i];
+        uint8_t flags = BCOL(b, B_FLAGS, uint8_t)[s];
+        uint8_t bits = BCOL(b, B_BITS, uint8_t)[s];
+        long seen = ((bits & k[K_UNCOUNTED]) ? k[K_NO_COUNTERS] : 0) |
+                    ((BCOL(b, B_STATUS, uint32_t)[s] & (uint32_t)k[K_OFFLOAD_STATUS]) ? k[K_OFFLOADED] : 0);
+        uint32_t seq = BCOL(b, B_SEQ, uint32_t)[s];
+        PyObject *pre = PyList_GET_ITEM(prefix, s);
+        if (pre == Py_None || (seen & ~(long)flags) || seq == UINT32_MAX) {
+            PyObject *e = PyObject_CallFunction(slow, "ni", s, reason);
+            if (e == NULL) goto fail;
+            int r = PyList_Append(out, e);
+            Py_DECREF(e);
+            if (r) goto fail;
+            continue;
+        }
+        uint64_t o[4] = {BCOL(b, B_OP, uint64_t)[s], BCOL(b, B_OB, uint64_t)[s], BCOL(b, B_RP, uint64_t)[s],
+                         BCOL(b, B_RB, uint64_t)[s]};
+        uint64_t base[4] = {BCOL(b, B_BP, uint64_t)[s], BCOL(b, B_BB, uint64_t)[s], BCOL(b, B_BRP, uint64_t)[s],
+                            BCOL(b, B_BRB, uint64_t)[s]};
+        int end_reason = BCOL(b, B_REASON, uint8_t)[s];
+        int8_t ts = BCOL(b, B_TCP, int8_t)[s];
+        PyObject *v[X_N];
+        v[X_REASON] = PyLong_FromLong(reason);
+        v[X_SEQ] = PyLong_FromUnsignedLong(seq);
+        v[X_TOTALS] = Py_BuildValue("(KKKK)", (unsigned long long)o[0], (unsigned long long)o[1],
+                                    (unsigned long long)o[2], (unsigned long long)o[3]);
+        /* the Python code subtracts unbounded ints and keeps the positive part: the same in 64 bits */
+        v[X_DELTAS] = Py_BuildValue("(KKKK)", (unsigned long long)(o[0] > base[0] ? o[0] - base[0] : 0),
+                                    (unsigned long long)(o[1] > base[1] ? o[1] - base[1] : 0),
+                                    (unsigned long long)(o[2] > base[2] ? o[2] - base[2] : 0),
+                                    (unsigned long long)(o[3] > base[3] ? o[3] - base[3] : 0));
+        v[X_FINAL] = PyBool_FromLong(end_reason != 0);
+        v[X_FLOW_END] = PyLong_FromLongLong(BCOL(b, B_LAST, int64_t)[s]);
+        v[X_FLOW_ID] = PyLong_FromLongLong(BCOL(b, B_FID, int64_t)[s]);
+        v[X_FIRST] = PyLong_FromLongLong(BCOL(b, B_FIRST, int64_t)[s]);
+        v[X_CONN_KEY] = Py_NewRef(PyList_GET_ITEM(keys, s));
+        v[X_CT_ID] = PyLong_FromUnsignedLong(BCOL(b, B_CT, uint32_t)[s]);
+        v[X_START] = PyLong_FromLongLong(BCOL(b, B_START, int64_t)[s]);
+        v[X_FLAGS] = PyLong_FromLong(flags);
+        v[X_ENDED] = PyBool_FromLong(end_reason != 0 && end_reason != k[K_LACK_OF_RESOURCES]);
+        v[X_TCP] = ts < 0 ? Py_NewRef(Py_None) : PyLong_FromLong(ts);
+        v[X_META] = Py_NewRef(PyList_GET_ITEM(meta, s));
+        v[X_CONN] = Py_NewRef(Py_None);
+        v[X_PREFIX] = Py_NewRef(pre);
+        v[X_SLOT] = PyLong_FromSsize_t(s);
+        v[X_EPOCH] = PyLong_FromUnsignedLong(BCOL(b, B_EPOCH, uint32_t)[s]);
+        v[X_VALUE] = Py_NewRef(Py_None);
+        v[X_TOPIC] = Py_NewRef(Py_None);
+        v[X_KEY] = Py_NewRef(Py_None);
+        v[X_ATTEMPTS] = PyLong_FromLong(0);
+        v[X_EXPORT_MS] = PyLong_FromLong(0);
+        long row_kind = 0;
+        bits = reason == k[K_ACTIVE_TIMEOUT] ? bits | k[K_LAST_ACTIVE] : bits & ~k[K_LAST_ACTIVE];
+        if (end_reason) {
+            bits &= ~k[K_FINAL_DUE];
+            if (end_reason == k[K_LACK_OF_RESOURCES]) row_kind = k[K_ROW_GIVEN_UP];
+            else if (!(bits & k[K_DESTROYED]))
+                row_kind = k[K_ROW_ENDED] | (end_reason == k[K_FORCED_END] ? k[K_ROW_RESET] : 0);
+        }
+        v[X_ROW_KIND] = PyLong_FromLong(row_kind);
+        PyObject *e = make_export((PyTypeObject *)etype, v);
+        if (e == NULL) goto fail;
+        if (PyList_Append(out, e)) {
+            Py_DECREF(e);
+            goto fail;
+        }
+        /* the record is frozen: its totals are the next delta's base, and it is the one in flight */
+        BCOL(b, B_SEQ, uint32_t)[s] = seq + 1;
+        BCOL(b, B_BP, uint64_t)[s] = o[0];
+        BCOL(b, B_BB, uint64_t)[s] = o[1];
+        BCOL(b, B_BRP, uint64_t)[s] = o[2];
+        BCOL(b, B_BRB, uint64_t)[s] = o[3];
+        BCOL(b, B_BITS, uint8_t)[s] = bits;
+        PyList_SetItem(pending, s, e); /* steals the reference */
+        built++;
+    }
+    release_views(b, held);
+    return PyLong_FromSsize_t(built);
+fail:
+    release_views(b, held);
     return NULL;
 }

@@ -5,5 +5,6 @@
 
 PyObject *native_prepare_records(PyObject *self, PyObject *args);
 PyObject *native_journal_sent(PyObject *self, PyObject *args);
+PyObject *native_build_records(PyObject *self, PyObject *args);
 
 #endif

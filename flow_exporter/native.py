@@ -51,6 +51,21 @@ class Native(Protocol):
         framing: bytes,
     ) -> Any: ...  # list of (export, exception), or NotImplemented
 
+    def build_records(
+        self,
+        slots: list[int],
+        reasons: bytes,
+        out: list[Any],
+        export: type,
+        slow: Callable[[int, int], Any],
+        columns: tuple[Any, ...],
+        keys: list[Any],
+        meta: list[Any],
+        prefix: list[Any],
+        pending: list[Any],
+        constants: tuple[int, ...],
+    ) -> int: ...
+
     def journal_sent(self, exports: list[Any], topics: dict[Any, bytes]) -> tuple[int, bytes] | None: ...
 
 

@@ -53,6 +53,17 @@ class Ledger(Table):
     """Records: building them when due, settling their delivery, and the state a checkpoint keeps."""
 
     def _init_ledger(self) -> None:
+        # The columns the compiled build reads and writes, in the order _records.c names them, and the
+        # bits and codes it needs (passed, not restated there).
+        self._build_columns = (
+            self._op, self._ob, self._rp, self._rb, self._bp, self._bb, self._brp, self._brb, self._seq, self._tcp,
+            self._status, self._last_active, self._fid, self._first, self._ct, self._start, self._epoch,
+            self._flags, self._reason, self._bits,
+        )  # fmt: skip
+        self._build_constants = (
+            UNCOUNTED, DESTROYED, FINAL_DUE, LAST_ACTIVE, NO_COUNTERS, OFFLOADED, IPS_OFFLOAD | IPS_HW_OFFLOAD,
+            ACTIVE_TIMEOUT, FORCED_END, LACK_OF_RESOURCES, ROW_ENDED, ROW_GIVEN_UP, ROW_RESET,
+        )  # fmt: skip
         self._orphan_due: list[int] = []
         self._loose: dict[tuple[int, int], Export] = {}  # restored records in flight: no connection holds them
         self._resend: list[tuple[float, int, Export]] = []  # heap of failed records waiting to go again
@@ -112,50 +123,77 @@ class Ledger(Table):
         resend = self._resend
         while resend and resend[0][0] <= now and (limit is None or len(out) < limit):
             out.append(heapq.heappop(resend)[2])
+        # Which slots get a record, and why, decided first; the records are built after, in that order
+        # (_build_all): a build touches only its own slot. An orphan may be queued too: once taken here,
+        # it waits in the queue as one whose record is in flight would (the build makes it so).
+        todo: list[int] = []
+        why = bytearray()
+        if limit is not None:
+            limit -= len(out)
         pending = self._pending
         bits = self._bits
         reason = self._reason
+        taken: set[int] = set()
         if self._orphan_due:
             waiting = []
             for s in self._orphan_due:
-                if pending[s] is not None or (limit is not None and len(out) >= limit):
+                if pending[s] is not None or s in taken or (limit is not None and len(todo) >= limit):
                     waiting.append(s)  # goes when its record in flight settles
                 elif bits[s] & FINAL_DUE and bits[s] & ORPHAN and self._keys[s] is not None:
-                    out.append(self._build(s, reason[s], now))
+                    todo.append(s)
+                    why.append(reason[s])
+                    taken.add(s)
             self._orphan_due = waiting
         active = self.timeouts.active
         queue = self.queue
         requeue = queue.requeue
         idle_expire = queue.idle
-        append = out.append
-        build = self._build
+        add = todo.append
+        because = why.append
         retry: list[int] = []
         for s in queue.pop_due(now):
-            if limit is not None and len(out) >= limit:
+            if limit is not None and len(todo) >= limit:
                 queue.push(s, queue.active[s], idle_expire[s])
                 break
-            if pending[s] is not None:
+            if pending[s] is not None or (taken and s in taken):
                 retry.append(s)
                 continue
             r = reason[s]
             if r:
                 if bits[s] & FINAL_DUE:
-                    append(build(s, r, now))
+                    add(s)
+                    because(r)
                 continue
+            add(s)
             if self._dying(s):
                 # TIME_WAIT or CLOSE: still in the table, but over; later movement queues it again.
-                append(build(s, END_OF_FLOW, now))
+                because(END_OF_FLOW)
                 continue
             if idle_expire[s] <= now:
                 bits[s] &= ~ACTIVE
                 self._idle[s] = None
-                append(build(s, IDLE_TIMEOUT, now))
+                because(IDLE_TIMEOUT)
                 continue
-            append(build(s, ACTIVE_TIMEOUT, now))
+            because(ACTIVE_TIMEOUT)
             requeue(s, now + active, idle_expire[s])
         for s in retry:
             queue.push(s, now + RETRY_DELAY, now + RETRY_DELAY)
+        if todo:
+            self._build_all(todo, bytes(why), out, now)
         return out
+
+    def _build_all(self, slots: list[int], reasons: bytes, out: list[Export], now: float) -> None:
+        """The records of ``slots`` (for ``reasons``), appended to ``out`` in order: compiled when built."""
+        nat = self._native
+        if nat is None:
+            build = self._build
+            out.extend([build(s, r, now) for s, r in zip(slots, reasons, strict=True)])
+            return
+        built = nat.build_records(
+            slots, reasons, out, Export, lambda s, r: self._build(s, r, now), self._build_columns,
+            self._keys, self._meta, self._prefix, self._pending, self._build_constants,
+        )  # fmt: skip
+        self.stats.records_built += built
 
     def _build(self, s: int, reason: int, now: float) -> Export:
         # One call per record (bench/bench_app_export.py): column reads and conditionals, no max() calls.
