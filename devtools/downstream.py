@@ -34,7 +34,7 @@ JOBS = {"spark": ROOT / "downstream" / "spark_flows.py", "flink": ROOT / "downst
 FLINK_PYTHON = ROOT / ".venv-flink" / "bin" / "python"
 TOPIC = "flows"
 USER, PASSWORD = "flows", "flows-local-secret"
-TABLES = ("flows_by_window", "top_talkers", "connection_totals")
+TABLES = ("flows_by_window", "top_talkers", "bytes_by_zone_pair", "connection_totals")
 
 
 def _say(msg: str) -> None:
