@@ -119,7 +119,7 @@ class Scenario:
     runs: dict[str, JobRun]
     long_b: Any  # the LongConnection that spans the restarts
     placement: Placement  # the names and zones the test gave the lab's addresses
-    workload_pod: str  # the Deployment's pod, "namespace/name": never a group of its own
+    namespace: str  # of the pods the test made
 
     @property
     def plain_ct(self) -> dict[Group, Counts]:
@@ -142,9 +142,9 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield b
 
 
-def place(apiserver: ApiServer, lab: Lab, ns: str, other_node: str) -> tuple[Placement, str]:
+def place(apiserver: ApiServer, lab: Lab, ns: str, other_node: str) -> Placement:
     """The cluster the exporters enrich from: a Deployment's pod and a bare pod on the exporter's node
-    (zone-a), a second node (zone-b) at the third address. Returns the placement and the Deployment's pod."""
+    (zone-a), a second node (zone-b) at the third address; the names and zones the jobs should give them."""
     p1, p2, p3 = lab.pods
     with apiserver.api_client() as api:
         core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
@@ -166,7 +166,7 @@ def place(apiserver: ApiServer, lab: Lab, ns: str, other_node: str) -> tuple[Pla
     names = {p1.ipv4: f"{ns}/Deployment/web", p1.ipv6: f"{ns}/Deployment/web", p2.ipv4: f"{ns}/probe"}
     names[p2.ipv6] = f"{ns}/probe"
     zones = {p1.ipv4: "zone-a", p1.ipv6: "zone-a", p2.ipv4: "zone-a", p2.ipv6: "zone-a", p3.ipv4: "zone-b"}
-    return Placement(names, zones), f"{ns}/web-6d4cf-x7k2p"
+    return Placement(names, zones)
 
 
 def unplace(apiserver: ApiServer, ns: str, other_node: str) -> None:
@@ -220,7 +220,7 @@ def run_scenario(secure_broker: KafkaBroker, apiserver: ApiServer, work: Path, n
         sasl = secure_broker.sasl_bootstrap
         p1, p2, p3 = lab.pods
         svc = lab.add_service(lab.vip4(), 80, p3, 8080)
-        placement, workload_pod = place(apiserver, lab, ns, other_node)
+        placement = place(apiserver, lab, ns, other_node)
 
         # Plain: one exporter process from the first packet to the last.
         exporter = start_synced(lab, sasl, topic, work / "exporter-1.log", *production)
@@ -299,7 +299,7 @@ def run_scenario(secure_broker: KafkaBroker, apiserver: ApiServer, work: Path, n
                 sasl, topic, work / "flink-standalone", *secure, env=password, standalone=True
             ),
         }
-    return Scenario(plain, restart, records, runs, long_b, placement, workload_pod)
+    return Scenario(plain, restart, records, runs, long_b, placement, ns)
 
 
 # --------------------------------------------------------------------------- checks
@@ -466,15 +466,19 @@ def test_zone_pairs_equal_conntrack_by_the_zones_assigned(scenario: Scenario, ru
 @pytest.mark.parametrize("run", RUNS)
 def test_groups_are_workloads_then_pods_then_addresses(scenario: Scenario, run: str) -> None:
     """The Deployment's pod is grouped under its Deployment, the bare pod under its own name, the node by address."""
-    ns = scenario.workload_pod.split("/")[0]
+    ns = scenario.namespace
     web, probe = f"{ns}/Deployment/web", f"{ns}/probe"
-    # The premise: the exporter resolved the pod's ReplicaSet to its Deployment.
-    owners = {(r["sourcePodName"], r["sourceOwnerKind"], r["sourceOwnerName"]) for r in scenario.records}
-    assert owners >= {("web-6d4cf-x7k2p", "Deployment", "web"), ("probe", "Pod", "probe")}
+    # The premise: the exporter resolved the pod's ReplicaSet to its Deployment; the bare pod is its own
+    # workload; the second node's address is no pod.
+    lab = [r for r in scenario.records if r["exporterNode"] == EXPORTER_NODE]
+    assert {(r["sourcePodName"], r["sourceOwnerKind"], r["sourceOwnerName"]) for r in lab} == {
+        ("web-6d4cf-x7k2p", "Deployment", "web"),
+        ("probe", "Pod", "probe"),
+        (None, None, None),
+    }
     got = scenario.runs[run].group_totals()
-    names = {name for group in got for name in group}
-    assert {web, probe} <= names
-    assert not any(scenario.workload_pod in name for name in names)  # never the Deployment's pod by its name
+    # The cluster's names among the groups: the Deployment and the bare pod, never the Deployment's pod.
+    assert {name for group in got for name in group if name.startswith(f"{ns}/")} == {web, probe}
     # Every connection of the Deployment's pod, in either direction, counts under the Deployment.
     expected = {g: c for g, c in {**scenario.plain_ct, **scenario.restart_ct}.items() if web in g}
     assert len(expected) == 4, expected  # to probe, from probe, to the node's address, from it
