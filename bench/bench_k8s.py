@@ -420,7 +420,7 @@ def _template(app: str, restart: str = "Always") -> dict[str, Any]:
     labels = {"app": app, "app.kubernetes.io/name": app}
     container = {
         "name": "main",
-        "image": "registry.example/shop/app:1.2.3",
+        "image": "shop/app:1.2.3",
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
     }
     return {"metadata": {"labels": labels}, "spec": {"containers": [container], "restartPolicy": restart}}

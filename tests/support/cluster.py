@@ -47,7 +47,7 @@ def make_pod(
     spec = {
         "nodeName": node,
         "hostNetwork": host_network,
-        "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}],
+        "containers": [{"name": "c", "image": "pause:3.10"}],
     }
     meta: dict[str, Any] = {"name": name, "labels": labels or {"app": name}}
     if owner is not None:
@@ -74,5 +74,6 @@ def create(api: Any, method: str, ns: str, body: dict[str, Any]) -> dict[str, An
 
 
 def pod_template(app: str, restart: str = "Always") -> dict[str, Any]:
-    containers = [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]
+    """A pod template for a workload object (the API server requires one; no controller ever uses it)."""
+    containers = [{"name": "c", "image": "pause:3.10"}]
     return {"metadata": {"labels": {"app": app}}, "spec": {"containers": containers, "restartPolicy": restart}}
