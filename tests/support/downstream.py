@@ -114,6 +114,7 @@ def ct_zone_totals(entries: Iterable[CtEntry], placement: Placement) -> dict[Zon
 
 
 def add(a: Directional, b: Directional) -> Directional:
+    """Counters summed direction by direction: the zone table is checked per direction, not only in total."""
     return a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]
 
 
