@@ -13,6 +13,14 @@ Measured in child processes (so nothing else in this process pollutes them):
 * ns per enrichment: ``Enricher.__call__`` on connections between random pods, through a
   Service VIP, and to unknown addresses, plus the bare pod-IP lookup.
 
+``--per-object`` measures instead what each cached object costs when the caches list a real
+kube-apiserver themselves (no replay): ``--objects`` ReplicaSets (each controlled by a
+Deployment), then as many Jobs (each controlled by a CronJob), then as many pods (each
+controlled by one of the ReplicaSets, with labels and both IPs) are created on the server, and
+after each step fresh caches in a child process list everything, measured as above (RSS in
+several children, the median; tracemalloc in one). The bytes per object of a kind are the
+step's growth over the step before, divided by the objects added.
+
 Prints JSON; ``--out FILE`` also writes it.
 """
 
@@ -21,6 +29,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import hashlib
+import itertools
 import json
 import random
 import statistics
@@ -33,7 +42,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine_line
+from bench.common import machine_line, section_head, update_section, write_json
 
 ROUNDS = 5
 LABEL_KEYS = ("app", "app.kubernetes.io/name")
@@ -360,6 +369,210 @@ def child(pages_dir: Path, lookups: int, trace: bool) -> None:
     )
 
 
+# ------------------------------------------------------------------------------ per object, listed live
+
+
+def live_child(kubeconfig: Path, trace: bool) -> None:
+    """Fresh caches list the real API server: memory before and after, and what they hold (one JSON line)."""
+    import gc
+    import tracemalloc
+
+    from flow_exporter.k8s.cache import K8sCaches, load_configuration
+
+    caches = K8sCaches(load_configuration(str(kubeconfig)), label_keys=LABEL_KEYS)
+    gc.collect()
+    if trace:
+        tracemalloc.start()
+    before = _rss()
+    caches.start()
+    assert caches.wait_ready(600)
+    # Every watcher past its list and into its watch: nothing of a list page is still referenced.
+    time.sleep(2)
+    gc.collect()
+    after = _rss()
+    traced = tracemalloc.get_traced_memory()[0] if trace else 0
+    counts = caches.synced_counts()
+    caches.stop()
+    print(json.dumps({"counts": counts, "rss_bytes": after - before, "traced_bytes": traced}))
+
+
+def _create_owned(api: Any, method: str, count: int, body: Any, threads: int = 4) -> list[dict[str, Any]]:
+    """``count`` objects made by ``body(i)`` through the typed client ``method`` in namespace bench; as returned."""
+
+    def one(i: int) -> dict[str, Any]:
+        made = getattr(api, method)("bench", body(i))
+        out: dict[str, Any] = api.api_client.sanitize_for_serialization(made)
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(one, range(count)))
+
+
+def _controlled_by(obj: dict[str, Any]) -> dict[str, Any]:
+    meta = obj["metadata"]
+    return {
+        "apiVersion": obj["apiVersion"], "kind": obj["kind"], "name": meta["name"], "uid": meta["uid"],
+        "controller": True, "blockOwnerDeletion": True,
+    }  # fmt: skip
+
+
+def _template(app: str, restart: str = "Always") -> dict[str, Any]:
+    labels = {"app": app, "app.kubernetes.io/name": app}
+    container = {
+        "name": "main",
+        "image": "shop/app:1.2.3",
+        "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
+    }
+    return {"metadata": {"labels": labels}, "spec": {"containers": [container], "restartPolicy": restart}}
+
+
+def per_object(objects: int, children: int, workdir: Path) -> dict[str, Any]:
+    """Memory per cached ReplicaSet, Job and pod, from caches listing objects made on a real API server."""
+    from kubernetes import client
+
+    from devtools.apiserver import ApiServer
+
+    owners = max(objects // 10, 1)  # ten ReplicaSets per Deployment: the default revision history
+    steps: list[dict[str, Any]] = []
+    with ApiServer(workdir / "apiserver") as srv, srv.api_client() as api:
+        core, apps, batch = client.CoreV1Api(api), client.AppsV1Api(api), client.BatchV1Api(api)
+        core.create_namespace({"metadata": {"name": "bench"}})
+        for n in range(10):
+            zone = {"topology.kubernetes.io/zone": f"zone-{n % 3}"}
+            core.create_node({"metadata": {"name": f"node-{n}", "labels": zone}})
+            core.patch_node_status(
+                f"node-{n}", {"status": {"addresses": [{"type": "InternalIP", "address": f"192.168.0.{n}"}]}}
+            )
+
+        def measure(step: str, created_seconds: float) -> None:
+            rss = [_run_live_child(srv.admin_kubeconfig, False) for _ in range(children)]
+            traced = _run_live_child(srv.admin_kubeconfig, True)
+            steps.append(
+                {
+                    "step": step,
+                    "counts": traced["counts"],
+                    "rss_bytes": statistics.median(r["rss_bytes"] for r in rss),
+                    "traced_bytes": traced["traced_bytes"],
+                    "create_seconds": round(created_seconds, 1),
+                }
+            )
+
+        measure("baseline", 0.0)
+        t0 = time.perf_counter()
+        deployments = _create_owned(apps, "create_namespaced_deployment", owners, lambda i: {
+            "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": f"app-{i}"},
+            "spec": {"selector": {"matchLabels": {"app": f"app-{i}"}}, "template": _template(f"app-{i}")},
+        })  # fmt: skip
+        replicasets = _create_owned(apps, "create_namespaced_replica_set", objects, lambda i: {
+            "apiVersion": "apps/v1", "kind": "ReplicaSet",
+            "metadata": {
+                "name": f"app-{i // 10}-{_h(f'rs{i}', 10)}", "ownerReferences": [_controlled_by(deployments[i // 10])],
+                "labels": {"app": f"app-{i // 10}", "pod-template-hash": _h(f"rs{i}", 10)},
+            },
+            "spec": {
+                "replicas": 1, "selector": {"matchLabels": {"app": f"app-{i // 10}"}},
+                "template": _template(f"app-{i // 10}"),
+            },
+        })  # fmt: skip
+        measure("replicasets", time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        cronjobs = _create_owned(batch, "create_namespaced_cron_job", owners, lambda i: {
+            "apiVersion": "batch/v1", "kind": "CronJob", "metadata": {"name": f"task-{i}"},
+            "spec": {"schedule": "0 3 * * *", "jobTemplate": {"spec": {"template": _template(f"task-{i}", "Never")}}},
+        })  # fmt: skip
+        _create_owned(batch, "create_namespaced_job", objects, lambda i: {
+            "apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {
+                "name": f"task-{i // 10}-{29145000 + i}", "ownerReferences": [_controlled_by(cronjobs[i // 10])],
+            },
+            "spec": {"template": _template(f"task-{i // 10}", "Never")},
+        })  # fmt: skip
+        measure("jobs", time.perf_counter() - t0)
+        t0 = time.perf_counter()
+
+        def pod(i: int) -> dict[str, Any]:
+            rs = replicasets[i]
+            body = _template(rs["metadata"]["labels"]["app"])
+            body["metadata"] = {
+                "name": f"{rs['metadata']['name']}-{_h(i, 5)}",
+                "labels": {
+                    **body["metadata"]["labels"],
+                    "pod-template-hash": rs["metadata"]["labels"]["pod-template-hash"],
+                },
+                "ownerReferences": [_controlled_by(rs)],
+            }
+            body["spec"]["nodeName"] = f"node-{i % 10}"
+            return body
+
+        made = _create_owned(core, "create_namespaced_pod", objects, pod)
+
+        def status(i: int) -> None:
+            ip4, ip6 = pod_ips(i)
+            body = {"status": {"phase": "Running", "podIP": ip4, "podIPs": [{"ip": ip4}, {"ip": ip6}]}}
+            core.patch_namespaced_pod_status(made[i]["metadata"]["name"], "bench", body)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(status, range(objects)))
+        measure("pods", time.perf_counter() - t0)
+
+    per: dict[str, Any] = {}
+    for prev, step in itertools.pairwise(steps):
+        kind = step["step"]
+        added = step["counts"][kind] - prev["counts"][kind]
+        assert added == objects, (kind, step["counts"], prev["counts"])
+        per[kind.removesuffix("s")] = {
+            "bytes_rss": round((step["rss_bytes"] - prev["rss_bytes"]) / added),
+            "bytes_traced": round((step["traced_bytes"] - prev["traced_bytes"]) / added),
+        }
+    return {
+        "machine": machine_line(),
+        "objects_per_kind": objects,
+        "rss_children": children,
+        "per_object": per,
+        "steps": steps,
+    }
+
+
+def report_per_object(result: dict[str, Any], argv: list[str] | None) -> None:
+    """BENCHMARKS.md's ``k8s_objects`` section and ``bench/results/k8s_objects.json``."""
+    write_json("k8s_objects", result)
+    per, n = result["per_object"], result["objects_per_kind"]
+    what = {
+        "replicaset": "ReplicaSet (controlled by a Deployment): its controller reference",
+        "job": "Job (controlled by a CronJob): its controller reference",
+        "pod": "pod (controlled by a ReplicaSet; 2 IPs, 2 of its 3 labels kept): name, node, owner, labels, IP index",
+    }
+    lines = section_head("Kubernetes caches: memory per cached object, listed live", "bench.bench_k8s", argv)
+    lines += [
+        f"Each step creates {n:,} objects of one kind on a real kube-apiserver (the Deployments and CronJobs that",
+        "own them too, one per ten), then fresh caches in child processes list everything as the exporter does;",
+        "a kind's cost is the step's growth over the step before, per object added. tracemalloc counts the",
+        f"Python objects the caches keep; RSS (median of {result['rss_children']} children) adds allocator slack and",
+        "what the allocator keeps after parsing the list pages (500 objects a page, the five resources at once):",
+        "a fixed amount spread over the objects, so the RSS figures fall as `--objects` grows, the tracemalloc",
+        "ones do not.",
+        "",
+        "| object | bytes, tracemalloc | bytes, RSS |",
+        "|---|---:|---:|",
+    ]
+    for kind in ("pod", "replicaset", "job"):
+        lines.append(f"| {what[kind]} | {per[kind]['bytes_traced']:,} | {per[kind]['bytes_rss']:,} |")
+    update_section("k8s_objects", "\n".join(lines))
+
+
+def _run_live_child(kubeconfig: Path, trace: bool) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.bench_k8s", "--live-child", str(kubeconfig), "1" if trace else "0"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"child failed: {out.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
 # ------------------------------------------------------------------------------ driver
 
 
@@ -417,14 +630,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--real-pods", type=int, default=500)
     ap.add_argument("--services", type=int, default=5_000)
     ap.add_argument("--lookups", type=int, default=200_000)
+    ap.add_argument("--per-object", action="store_true", help="memory per cached ReplicaSet, Job and pod, listed live")
+    ap.add_argument("--objects", type=int, default=5_000, help="--per-object: objects created per kind")
+    ap.add_argument("--rss-children", type=int, default=3, help="--per-object: RSS children per step (median)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--live-child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         pages, lookups, trace = args.child
         child(Path(pages), int(lookups), trace == "1")
         return 0
-    result = run(args.pods, args.real_pods, args.services, args.lookups)
+    if args.live_child:
+        live_child(Path(args.live_child[0]), args.live_child[1] == "1")
+        return 0
+    if args.per_object:
+        with tempfile.TemporaryDirectory(prefix="bench-k8s-") as tmp:
+            result = per_object(args.objects, args.rss_children, Path(tmp))
+        report_per_object(result, argv)
+    else:
+        result = run(args.pods, args.real_pods, args.services, args.lookups)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

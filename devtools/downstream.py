@@ -4,7 +4,7 @@ Without ``--bootstrap-servers`` it sets up what production looks like, on this m
 Kafka broker (KRaft) with a SCRAM user, a local Schema Registry (devtools.registry), a namespace
 lab with the exporter writing to the SASL listener with registry framing, ``--duration`` seconds
 of real traffic (the demo's), and then the job, reading over SCRAM with the registry, runs once
-over what the topic holds (Spark ``--available-now``, Flink ``--bounded``) and its three tables
+over what the topic holds (Spark ``--available-now``, Flink ``--bounded``) and its four tables
 are printed. With ``--bootstrap-servers`` and ``--topic`` it only runs the job against that
 broker; any further arguments after ``--`` go to the job unchanged. Either way the connector jars
 are resolved here (devtools.spark, devtools.flink) and given to the job with ``--jars``.
@@ -34,7 +34,7 @@ JOBS = {"spark": ROOT / "downstream" / "spark_flows.py", "flink": ROOT / "downst
 FLINK_PYTHON = ROOT / ".venv-flink" / "bin" / "python"
 TOPIC = "flows"
 USER, PASSWORD = "flows", "flows-local-secret"
-TABLES = ("flows_by_window", "top_talkers", "connection_totals")
+TABLES = ("flows_by_window", "top_talkers", "bytes_by_zone_pair", "connection_totals")
 
 
 def _say(msg: str) -> None:
@@ -99,12 +99,14 @@ def print_table(name: str, rows: list[dict[str, Any]], columns: list[str], limit
 
 
 def show_tables(output: Path) -> int:
-    """Print the three tables; the number of window rows (0 means the job produced nothing)."""
+    """Print the four tables; the number of window rows (0 means the job produced nothing)."""
     windows = sorted(read_table(output / "flows_by_window"), key=lambda r: (str(r["window_start"]), -r["bytes"]))
     talkers = sorted(read_table(output / "top_talkers"), key=lambda r: (str(r["window_start"]), r["rank"]))
+    zones = sorted(read_table(output / "bytes_by_zone_pair"), key=lambda r: (str(r["window_start"]), -r["bytes"]))
     conns = sorted(read_table(output / "connection_totals"), key=lambda r: -r["bytes"])
     print_table("flows_by_window", windows, ["window_start", "source", "destination", "packets", "bytes"])
     print_table("top_talkers", talkers, ["window_start", "rank", "source", "destination", "bytes"])
+    print_table("bytes_by_zone_pair", zones, ["window_start", "source_zone", "destination_zone", "packets", "bytes"])
     print_table(
         "connection_totals",
         conns,

@@ -10,6 +10,13 @@ The rules (README "Downstream", "Counting: the contract"), in the order the jobs
    (``flowType`` = :data:`INTER_NODE` and ``reporter`` = :data:`REPORTER_DESTINATION`);
 2. drop duplicate :data:`DEDUP_KEY` pairs (a resent record is the same bytes);
 3. sum the :data:`DELTAS` into the :data:`COUNTERS` columns.
+
+Groups (:data:`SOURCE_GROUP`, :data:`DESTINATION_GROUP`) name each end by its workload, the one
+name that outlives a rollout (``namespace/Kind/Name``: ``shop/Deployment/web``), else by its pod
+(``namespace/pod``: a pod no controller manages, whose owner kind is ``Pod``, or a record of an
+exporter older than the owner fields), else by its address; a destination reached through a
+Service is named by the Service first. Zones (:data:`ZONE_FIELDS`) stay null when unknown: a null
+zone is a group of its own in ``bytes_by_zone_pair``, in both jobs.
 """
 
 from __future__ import annotations
@@ -33,6 +40,9 @@ CONNECTION_FIELDS = (
     "destinationAddress",
     "destinationPort",
 )
+# Workload owners of each end (kind, name; in the pod's namespace) and zones of each end's node.
+OWNER_FIELDS = ("sourceOwnerKind", "sourceOwnerName", "destinationOwnerKind", "destinationOwnerName")
+ZONE_FIELDS = ("sourceZone", "destinationZone")
 # The record fields both jobs read (the others are skipped when decoding): the rules, the event
 # time, the groups and the counters.
 USED_FIELDS = frozenset(
@@ -47,6 +57,8 @@ USED_FIELDS = frozenset(
         "destinationPodNamespace",
         "destinationPodName",
         "destinationService",
+        *OWNER_FIELDS,
+        *ZONE_FIELDS,
         "flowType",
         "reporter",
         *DELTAS,
@@ -79,13 +91,40 @@ COUNTERS_RESET = 2  # record flag: this connectionId continues an entry whose co
 MARKER_LOSS_FIELDS = ("eventLosses", "connectionsGivenUp", "recordsGivenUp")
 STATUSES = ("lossy", "complete", "unconfirmed")  # window_completeness.status, in order of precedence
 
+# --------------------------------------------------------------------------- groups
+
+# The owner kind of a pod no controller manages: such a pod is its own workload and keeps its
+# pod label, so records of older exporters (no owner fields) and newer ones name it alike.
+BARE_POD = "Pod"
+# Each end's group, as one SQL expression that Spark SQL and Flink SQL read alike (``||`` and
+# CASE give null when a part is null, so a half-known name falls through to the next choice).
+# The rule, in order: the workload (``namespace/Kind/Name``) unless the pod is its own workload,
+# the pod (``namespace/pod``), the address. A destination is named by the Service the client
+# addressed first (``destinationService``, ``namespace/name:port/protocol``), and its address
+# is the one reached, after DNAT, with the port (``[address]:port`` for IPv6).
+SOURCE_GROUP = f"""COALESCE(
+  CASE WHEN sourceOwnerKind <> '{BARE_POD}'
+    THEN sourcePodNamespace || '/' || sourceOwnerKind || '/' || sourceOwnerName END,
+  sourcePodNamespace || '/' || sourcePodName,
+  sourceAddress)"""
+DESTINATION_GROUP = f"""COALESCE(
+  destinationService,
+  CASE WHEN destinationOwnerKind <> '{BARE_POD}'
+    THEN destinationPodNamespace || '/' || destinationOwnerKind || '/' || destinationOwnerName END,
+  destinationPodNamespace || '/' || destinationPodName,
+  CASE WHEN ipVersion = 6 THEN '[' || destinationAddress || ']' ELSE destinationAddress END
+    || ':' || CAST(destinationPort AS STRING))"""
+
+
 # --------------------------------------------------------------------------- tables and columns
 
-TABLES = ("flows_by_window", "top_talkers", "connection_totals")
+ZONE_TABLE = "bytes_by_zone_pair"
+TABLES = ("flows_by_window", "top_talkers", ZONE_TABLE, "connection_totals")
 COMPLETENESS_TABLE = "window_completeness"  # only with --markers-topic
 COLUMNS = {
     "flows_by_window": ("window_start", "window_end", "source", "destination", "packets", "bytes", *COUNTERS),
     "top_talkers": ("window_start", "window_end", "rank", "source", "destination", "packets", "bytes"),
+    ZONE_TABLE: ("window_start", "window_end", "source_zone", "destination_zone", "packets", "bytes", *COUNTERS),
     "connection_totals": (
         *CONNECTION_FIELDS,
         "source",

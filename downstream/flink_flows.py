@@ -1,7 +1,7 @@
-"""Reference Flink SQL job: bytes and packets per (source, destination) and window, top talkers, connection totals.
+"""Reference Flink SQL job: bytes and packets per (source, destination) and window, top talkers, zone pairs, totals.
 
-The Flink twin of ``downstream/spark_flows.py``: the same three tables from the exporter's Kafka
-topic (and, with ``--bounded``, a fourth from the completeness markers), written with Flink SQL
+The Flink twin of ``downstream/spark_flows.py``: the same four tables from the exporter's Kafka
+topic (and, with ``--bounded``, a fifth from the completeness markers), written with Flink SQL
 (windowing table-valued functions) and started from Python (PyFlink's ``TableEnvironment``) in
 local mode, a MiniCluster inside PyFlink's gateway JVM.
 
@@ -36,10 +36,11 @@ label maps. ``timestamp-millis`` longs are declared ``BIGINT`` and converted wit
 ``TO_TIMESTAMP_LTZ(x, 3)``: on the wire they are plain longs, and BIGINT stays right whatever
 timestamp mapping (legacy or not) the format applies to TIMESTAMP columns.
 
-Groups (as in the Spark job): ``source`` is ``sourcePodNamespace/sourcePodName`` when both are
-known, else ``sourceAddress``; ``destination`` is ``destinationService``, else
-``destinationPodNamespace/destinationPodName``, else ``destinationAddress:destinationPort``
-(``[address]:port`` for IPv6).
+Groups are the Spark job's, the same SQL (``contract.SOURCE_GROUP``, ``contract.DESTINATION_GROUP``):
+each end's workload (``namespace/Kind/Name``) where the record has it, else its pod
+(``namespace/pod``: a bare pod, or a record of an exporter without the owner fields), else its
+address; a destination is named by ``destinationService`` first, and its address is
+``destinationAddress:destinationPort`` (``[address]:port`` for IPv6), after DNAT.
 
 Records of an inter-node pod-to-pod connection come from both nodes' exporters; the copy of the
 destination's node (flowType 2, reporter 2) is dropped first, so each connection counts once
@@ -59,6 +60,10 @@ Tables (one StatementSet, so each topic is read once; the planner merges the sca
 * ``top_talkers``: window_start, window_end, rank, source, destination, packets, bytes: Window
   Top-N (ROW_NUMBER per window) over ``flows_by_window``, by bytes descending (ties: source,
   then destination, as the Spark job).
+* ``bytes_by_zone_pair``: window_start, window_end, source_zone, destination_zone, packets,
+  bytes and the four directional counters: the same deduplicated records summed per window and
+  (sourceZone, destinationZone); a null zone (an end outside the cluster, a node without a zone
+  label, an exporter older than the field) is a group of its own, as in the Spark job.
 * ``connection_totals``: connectionId, exporterNode, protocol, sourceAddress, sourcePort,
   destinationAddress, destinationPort, source, destination, first_seen, last_seen, records
   (distinct sequences), packets, bytes and the four directional counters; a GROUP BY over all
@@ -322,31 +327,29 @@ def _sum(column: str) -> str:
 
 
 def view_statements(window_seconds: int, top: int) -> dict[str, str]:
-    """The views, by name, in creation order: the enriched records, then the three result tables."""
+    """The views, by name, in creation order: the enriched records, then the four result tables."""
     packets = f"{_sum('forward_packets')} + {_sum('reverse_packets')}"
     octets = f"{_sum('forward_bytes')} + {_sum('reverse_bytes')}"
     counters = ", ".join(f"{_sum(c)} AS {c}" for c in COUNTERS)
     ids = "connectionId, exporterNode, protocol, sourceAddress, sourcePort, destinationAddress, destinationPort"
+    # A record's groups: the same in every copy of it, so grouping by them keeps one copy.
+    groups = "source, destination, source_zone, destination_zone"
     return {
         "flows": f"""
 SELECT {ids}, `sequence`, event_time,
-  COALESCE(sourcePodNamespace || '/' || sourcePodName, sourceAddress) AS source,
-  COALESCE(
-    destinationService,
-    destinationPodNamespace || '/' || destinationPodName,
-    CASE WHEN ipVersion = 6 THEN '[' || destinationAddress || ']' ELSE destinationAddress END
-      || ':' || CAST(destinationPort AS STRING)
-  ) AS destination,
+  {contract.SOURCE_GROUP} AS source,
+  {contract.DESTINATION_GROUP} AS destination,
+  sourceZone AS source_zone, destinationZone AS destination_zone,
   {", ".join(f"{d} AS {c}" for d, c in zip(DELTAS, COUNTERS, strict=True))}
 FROM {SOURCE_TABLE}
 WHERE NOT (flowType = {INTER_NODE} AND reporter = {REPORTER_DESTINATION})""",
         # A resent record is the same bytes: same window, same groups, same counts, so one row
         # per (window, connectionId, sequence) keeps exactly one copy of each.
         "records_by_window": f"""
-SELECT window_start, window_end, connectionId, `sequence`, source, destination,
+SELECT window_start, window_end, connectionId, `sequence`, {groups},
   {", ".join(f"MAX({c}) AS {c}" for c in COUNTERS)}
 FROM TABLE(TUMBLE(TABLE flows, DESCRIPTOR(event_time), INTERVAL '{window_seconds}' SECOND))
-GROUP BY window_start, window_end, connectionId, `sequence`, source, destination""",
+GROUP BY window_start, window_end, connectionId, `sequence`, {groups}""",
         "flows_by_window": f"""
 SELECT window_start, window_end, source, destination,
   {packets} AS packets, {octets} AS `bytes`, {counters}
@@ -363,6 +366,13 @@ FROM (
   FROM flows_by_window
 )
 WHERE `rank` <= {top}""",
+        # The same deduplicated records as flows_by_window; GROUP BY puts null zones in one group.
+        contract.ZONE_TABLE: f"""
+SELECT window_start, window_end, source_zone, destination_zone,
+  {packets} AS packets, {octets} AS `bytes`, {counters}
+FROM records_by_window
+GROUP BY window_start, window_end, source_zone, destination_zone
+HAVING {packets} > 0 OR {octets} > 0""",
         "distinct_records": f"""
 SELECT {ids}, `sequence`, MAX(source) AS source, MAX(destination) AS destination,
   MIN(event_time) AS event_time, {", ".join(f"MAX({c}) AS {c}" for c in COUNTERS)}
@@ -457,6 +467,15 @@ _RESULT_COLUMNS = {
         ("destination", "STRING"),
         ("packets", "BIGINT"),
         ("bytes", "BIGINT"),
+    ],
+    contract.ZONE_TABLE: [
+        ("window_start", "TIMESTAMP(3)"),
+        ("window_end", "TIMESTAMP(3)"),
+        ("source_zone", "STRING"),
+        ("destination_zone", "STRING"),
+        ("packets", "BIGINT"),
+        ("bytes", "BIGINT"),
+        *((c, "BIGINT") for c in COUNTERS),
     ],
     "connection_totals": [
         ("connectionId", "BIGINT"),

@@ -1,23 +1,29 @@
-"""Reference Spark Structured Streaming job: flows per window, top talkers and per-connection totals.
+"""Reference Spark Structured Streaming job: flows per window, top talkers, zone pairs and per-connection totals.
 
 It reads the exporter's topic with Spark's Kafka source (plaintext, TLS, SASL SCRAM or PLAIN) and
 decodes each value with ``from_avro``: bare Avro with ``schemas/flow_record.avsc``, or, with
 ``--schema-registry``, Confluent-framed values whose writer schema is fetched from the registry by
 the id in each value (every version registered under the subject, ``<topic>-value`` by default).
-It writes three tables (README "Downstream"), the same as ``downstream/flink_flows.py``:
+It writes four tables (README "Downstream"), the same as ``downstream/flink_flows.py``:
 
 * ``flows_by_window``: one row per tumbling event-time window and (source, destination) group;
 * ``top_talkers``: per window, the ``--top`` groups with the most bytes, ranked;
+* ``bytes_by_zone_pair``: one row per window and (source zone, destination zone), null zones
+  (an end outside the cluster, a node without a zone label, an older exporter) a group of their own;
 * ``connection_totals``: one row per connection with its counts so far;
 * ``window_completeness`` (with ``--markers-topic``): per window, whether every exporter
   confirmed it had all its records in Kafka, and whether any lost something in it.
 
-Groups. Kubernetes fields are null until enrichment exists, so each side falls back to addresses:
+Groups are ``contract.SOURCE_GROUP`` and ``contract.DESTINATION_GROUP``, SQL shared with the
+Flink job. Each end is named by its workload where the record has it (``namespace/Kind/Name``,
+the Deployment, StatefulSet, DaemonSet, CronJob or Job, stable across rollouts), else by its pod
+(``namespace/pod``: a bare pod, or a record of an exporter without the owner fields), else by its
+address; a destination by the Service addressed first (``namespace/name:port/protocol``), and
+its address is the one reached after DNAT, with its port (``[address]:port`` for IPv6).
 
-* ``source``: ``sourcePodNamespace/sourcePodName``, else ``sourceAddress``;
-* ``destination``: ``destinationService`` (``namespace/name:port/protocol``), else
-  ``destinationPodNamespace/destinationPodName``, else ``destinationAddress:destinationPort``
-  (``[address]:port`` for IPv6). The address and port are the ones after DNAT (the backend).
+The window aggregation keeps one row per (window, source, destination, source zone, destination
+zone); each closed window's rows are summed into ``flows_by_window`` and ``bytes_by_zone_pair``
+in the batch that closes them, so the two tables come from one streaming aggregation and agree.
 
 Records of an inter-node pod-to-pod connection come from both nodes' exporters; the copy of the
 destination's node (flowType 2, reporter 2) is dropped first, so each connection counts once.
@@ -92,8 +98,10 @@ USED_FIELDS = contract.USED_FIELDS | contract.TOTALS_MODE_FIELDS
 INTER_NODE, REPORTER_DESTINATION = contract.INTER_NODE, contract.REPORTER_DESTINATION
 COUNTERS_RESET = contract.COUNTERS_RESET
 
-_INCREMENT_SCHEMA = "eventTime timestamp, source string, destination string, " + ", ".join(
-    f"{c} long" for c in COUNTERS
+# The groups carried through totals mode's Python step, beside the event time.
+GROUPS = ("source", "destination", "source_zone", "destination_zone")
+_INCREMENT_SCHEMA = (
+    "eventTime timestamp, " + ", ".join(f"{g} string" for g in GROUPS) + ", " + ", ".join(f"{c} long" for c in COUNTERS)
 )
 _STATE_SCHEMA = "highWater binary"
 
@@ -404,23 +412,15 @@ def one_observation(flows: DataFrame) -> DataFrame:
 
 
 def group_columns(df: DataFrame) -> DataFrame:
-    """Add ``source`` and ``destination``: Kubernetes names when known, else addresses."""
+    """Add the :data:`GROUPS`: workload, pod or address of each end (the contract's SQL), and each end's zone."""
     from pyspark.sql import functions as F
 
-    endpoint = F.when(
-        F.col("ipVersion") == 6,
-        F.concat(F.lit("["), F.col("destinationAddress"), F.lit("]:"), F.col("destinationPort").cast("string")),
-    ).otherwise(F.concat(F.col("destinationAddress"), F.lit(":"), F.col("destinationPort").cast("string")))
-    # concat() is null when any part is null: a half-known pod falls through to the next choice.
-    source = F.coalesce(
-        F.concat(F.col("sourcePodNamespace"), F.lit("/"), F.col("sourcePodName")), F.col("sourceAddress")
+    return (
+        df.withColumn("source", F.expr(contract.SOURCE_GROUP))
+        .withColumn("destination", F.expr(contract.DESTINATION_GROUP))
+        .withColumn("source_zone", F.col("sourceZone"))
+        .withColumn("destination_zone", F.col("destinationZone"))
     )
-    destination = F.coalesce(
-        F.col("destinationService"),
-        F.concat(F.col("destinationPodNamespace"), F.lit("/"), F.col("destinationPodName")),
-        endpoint,
-    )
-    return df.withColumn("source", source).withColumn("destination", destination)
 
 
 class HighWater:
@@ -535,13 +535,9 @@ def _increments_fn(state_ttl_ms: int) -> Any:
             )
             # One row per record, zero increments included: the window aggregation's watermark
             # comes from these rows' event times, and must move with the input, not with traffic.
-            out = pd.DataFrame(
-                {
-                    "eventTime": frame["eventTime"].to_numpy()[order],
-                    "source": frame["source"].to_numpy()[order],
-                    "destination": frame["destination"].to_numpy()[order],
-                }
-            )
+            out = pd.DataFrame({"eventTime": frame["eventTime"].to_numpy()[order]})
+            for name in GROUPS:
+                out[name] = frame[name].to_numpy()[order]
             for i, name in enumerate(COUNTERS):
                 out[name] = inc[:, i]
             yield out
@@ -577,18 +573,22 @@ def aggregate(
     state_ttl: str,
     state_buckets: int = 64,
 ) -> DataFrame:
-    """``flows_by_window``: windowed sums per (source, destination); see the module docstring for the two modes."""
+    """Windowed sums per (source, destination, source_zone, destination_zone), rows without counts left out.
+
+    The two modes are the module docstring's. :func:`flows_by_window` and :func:`bytes_by_zone_pair`
+    sum a batch of these rows (every row of a window closes in the same batch) into the tables.
+    """
     from pyspark.sql import functions as F
     from pyspark.sql.streaming.state import GroupStateTimeout
 
     if mode == "deltas":
         counted = counted_records(flows, event_time=event_time, watermark=watermark).select(
-            "eventTime", "source", "destination", *(F.col(d).alias(c) for d, c in zip(DELTAS, COUNTERS, strict=True))
+            "eventTime", *GROUPS, *(F.col(d).alias(c) for d, c in zip(DELTAS, COUNTERS, strict=True))
         )
     else:
         df = group_columns(flows).withColumn("eventTime", F.col(event_time)).withWatermark("eventTime", watermark)
         counted = (
-            df.select(flow_key().alias("flowKey"), "eventTime", "source", "destination", *TOTALS)
+            df.select(flow_key().alias("flowKey"), "eventTime", *GROUPS, *TOTALS)
             # Buckets of connections, not single connections, as keys: the Python function is
             # called per key and batch, and a call costs milliseconds whatever its size.
             .withColumn("bucket", F.pmod(F.col("flowKey"), F.lit(state_buckets)))
@@ -605,20 +605,40 @@ def aggregate(
         )
     sums = [F.sum(c).alias(c) for c in COUNTERS]
     return (
-        counted.groupBy(F.window("eventTime", window), "source", "destination")
+        counted.groupBy(F.window("eventTime", window), *GROUPS)
         .agg(*sums)
         .select(
-            F.col("window.start").alias("window_start"),
-            F.col("window.end").alias("window_end"),
-            "source",
-            "destination",
-            (F.col("forward_packets") + F.col("reverse_packets")).alias("packets"),
-            (F.col("forward_bytes") + F.col("reverse_bytes")).alias("bytes"),
-            *COUNTERS,
+            F.col("window.start").alias("window_start"), F.col("window.end").alias("window_end"), *GROUPS, *COUNTERS
         )
         # A group whose records in a window only repeated what was known adds an all-zero row.
-        .where((F.col("packets") > 0) | (F.col("bytes") > 0))
+        .where(
+            (F.col("forward_packets") + F.col("reverse_packets") > 0)
+            | (F.col("forward_bytes") + F.col("reverse_bytes") > 0)
+        )
     )
+
+
+def _window_sums(groups: DataFrame, table: str, keys: tuple[str, ...]) -> DataFrame:
+    """The window rows of :func:`aggregate` summed per window and ``keys``, in ``table``'s columns."""
+    from pyspark.sql import functions as F
+
+    return (
+        groups.groupBy("window_start", "window_end", *keys)
+        .agg(*(F.sum(c).alias(c) for c in COUNTERS))
+        .withColumn("packets", F.col("forward_packets") + F.col("reverse_packets"))
+        .withColumn("bytes", F.col("forward_bytes") + F.col("reverse_bytes"))
+        .select(*contract.COLUMNS[table])
+    )
+
+
+def flows_by_window(groups: DataFrame) -> DataFrame:
+    """``flows_by_window``: per window and (source, destination), from the rows of :func:`aggregate`."""
+    return _window_sums(groups, "flows_by_window", ("source", "destination"))
+
+
+def bytes_by_zone_pair(groups: DataFrame) -> DataFrame:
+    """``bytes_by_zone_pair``: per window and (source zone, destination zone); null zones group together."""
+    return _window_sums(groups, contract.ZONE_TABLE, ("source_zone", "destination_zone"))
 
 
 def connection_totals(flows: DataFrame, *, mode: str, event_time: str, watermark: str) -> DataFrame:
@@ -782,19 +802,23 @@ class _TableWriter:
         df.write.mode("overwrite").parquet(str(path))
 
     def windows(self, df: DataFrame, batch_id: int) -> None:
+        """The windows this batch closed (rows of :func:`aggregate`): every table made of windows."""
         if df.isEmpty():
             return
         df.persist()
+        flows = flows_by_window(df).persist()
         try:
-            self._write(df, "flows_by_window", batch_id)
-            self._write(top_talkers(df, self.top), "top_talkers", batch_id)
+            self._write(flows, "flows_by_window", batch_id)
+            self._write(top_talkers(flows, self.top), "top_talkers", batch_id)
+            self._write(bytes_by_zone_pair(df), contract.ZONE_TABLE, batch_id)
             if self.markers is not None:
                 from pyspark.sql import functions as F
 
                 oldest = df.select(F.min("window_start").cast("long")).first()[0]
-                table = window_completeness(df, self.markers(int(oldest) * 1000), self.topics)
+                table = window_completeness(flows, self.markers(int(oldest) * 1000), self.topics)
                 self._write(table, "window_completeness", batch_id)
         finally:
+            flows.unpersist()
             df.unpersist()
 
     def connections(self, df: DataFrame, batch_id: int) -> None:

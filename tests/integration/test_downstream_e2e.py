@@ -9,7 +9,15 @@ dominates), checked by several tests:
 * restart: connections alive across exporter restarts with a state directory (SIGKILL mid-way,
   start, SIGTERM, start), which the restarted processes continue at their next sequence; a
   connection also starts and ends while no exporter runs;
-* Kubernetes names, windows and top talkers; per-connection totals.
+* Kubernetes names, windows and top talkers; per-connection totals;
+* zones: ``bytes_by_zone_pair`` against the kernel's counters summed by the zones the test gave.
+
+The exporters enrich from a real kube-apiserver, where the test made what a user and the
+controllers would: the lab's first pod belongs to a Deployment (through its ReplicaSet), the
+second is a bare pod, both on the exporter's node in zone ``zone-a``; the third address is the
+InternalIP of a second node, in ``zone-b`` (a node, not a pod: a pod there would be another
+node's to report for the connections it serves). So groups are workloads, pods and addresses,
+each end has a zone, and no record is the destination node's copy the jobs drop.
 
 The Spark deltas run reads over SCRAM with the registry; the totals run over the plaintext
 listener, stripping the header and using the local schema (``--confluent``). Each job also runs
@@ -19,36 +27,49 @@ PYTHONPATH, cwd that directory) and the jars passed by ``--jars``; its tables mu
 in-repository run's.
 
 The conntrack table is flushed between the two phases, so the restarted exporter does not see
-the plain phase's connections. Every run must give, per (source, destination) and per connection,
-the packet and byte totals ``conntrack -L`` reported just before the exporter stopped. A few
-synthetic records check the Kubernetes-name mapping, and a last one, an hour ahead, moves the
-watermark past every window so that an available-now Spark run emits them all. The last test
+the plain phase's connections. Every run must give, per (source, destination), per zone pair and
+per connection, the packet and byte totals ``conntrack -L`` reported just before the exporter
+stopped. A few synthetic records check the naming of a Service, a workload and the pod fallback
+(a record without owner fields, as an older exporter writes, and a bare pod) and that null zones
+are one group; a last one, an hour ahead, moves the watermark past every window so that an
+available-now Spark run emits them all. The last test
 checks the Spark job's per-connection arithmetic alone, without Spark.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
 
+from devtools.apiserver import ApiServer
 from devtools.kafka import KafkaBroker
 from devtools.lab import CtTable, Lab
 from devtools.registry import RegistryServer
 from downstream.spark_flows import HighWater
+from tests.support.cluster import controlled_by, create, ensure_node, make_pod, pod_template
 from tests.support.downstream import (
+    CLOCK_ZONE,
     TOP,
     WINDOW_S,
     Counts,
+    Directional,
     Group,
     JobRun,
+    Placement,
+    ZonePair,
     ct_connection,
     ct_totals,
-    endpoint,
+    ct_zone_totals,
     produce_synthetic,
     readme_rule,
     run_flink,
@@ -73,11 +94,16 @@ SCRAM = (
 # --------------------------------------------------------------------------- synthetic records
 
 K8S_GROUPS: dict[Group, Counts] = {
-    # destinationService wins over the destination pod; pod names win over addresses.
-    ("shop/web-0", "shop/cart:80/TCP"): (7 + 5, 700 + 500),
+    # The workload names the source; destinationService wins over the destination pod.
+    ("shop/Deployment/web", "shop/cart:80/TCP"): (7 + 5, 700 + 500),
+    # No owner fields (an older exporter), and a bare pod (owner kind Pod): the pods name both ends.
     ("shop/web-0", "shop/db-0"): (3 + 2, 300 + 200),
 }
+# Their zones are null (not known, or an older exporter): one group of their own.
+K8S_ZONES: dict[ZonePair, Directional] = {(None, None): (7 + 3, 700 + 300, 5 + 2, 500 + 200)}
 CLOCK_GROUP: Group = ("test/clock", "test/clock")
+CLOCK_ZONES: ZonePair = (CLOCK_ZONE, CLOCK_ZONE)
+EXPORTER_NODE = "lab-node"  # the --node-name start_exporter gives the exporter
 
 
 # --------------------------------------------------------------------------- the scenario
@@ -92,14 +118,16 @@ class Scenario:
     # "spark-standalone" and "flink-standalone": the first and the last, run from copies outside the repo
     runs: dict[str, JobRun]
     long_b: Any  # the LongConnection that spans the restarts
+    placement: Placement  # the names and zones the test gave the lab's addresses
+    namespace: str  # of the pods the test made
 
     @property
     def plain_ct(self) -> dict[Group, Counts]:
-        return ct_totals(self.plain)
+        return ct_totals(self.plain, self.placement)
 
     @property
     def restart_ct(self) -> dict[Group, Counts]:
-        return ct_totals(self.restart)
+        return ct_totals(self.restart, self.placement)
 
 
 def quiet_then_snapshot(lab: Lab) -> CtTable:
@@ -114,27 +142,88 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield b
 
 
+def place(apiserver: ApiServer, lab: Lab, ns: str, other_node: str) -> Placement:
+    """The cluster the exporters enrich from: a Deployment's pod and a bare pod on the exporter's node
+    (zone-a), a second node (zone-b) at the third address; the names and zones the jobs should give them."""
+    p1, p2, p3 = lab.pods
+    with apiserver.api_client() as api:
+        core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
+        core.create_namespace({"metadata": {"name": ns}})
+        ensure_node(core, EXPORTER_NODE, "192.0.2.1", zone="zone-a")
+        ensure_node(core, other_node, p3.ipv4, zone="zone-b")
+        selector = {"matchLabels": {"app": "web"}}
+        web = create(apps, "create_namespaced_deployment", ns, {
+            "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web"},
+            "spec": {"selector": selector, "template": pod_template("web")},
+        })  # fmt: skip
+        rs = create(apps, "create_namespaced_replica_set", ns, {
+            "apiVersion": "apps/v1", "kind": "ReplicaSet",
+            "metadata": {"name": "web-6d4cf", "ownerReferences": [controlled_by(web)]},
+            "spec": {"selector": selector, "template": pod_template("web")},
+        })  # fmt: skip
+        make_pod(core, ns, "web-6d4cf-x7k2p", EXPORTER_NODE, [p1.ipv4, p1.ipv6], owner=rs)
+        make_pod(core, ns, "probe", EXPORTER_NODE, [p2.ipv4, p2.ipv6])  # no controller: its own workload
+    names = {p1.ipv4: f"{ns}/Deployment/web", p1.ipv6: f"{ns}/Deployment/web", p2.ipv4: f"{ns}/probe"}
+    names[p2.ipv6] = f"{ns}/probe"
+    zones = {p1.ipv4: "zone-a", p1.ipv6: "zone-a", p2.ipv4: "zone-a", p2.ipv6: "zone-a", p3.ipv4: "zone-b"}
+    return Placement(names, zones)
+
+
+def unplace(apiserver: ApiServer, ns: str, other_node: str) -> None:
+    """Remove what would confuse later tests of the session: pods and a node at the lab's addresses."""
+    with apiserver.api_client() as api:
+        core = client.CoreV1Api(api)
+        with contextlib.suppress(ApiException):
+            core.delete_collection_namespaced_pod(ns, grace_period_seconds=0)
+        with contextlib.suppress(ApiException):
+            core.delete_node(other_node)
+
+
+def start_synced(lab: Lab, bootstrap: str, topic: str, log: Path, *flags: str) -> Any:
+    """An exporter whose caches have listed the API server, so its first records are enriched."""
+    proc = start_exporter(lab, bootstrap, topic, log, *flags)
+    deadline = time.monotonic() + 20
+    while "API server synced" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    return proc
+
+
 @pytest.fixture(scope="module")
-def scenario(secure_broker: KafkaBroker, tmp_path_factory: pytest.TempPathFactory) -> Scenario:
-    work = tmp_path_factory.mktemp("downstream-e2e")
+def scenario(
+    secure_broker: KafkaBroker, apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Scenario]:
+    ns = f"downstream-{uuid.uuid4().hex[:8]}"
+    other_node = f"{ns}-b"
+    try:
+        yield run_scenario(secure_broker, apiserver, tmp_path_factory.mktemp("downstream-e2e"), ns, other_node)
+    finally:
+        unplace(apiserver, ns, other_node)
+
+
+def run_scenario(secure_broker: KafkaBroker, apiserver: ApiServer, work: Path, ns: str, other_node: str) -> Scenario:
+    """The traffic, the exporters, the synthetic records and the job runs (see the module docstring)."""
     topic = f"downstream-e2e-{uuid.uuid4().hex[:8]}"
     secure_broker.create_topic(topic, partitions=2)
     assert secure_broker.sasl_bootstrap is not None
     with RegistryServer() as registry, Lab(pods=3) as lab:
-        # As in production: SCRAM over the SASL listener, values framed for the registry.
+        # As in production: SCRAM over the SASL listener, values framed for the registry, enrichment on.
         production = (
             *("--set", "kafka.securityProtocol=SASL_PLAINTEXT"),
             *("--set", "kafka.sasl.mechanism=SCRAM-SHA-512"),
             *("--set", f"kafka.sasl.username={SCRAM_USER}"),
             *("--set", f"kafka.sasl.password={SCRAM_PASSWORD}"),
             *("--set", f"schemaRegistry.url={registry.url}"),
+            *("--set", "k8s.enabled=true", "--set", f"k8s.kubeconfig={apiserver.admin_kubeconfig}"),
+            *("--set", "retry.maxBackoff=1s"),
         )
         sasl = secure_broker.sasl_bootstrap
         p1, p2, p3 = lab.pods
         svc = lab.add_service(lab.vip4(), 80, p3, 8080)
+        placement = place(apiserver, lab, ns, other_node)
 
         # Plain: one exporter process from the first packet to the last.
-        exporter = start_exporter(lab, sasl, topic, work / "exporter-1.log", *production)
+        exporter = start_synced(lab, sasl, topic, work / "exporter-1.log", *production)
         try:
             long_a = lab.open_tcp(p1, p3, 7000)
             lab.tcp_exchange(p1, p2, 9000, 1000, 5000)
@@ -161,10 +250,10 @@ def scenario(secure_broker: KafkaBroker, tmp_path_factory: pytest.TempPathFactor
 
         # Restarts: connections alive across exporter restarts that keep a state directory.
         state = (*production, "--set", f"state.dir={work / 'state'}")
-        exporter = start_exporter(lab, sasl, topic, work / "exporter-2.log", *state)
+        exporter = start_synced(lab, sasl, topic, work / "exporter-2.log", *state)
         try:
             long_b = lab.open_tcp(p3, p1, 7100)
-            lab.tcp_exchange(p1, p2, 9100, 2000, 3000)  # ended; still in the table (TIME_WAIT) at restart
+            lab.tcp_exchange(p2, p3, 9100, 2000, 3000)  # ended; still in the table (TIME_WAIT) at restart
             lab.udp_exchange(p3, p2, 5400, 80, 160, count=4)
             for _ in range(4):  # several active-timeout records (2 s) before the restart
                 long_b.send(1000)
@@ -173,16 +262,16 @@ def scenario(secure_broker: KafkaBroker, tmp_path_factory: pytest.TempPathFactor
             exporter.kill()  # SIGKILL, records in flight
             exporter.wait(10)
             # No exporter: a connection that starts and ends unseen, and more bytes on long_b.
-            lab.tcp_exchange(p1, p2, 9100, 500, 500)
+            lab.tcp_exchange(p2, p3, 9100, 500, 500)
             long_b.send(2000)
-            exporter = start_exporter(lab, sasl, topic, work / "exporter-3.log", *state)
+            exporter = start_synced(lab, sasl, topic, work / "exporter-3.log", *state)
             lab.udp_exchange(p3, p2, 5400, 80, 160, count=2)
             for _ in range(3):
                 long_b.send(1000)
                 time.sleep(1)
             stop_exporter(exporter, work / "exporter-3.log")  # SIGTERM
             long_b.send(500)
-            exporter = start_exporter(lab, sasl, topic, work / "exporter-4.log", *state)
+            exporter = start_synced(lab, sasl, topic, work / "exporter-4.log", *state)
             long_b.send(700)
             restart = quiet_then_snapshot(lab)
             stop_exporter(exporter, work / "exporter-4.log")
@@ -210,7 +299,7 @@ def scenario(secure_broker: KafkaBroker, tmp_path_factory: pytest.TempPathFactor
                 sasl, topic, work / "flink-standalone", *secure, env=password, standalone=True
             ),
         }
-    return Scenario(plain, restart, records, runs, long_b)
+    return Scenario(plain, restart, records, runs, long_b, placement, ns)
 
 
 # --------------------------------------------------------------------------- checks
@@ -233,6 +322,7 @@ def test_standalone_copy_gives_the_same_tables(scenario: Scenario, run: str) -> 
     assert _rows(copy.windows) == _rows(original.windows)
     assert _rows(copy.talkers) == _rows(original.talkers)
     assert _rows(copy.connections) == _rows(original.connections)
+    assert _rows(copy.zones) == _rows(original.zones)
 
 
 @pytest.mark.lab
@@ -328,7 +418,7 @@ def test_kubernetes_names_windows_and_top_talkers(scenario: Scenario, run: str) 
         by_window[start].append(row)
     # long_b's bytes spread over several windows, and still add up (checked above).
     lb = scenario.long_b
-    lb_group = (lb.client_ip, endpoint(lb.backend_ip, lb.backend_port))
+    lb_group = (scenario.placement.source(lb.client_ip), scenario.placement.destination(lb.backend_ip, lb.backend_port))
     assert sum(1 for r in job.windows if (r["source"], r["destination"]) == lb_group) >= 2
     # Top talkers: per window, the TOP groups by bytes (ties by name), ranked from 1.
     talkers: dict[Any, list[tuple[int, str, str, int, int]]] = defaultdict(list)
@@ -342,6 +432,57 @@ def test_kubernetes_names_windows_and_top_talkers(scenario: Scenario, run: str) 
         ]
     assert {w: sorted(v) for w, v in talkers.items()} == expected
     assert any(len(rows) > TOP for rows in by_window.values()), "no window has more groups than the cut"
+
+
+@pytest.mark.lab
+@pytest.mark.kafka
+@pytest.mark.parametrize("run", RUNS)
+def test_zone_pairs_equal_conntrack_by_the_zones_assigned(scenario: Scenario, run: str) -> None:
+    """bytes_by_zone_pair, summed over the windows: the kernel's counters per pair of the zones the test gave."""
+    job = scenario.runs[run]
+    got = job.zone_totals()
+    got.pop(CLOCK_ZONES, None)  # the clock's window stays open in Spark, closes in Flink
+    expected = ct_zone_totals([*scenario.plain, *scenario.restart], scenario.placement)
+    # Both zones, in all four pairs but b -> b (the second node is one address).
+    assert set(expected) == {("zone-a", "zone-a"), ("zone-a", "zone-b"), ("zone-b", "zone-a")}, expected
+    expected.update(K8S_ZONES)  # the synthetic records: null zones, one group
+    assert got == expected
+    # The same records as flows_by_window: per window, the two tables hold the same counts.
+    per_window: dict[Any, tuple[int, int]] = defaultdict(lambda: (0, 0))
+    for row in job.zones:
+        assert row["packets"] == row["forward_packets"] + row["reverse_packets"]
+        assert row["bytes"] == row["forward_bytes"] + row["reverse_bytes"]
+        p, b = per_window[row["window_start"]]
+        per_window[row["window_start"]] = (p + row["packets"], b + row["bytes"])
+    flows: dict[Any, tuple[int, int]] = defaultdict(lambda: (0, 0))
+    for row in job.windows:
+        p, b = flows[row["window_start"]]
+        flows[row["window_start"]] = (p + row["packets"], b + row["bytes"])
+    assert dict(per_window) == dict(flows)
+
+
+@pytest.mark.lab
+@pytest.mark.kafka
+@pytest.mark.parametrize("run", RUNS)
+def test_groups_are_workloads_then_pods_then_addresses(scenario: Scenario, run: str) -> None:
+    """The Deployment's pod is grouped under its Deployment, the bare pod under its own name, the node by address."""
+    ns = scenario.namespace
+    web, probe = f"{ns}/Deployment/web", f"{ns}/probe"
+    # The premise: the exporter resolved the pod's ReplicaSet to its Deployment; the bare pod is its own
+    # workload; the second node's address is no pod.
+    lab = [r for r in scenario.records if r["exporterNode"] == EXPORTER_NODE]
+    assert {(r["sourcePodName"], r["sourceOwnerKind"], r["sourceOwnerName"]) for r in lab} == {
+        ("web-6d4cf-x7k2p", "Deployment", "web"),
+        ("probe", "Pod", "probe"),
+        (None, None, None),
+    }
+    got = scenario.runs[run].group_totals()
+    # The cluster's names among the groups: the Deployment and the bare pod, never the Deployment's pod.
+    assert {name for group in got for name in group if name.startswith(f"{ns}/")} == {web, probe}
+    # Every connection of the Deployment's pod, in either direction, counts under the Deployment.
+    expected = {g: c for g, c in {**scenario.plain_ct, **scenario.restart_ct}.items() if web in g}
+    assert len(expected) == 4, expected  # to probe, from probe, to the node's address, from it
+    assert {g: got.get(g) for g in expected} == expected
 
 
 # --------------------------------------------------------------------------- the stateful step alone

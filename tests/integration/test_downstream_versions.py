@@ -1,8 +1,10 @@
 """Both downstream jobs read a topic holding records of an older schema version beside current ones.
 
 After an exporter upgrade the topic still holds records written before a field was added
-(here: communityId and reporter). With the registry, each value names its writer schema, and
-the jobs' reader schemas (the current file's fields, with their defaults) must resolve them all.
+(here: communityId and reporter, and the owner and zone fields the groups and the zone pairs
+read). With the registry, each value names its writer schema, and the jobs' reader schemas (the
+current file's fields, with their defaults) must resolve them all: an older record is grouped by
+its pod and counted in the null zone pair, a current one by its workload and its zones.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import io
 import json
 import time
 import uuid
+from collections import defaultdict
 from pathlib import Path
 
 import fastavro
@@ -20,11 +23,19 @@ from confluent_kafka import Producer
 from devtools.kafka import KafkaBroker
 from devtools.registry import RegistryServer
 from flow_exporter.record import schema_path
-from tests.support.downstream import run_flink, run_spark, synthetic_record
+from tests.support.downstream import CLOCK_ZONE, run_flink, run_spark, synthetic_record
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 
-ADDED_SINCE = ("communityId", "reporter")
+OWNERS_AND_ZONES = {
+    "sourceOwnerKind": "Deployment",
+    "sourceOwnerName": "web",
+    "destinationOwnerKind": "StatefulSet",
+    "destinationOwnerName": "db",
+    "sourceZone": "zone-a",
+    "destinationZone": "zone-b",
+}
+ADDED_SINCE = ("communityId", "reporter", *OWNERS_AND_ZONES)
 
 
 @pytest.mark.parametrize("job", ["spark", "flink"])
@@ -42,16 +53,16 @@ def test_older_writer_versions_resolve(kafka_broker: KafkaBroker, tmp_path: Path
         expected = {}
         for i, (schema, sid) in enumerate([(older, old_id), (current, new_id), (older, old_id)]):
             rec = synthetic_record(40100 + i, ("ns", "a"), ("ns", "b"), None, now_ms, (i + 1, 100 * (i + 1), 2, 20))
-            rec = {f["name"]: rec.get(f["name"], f.get("default")) for f in schema["fields"]}
             if schema is current:
-                rec.update(communityId="1:test", reporter=1)
+                rec.update(communityId="1:test", reporter=1, **OWNERS_AND_ZONES)
+            rec = {f["name"]: rec.get(f["name"], f.get("default")) for f in schema["fields"]}
             buf = io.BytesIO()
             fastavro.schemaless_writer(buf, fastavro.parse_schema(schema), rec)
             producer.produce(topic, b"\x00" + sid.to_bytes(4, "big") + buf.getvalue())
             expected[rec["sourcePort"]] = (i + 1 + 2, 100 * (i + 1) + 20)
         # Spark emits a window once a later record moves the watermark past it: one an hour ahead.
         clock = synthetic_record(40199, ("t", "c"), ("t", "c"), None, now_ms + 3_600_000, (1, 1, 0, 0))
-        clock.update(communityId="", reporter=0)
+        clock.update(communityId="", reporter=0, sourceZone=CLOCK_ZONE, destinationZone=CLOCK_ZONE)
         buf = io.BytesIO()
         fastavro.schemaless_writer(buf, fastavro.parse_schema(current), clock)
         producer.produce(topic, b"\x00" + new_id.to_bytes(4, "big") + buf.getvalue())
@@ -66,5 +77,18 @@ def test_older_writer_versions_resolve(kafka_broker: KafkaBroker, tmp_path: Path
         )
     got = {r["sourcePort"]: (r["packets"], r["bytes"]) for r in run.connections if r["sourcePort"] in expected}
     assert got == expected
-    windows = [r for r in run.windows if r["source"] == "ns/a"]
-    assert sum(r["packets"] for r in windows) == sum(p for p, _ in expected.values())
+    # Records 0 and 2 (older) by their pods, record 1 (current) by its workloads.
+    groups: dict[tuple[str, str], int] = defaultdict(int)
+    for r in run.windows:
+        groups[(r["source"], r["destination"])] += r["packets"]
+    assert {g: groups.get(g) for g in [("ns/a", "ns/b"), ("ns/Deployment/web", "ns/StatefulSet/db")]} == {
+        ("ns/a", "ns/b"): expected[40100][0] + expected[40102][0],
+        ("ns/Deployment/web", "ns/StatefulSet/db"): expected[40101][0],
+    }
+    zones: dict[tuple[str | None, str | None], tuple[int, int]] = defaultdict(lambda: (0, 0))
+    for r in run.zones:
+        p, b = zones[(r["source_zone"], r["destination_zone"])]
+        zones[(r["source_zone"], r["destination_zone"])] = (p + r["packets"], b + r["bytes"])
+    zones.pop((CLOCK_ZONE, CLOCK_ZONE), None)  # its window closes in Flink only
+    older = (expected[40100][0] + expected[40102][0], expected[40100][1] + expected[40102][1])
+    assert dict(zones) == {(None, None): older, ("zone-a", "zone-b"): expected[40101]}

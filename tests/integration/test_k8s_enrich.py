@@ -31,6 +31,7 @@ from flow_exporter.k8s.cache import RESOURCES, K8sCaches, load_configuration
 from flow_exporter.k8s.enrich import Enricher
 from flow_exporter.k8s.index import pack_ip
 from flow_exporter.record import K8S_FIELDS
+from tests.support.cluster import controlled_by, create, ensure_node, make_pod, pod_template
 from tests.support.exporter_process import start_exporter, stop_exporter
 from tests.support.fakes import NewFlow
 from tests.support.paths import REPO
@@ -72,60 +73,6 @@ def namespace(core: client.CoreV1Api) -> Iterator[str]:
     yield name
     with contextlib.suppress(ApiException):
         core.delete_collection_namespaced_pod(name, grace_period_seconds=0)
-
-
-def ensure_node(
-    core: client.CoreV1Api, name: str, address: str, pod_cidrs: list[str] | None = None, zone: str | None = None
-) -> None:
-    spec = {"podCIDR": pod_cidrs[0], "podCIDRs": pod_cidrs} if pod_cidrs else {}
-    with contextlib.suppress(ApiException):  # 409: another test made it already
-        core.create_node({"metadata": {"name": name}, "spec": spec})
-    if zone is not None:
-        core.patch_node(name, {"metadata": {"labels": {"topology.kubernetes.io/zone": zone}}})
-    core.patch_node_status(name, {"status": {"addresses": [{"type": "InternalIP", "address": address}]}})
-
-
-def make_pod(
-    core: client.CoreV1Api,
-    ns: str,
-    name: str,
-    node: str,
-    ips: list[str],
-    labels: dict[str, str] | None = None,
-    host_network: bool = False,
-    owner: dict[str, Any] | None = None,
-) -> None:
-    """A pod bound to ``node`` and, since no kubelet runs, given its addresses through the status subresource.
-
-    ``owner``: the object whose controller made it (its ownerReference, as that controller writes it).
-    """
-    spec = {
-        "nodeName": node,
-        "hostNetwork": host_network,
-        "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}],
-    }
-    meta: dict[str, Any] = {"name": name, "labels": labels or {"app": name}}
-    if owner is not None:
-        meta["ownerReferences"] = [controlled_by(owner)]
-    core.create_namespaced_pod(ns, {"metadata": meta, "spec": spec})
-    status = {"phase": "Running", "podIP": ips[0], "podIPs": [{"ip": a} for a in ips]}
-    core.patch_namespaced_pod_status(name, ns, {"status": status})
-
-
-def controlled_by(obj: dict[str, Any]) -> dict[str, Any]:
-    """The ownerReference a controller puts on what it creates."""
-    meta = obj["metadata"]
-    return {
-        "apiVersion": obj["apiVersion"], "kind": obj["kind"], "name": meta["name"], "uid": meta["uid"],
-        "controller": True, "blockOwnerDeletion": True,
-    }  # fmt: skip
-
-
-def create(api: Any, method: str, ns: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Create an object through the typed client; its body as the server returned it (uid included)."""
-    made = getattr(api, method)(ns, body)
-    out: dict[str, Any] = api.api_client.sanitize_for_serialization(made)
-    return out
 
 
 def delete_pod(core: client.CoreV1Api, ns: str, name: str) -> None:
@@ -484,11 +431,6 @@ def test_export_survives_api_server_outage_and_caches_catch_up(
         assert (r["sourcePodName"], r["destinationPodName"], r["flowType"]) == ("client", "web", 1)
     r = first_of(groups, after.client_ip, after.client_port)
     assert (r["destinationPodName"], r["destinationPodNamespace"], r["flowType"]) == ("late", namespace, 1)
-
-
-def pod_template(app: str, restart: str = "Always") -> dict[str, Any]:
-    containers = [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]
-    return {"metadata": {"labels": {"app": app}}, "spec": {"containers": containers, "restartPolicy": restart}}
 
 
 @pytest.mark.lab

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +38,18 @@ STANDALONE_FILES = (
 
 WINDOW_S = 10
 
+CLOCK_ZONE = "test-clock"  # the zones of the synthetic record that closes Spark's windows
+
 TOP = 2
 
 # Short-run JVM flags: C1 only and the serial GC roughly halve this run's CPU on two cores.
 SPARK_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 Group = tuple[str, str]
+ZonePair = tuple[str | None, str | None]
 
 Counts = tuple[int, int]  # packets, bytes; both directions
+Directional = tuple[int, int, int, int]  # forward packets, forward bytes, reverse packets, reverse bytes
 
 
 def endpoint(addr: str, port: int | None) -> str:
@@ -53,31 +57,91 @@ def endpoint(addr: str, port: int | None) -> str:
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
-def ct_group(e: CtEntry) -> Group:
-    """The job's (source, destination) for a conntrack entry: no pod names, so addresses."""
-    return str(ipaddress.ip_address(e.orig_src)), endpoint(e.reply_src, e.reply_sport)
+@dataclass(frozen=True)
+class Placement:
+    """What a test told the API server about the lab's addresses, as the jobs should name them.
+
+    ``names``: address -> the group a pod at it gets (its workload ``namespace/Kind/Name``, or
+    ``namespace/pod`` for a bare pod), written out by the test; ``zones``: address -> the zone
+    label of the node it is on (or is). Addresses absent are outside the cluster: named by
+    themselves, zone null. The empty placement is a run without enrichment.
+    """
+
+    names: dict[str, str] = field(default_factory=dict)
+    zones: dict[str, str] = field(default_factory=dict)
+
+    def source(self, addr: str) -> str:
+        a = str(ipaddress.ip_address(addr))
+        return self.names.get(a, a)
+
+    def destination(self, addr: str, port: int | None) -> str:
+        return self.names.get(str(ipaddress.ip_address(addr))) or endpoint(addr, port)
+
+    def zone(self, addr: str) -> str | None:
+        return self.zones.get(str(ipaddress.ip_address(addr)))
 
 
-def ct_totals(entries: Iterable[CtEntry]) -> dict[Group, Counts]:
+def _counted(e: CtEntry) -> Directional:
+    assert e.orig_packets is not None and e.reply_packets is not None, e.raw  # accounting is on
+    assert e.orig_bytes is not None and e.reply_bytes is not None, e.raw
+    return e.orig_packets, e.orig_bytes, e.reply_packets, e.reply_bytes
+
+
+def ct_group(e: CtEntry, placement: Placement = Placement()) -> Group:
+    """The job's (source, destination) for a conntrack entry: the names the test gave, else addresses.
+
+    The destination is the one reached (the reply's source: after DNAT).
+    """
+    return placement.source(e.orig_src), placement.destination(e.reply_src, e.reply_sport)
+
+
+def ct_totals(entries: Iterable[CtEntry], placement: Placement = Placement()) -> dict[Group, Counts]:
     out: dict[Group, Counts] = defaultdict(lambda: (0, 0))
     for e in entries:
-        assert e.orig_packets is not None and e.reply_packets is not None, e.raw  # accounting is on
-        assert e.orig_bytes is not None and e.reply_bytes is not None, e.raw
-        p, b = out[ct_group(e)]
-        out[ct_group(e)] = (p + e.orig_packets + e.reply_packets, b + e.orig_bytes + e.reply_bytes)
+        fp, fb, rp, rb = _counted(e)
+        p, b = out[ct_group(e, placement)]
+        out[ct_group(e, placement)] = (p + fp + rp, b + fb + rb)
     return dict(out)
 
 
+def ct_zone_totals(entries: Iterable[CtEntry], placement: Placement) -> dict[ZonePair, Directional]:
+    """Per (source zone, destination zone) the kernel's counters summed, by the zones the test assigned."""
+    out: dict[ZonePair, Directional] = defaultdict(lambda: (0, 0, 0, 0))
+    for e in entries:
+        key = (placement.zone(e.orig_src), placement.zone(e.reply_src))
+        out[key] = add(out[key], _counted(e))
+    return dict(out)
+
+
+def add(a: Directional, b: Directional) -> Directional:
+    """Counters summed direction by direction: the zone table is checked per direction, not only in total."""
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]
+
+
+def _end(r: dict[str, Any], side: str) -> str | None:
+    """One end's name by the README's rule, from the record's fields: workload, else pod (None if neither)."""
+    ns, pod = r.get(f"{side}PodNamespace"), r.get(f"{side}PodName")
+    kind, owner = r.get(f"{side}OwnerKind"), r.get(f"{side}OwnerName")
+    if ns is not None and kind is not None and owner is not None and kind != "Pod":
+        return f"{ns}/{kind}/{owner}"
+    return f"{ns}/{pod}" if ns is not None and pod is not None else None
+
+
 def record_group(r: dict[str, Any]) -> Group:
-    return r["sourceAddress"], endpoint(r["destinationAddress"], r["destinationPort"])
+    source = _end(r, "source") or r["sourceAddress"]
+    destination = (
+        r.get("destinationService") or _end(r, "destination") or endpoint(r["destinationAddress"], r["destinationPort"])
+    )
+    return source, destination
 
 
 def readme_rule(records: list[dict[str, Any]]) -> dict[Group, Counts]:
-    """The README's consumer rule: drop duplicates by (connectionId, sequence), sum the deltas."""
+    """The README's consumer rule: drop the destination node's copy of an inter-node pod-to-pod connection,
+    drop duplicates by (connectionId, sequence), sum the deltas."""
     seen: set[tuple[int, int]] = set()
     out: dict[Group, Counts] = defaultdict(lambda: (0, 0))
     for r in records:
-        if (r["connectionId"], r["sequence"]) in seen:
+        if (r["connectionId"], r["sequence"]) in seen or (r.get("flowType"), r.get("reporter")) == (2, 2):
             continue
         seen.add((r["connectionId"], r["sequence"]))
         p, b = out[record_group(r)]
@@ -95,9 +159,13 @@ def synthetic_record(
     service: str | None,
     export_ms: int,
     totals: tuple[int, int, int, int],
+    **fields: Any,
 ) -> dict[str, Any]:
-    """A complete FlowRecord with Kubernetes fields, as enrichment will fill them."""
-    return {
+    """A complete FlowRecord with Kubernetes fields, as enrichment fills them; ``fields`` set more (owners, zones).
+
+    Without ``fields`` the owner and zone fields are absent, as in a record of an exporter older than them.
+    """
+    record = {
         "connectionId": uuid.uuid4().int >> 65,
         "exporterNode": "synthetic",
         "flowStart": export_ms - 1000,
@@ -131,6 +199,7 @@ def synthetic_record(
         "reversePacketDeltaCount": totals[2],
         "reverseOctetDeltaCount": totals[3],
     }
+    return record | fields
 
 
 def produce_synthetic(bootstrap: str, topic: str, header: bytes = b"", *, clock_only: bool = False) -> None:
@@ -140,11 +209,34 @@ def produce_synthetic(bootstrap: str, topic: str, header: bytes = b"", *, clock_
     """
     schema = fastavro.parse_schema(json.loads(schema_path().read_text()))
     now_ms = time.time_ns() // 1_000_000
+    web = {"sourceOwnerKind": "Deployment", "sourceOwnerName": "web"}
     records = [
-        synthetic_record(40001, ("shop", "web-0"), ("shop", "cart-7"), "shop/cart:80/TCP", now_ms, (7, 700, 5, 500)),
-        synthetic_record(40002, ("shop", "web-0"), ("shop", "db-0"), None, now_ms, (3, 300, 2, 200)),
-        # The clock: an hour ahead, so the watermark passes every real window.
-        synthetic_record(40003, ("test", "clock"), ("test", "clock"), "test/clock", now_ms + 3_600_000, (1, 1, 0, 0)),
+        # A workload's pod to a Service: the Service names the destination.
+        synthetic_record(
+            40001, ("shop", "web-0"), ("shop", "cart-7"), "shop/cart:80/TCP", now_ms, (7, 700, 5, 500), **web
+        ),
+        # No owner fields (an older exporter) to a bare pod (kind Pod): both ends named by their pods.
+        synthetic_record(
+            40002,
+            ("shop", "web-0"),
+            ("shop", "db-0"),
+            None,
+            now_ms,
+            (3, 300, 2, 200),
+            destinationOwnerKind="Pod",
+            destinationOwnerName="db-0",
+        ),
+        # The clock: an hour ahead, so the watermark passes every real window. Its zones tell its row apart.
+        synthetic_record(
+            40003,
+            ("test", "clock"),
+            ("test", "clock"),
+            "test/clock",
+            now_ms + 3_600_000,
+            (1, 1, 0, 0),
+            sourceZone=CLOCK_ZONE,
+            destinationZone=CLOCK_ZONE,
+        ),
     ]
     producer = Producer({"bootstrap.servers": bootstrap})
     for r in records[-1:] if clock_only else records:
@@ -156,12 +248,13 @@ def produce_synthetic(bootstrap: str, topic: str, header: bytes = b"", *, clock_
 
 @dataclass
 class JobRun:
-    """One job run's three tables, as lists of rows."""
+    """One job run's four tables, as lists of rows."""
 
     windows: list[dict[str, Any]]
     talkers: list[dict[str, Any]]
     connections: list[dict[str, Any]]
     seconds: float
+    zones: list[dict[str, Any]] = field(default_factory=list)
 
     def group_totals(self) -> dict[Group, Counts]:
         out: dict[Group, Counts] = defaultdict(lambda: (0, 0))
@@ -169,6 +262,16 @@ class JobRun:
             key = (row["source"], row["destination"])
             p, b = out[key]
             out[key] = (p + row["packets"], b + row["bytes"])
+        return dict(out)
+
+    def zone_totals(self) -> dict[ZonePair, Directional]:
+        """bytes_by_zone_pair summed over the windows, per (source_zone, destination_zone)."""
+        out: dict[ZonePair, Directional] = defaultdict(lambda: (0, 0, 0, 0))
+        for row in self.zones:
+            key = (row["source_zone"], row["destination_zone"])
+            out[key] = add(
+                out[key], (row["forward_packets"], row["forward_bytes"], row["reverse_packets"], row["reverse_bytes"])
+            )
         return dict(out)
 
 
@@ -230,6 +333,7 @@ def run_spark(
         read_parquet_rows(out / "top_talkers"),
         read_parquet_rows(out / "connection_totals"),
         elapsed,
+        read_parquet_rows(out / "bytes_by_zone_pair"),
     )
 
 
@@ -344,4 +448,5 @@ def run_flink(
         read_json_rows(out / "top_talkers"),
         read_json_rows(out / "connection_totals"),
         elapsed,
+        read_json_rows(out / "bytes_by_zone_pair"),
     )

@@ -169,6 +169,43 @@ def test_views_apply_the_contract() -> None:
     assert "GROUP BY connectionId" in views["connection_totals"]
 
 
+def test_result_tables_have_the_contracts_columns() -> None:
+    """Both jobs write contract.COLUMNS; the Flink sinks declare them in that order."""
+    assert ff.TABLES == ("flows_by_window", "top_talkers", "bytes_by_zone_pair", "connection_totals")
+    for table, columns in contract.COLUMNS.items():
+        assert tuple(name for name, _ in ff._RESULT_COLUMNS[table]) == columns, table
+    assert contract.COLUMNS["bytes_by_zone_pair"] == (
+        "window_start",
+        "window_end",
+        "source_zone",
+        "destination_zone",
+        "packets",
+        "bytes",
+        "forward_packets",
+        "forward_bytes",
+        "reverse_packets",
+        "reverse_bytes",
+    )
+
+
+def test_zone_pairs_and_groups_come_from_the_deduplicated_records() -> None:
+    views = ff.view_statements(60, 5)
+    # One copy per (window, connectionId, sequence): the zones ride along like the groups.
+    keys = "window_start, window_end, connectionId, `sequence`, source, destination, source_zone, destination_zone"
+    assert f"GROUP BY {keys}" in views["records_by_window"]
+    zones = views["bytes_by_zone_pair"]
+    assert "FROM records_by_window" in zones
+    assert "GROUP BY window_start, window_end, source_zone, destination_zone" in zones
+    assert "sourceZone AS source_zone, destinationZone AS destination_zone" in views["flows"]
+    # The groups are the contract's SQL, the text the Spark job evaluates too.
+    assert f"{contract.SOURCE_GROUP} AS source" in views["flows"]
+    assert f"{contract.DESTINATION_GROUP} AS destination" in views["flows"]
+    # Older writers' records lack the owner and zone fields: the registry's reader schema gives them null.
+    fields = {f["name"]: f for f in ff.reader_schema(SCHEMA, ff.USED_FIELDS)["fields"]}
+    for name in (*contract.OWNER_FIELDS, *contract.ZONE_FIELDS):
+        assert fields[name]["type"] == ["null", "string"] and fields[name]["default"] is None, name
+
+
 def test_the_job_reads_the_repos_schemas() -> None:
     assert contract.schema_file(contract.MARKER_SCHEMA) == REPO / "schemas" / "completeness_marker.avsc"
     args = _args("--bounded", "--markers-topic", "markers")
