@@ -20,6 +20,7 @@ from tests.support.monitoring import (
     ALERTS,
     alert_rules,
     dashboard_queries,
+    grafana_to_promql,
     load_dashboard,
     prometheus_bin,
     render_rules,
@@ -119,8 +120,3 @@ def test_the_dashboard_queries_parse(promtool: Path, tmp_path: Path) -> None:
     r = subprocess.run([str(promtool), "check", "rules", str(tmp_path / "queries.yaml")], capture_output=True,
                        text=True, timeout=60)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
-
-
-def grafana_to_promql(query: str, rate_interval: str = "1m") -> str:
-    """A dashboard query with its Grafana variables as Grafana fills them in (every value of $job and $instance)."""
-    return query.replace("$__rate_interval", rate_interval).replace("$job", ".*").replace("$instance", ".*")

@@ -27,7 +27,7 @@ HELM_VERSION = "v4.3.2"
 PROMETHEUS_RELEASE = "3.16.0"
 HEADER = (
     "# The flow exporter's alert rules, a plain Prometheus rules file: the chart's PrometheusRule\n"
-    "# (templates/_alerts.tpl) rendered with the default values. Runbook: the README's \"Runbook\".\n"
+    '# (templates/_alerts.tpl) rendered with the default values. Runbook: the README\'s "Runbook".\n'
     "# Do not edit: change the template or values.yaml, then .venv/bin/python -m tests.support.monitoring\n"
 )
 
@@ -73,6 +73,11 @@ def dashboard_queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
             assert m, var
             out.append((f"variable {var['name']}", m.group(1)))
     return out
+
+
+def grafana_to_promql(query: str, rate_interval: str = "1m") -> str:
+    """A dashboard query with its Grafana variables as Grafana fills them in (every value of $job and $instance)."""
+    return query.replace("$__rate_interval", rate_interval).replace("$job", ".*").replace("$instance", ".*")
 
 
 def load_dashboard() -> dict[str, Any]:
