@@ -5,6 +5,11 @@ Prometheus's HTTP API, each quiet before its cause: a table past limits.maxConne
 (FlowExporterConnectionsGivenUp) and the broker stopped for longer than the threshold
 (FlowExporterDeliveriesFailing, and FlowExporterNotReady with it). Then every alert expression and every
 dashboard query evaluates without error, and every series they select is there.
+
+The dashboard's memory and CPU limits come from kube-state-metrics (built from the Go module proxy too),
+watching the real test API server, where the exporter's pod stands as the chart renders it (no kubelet
+runs it: kube-state-metrics reads limits from the pod spec). Prometheus gives the exporter's target the
+namespace and pod labels a PodMonitor would, so the dashboard's join finds that pod.
 """
 
 from __future__ import annotations
@@ -22,14 +27,17 @@ from typing import Any
 import pytest
 import yaml
 
+from devtools.apiserver import ApiServer
 from devtools.kafka import KafkaBroker
 from devtools.lab import Lab
 from tests.support.exporter_process import free_port, start_exporter
+from tests.support.go_tools import go_tool
 from tests.support.monitoring import (
     CHART,
     alert_rules,
     dashboard_queries,
     grafana_to_promql,
+    helm,
     load_dashboard,
     prometheus_bin,
     render_rules,
@@ -44,18 +52,18 @@ pytestmark = [
 CAP = 40  # limits.maxConnections
 WINDOW = "20s"  # prometheusRule.rateWindow for the test (5m in the chart)
 FOR = "5s"  # every prometheusRule.for.* for the test
-# Dashboard queries whose series come from kube-state-metrics, which the lab does not run: they must
-# evaluate, but find nothing here.
-NEEDS_KUBE_STATE_METRICS = "kube_pod_container_resource_limits"
+KSM_VERSION = "v2.20.0"
+NAMESPACE = "flow-exporter-alerts"
+POD = "flow-exporter-lab"
 
 
 class Prometheus:
-    def __init__(self, binary: Path, workdir: Path, target: str, rules: dict[str, Any]) -> None:
+    def __init__(self, binary: Path, workdir: Path, scrapes: list[dict[str, Any]], rules: dict[str, Any]) -> None:
         (workdir / "rules.yaml").write_text(yaml.safe_dump(rules, sort_keys=False))
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
             "rule_files": ["rules.yaml"],
-            "scrape_configs": [{"job_name": "flow-exporter", "static_configs": [{"targets": [target]}]}],
+            "scrape_configs": scrapes,
         }
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.port = free_port()
@@ -127,6 +135,15 @@ def until(what: Callable[[], Any], timeout: float, describe: Callable[[], str]) 
         time.sleep(0.5)
 
 
+def parse_quantity(text: str) -> float:
+    """A Kubernetes quantity of the forms the chart uses ("1Gi", "512Mi", "1", "500m") as a number."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "m": 1e-3}
+    for suffix, factor in units.items():
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * factor
+    return float(text)
+
+
 def selectors(node: Any) -> Iterator[str]:
     """Every series selector in a parsed query (Prometheus's /api/v1/parse_query tree), as an instant selector."""
     if isinstance(node, dict):
@@ -153,9 +170,49 @@ def prometheus_binary() -> Path:
     return prometheus_bin() / "prometheus"
 
 
+@pytest.fixture
+def kube_state_metrics(apiserver: ApiServer, tmp_path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """kube-state-metrics on a free port, watching the exporter's pod as the chart renders it; and that container."""
+    binary = go_tool("kube-state-metrics", KSM_VERSION, "k8s.io/kube-state-metrics/v2")
+    [daemonset] = [d for d in template_chart() if d["kind"] == "DaemonSet"]
+    [container] = [c for c in daemonset["spec"]["template"]["spec"]["containers"] if c["name"] == "flow-exporter"]
+    pod = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": POD, "namespace": NAMESPACE},
+        "spec": {"containers": [{k: container[k] for k in ("name", "image", "resources")}]},
+    }  # fmt: skip
+    apiserver.apply([{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}, pod])
+    port, telemetry = free_port(), free_port()
+    log = tmp_path / "kube-state-metrics.log"
+    proc = subprocess.Popen(
+        [str(binary), f"--kubeconfig={apiserver.admin_kubeconfig}", "--resources=pods", f"--namespaces={NAMESPACE}",
+         "--host=127.0.0.1", f"--port={port}", "--telemetry-host=127.0.0.1", f"--telemetry-port={telemetry}"],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        yield port, container
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def template_chart() -> list[dict[str, Any]]:
+    out = subprocess.run([str(helm()), "template", "flow-exporter", str(CHART), "--namespace", NAMESPACE],
+                         check=True, capture_output=True, text=True, timeout=120).stdout  # fmt: skip
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
 def test_prometheus_scrapes_the_exporter_and_the_alerts_fire_for_real(
-    lab: Lab, broker: KafkaBroker, prometheus_binary: Path, tmp_path: Path
+    lab: Lab,
+    broker: KafkaBroker,
+    prometheus_binary: Path,
+    kube_state_metrics: tuple[int, dict[str, Any]],
+    tmp_path: Path,
 ) -> None:
+    ksm_port, container = kube_state_metrics
     topic = "alerts"
     broker.create_topic(topic)
     p1, p2, p3 = lab.pods
@@ -172,7 +229,13 @@ def test_prometheus_scrapes_the_exporter_and_the_alerts_fire_for_real(
     )  # fmt: skip
     for_values = yaml.safe_load((CHART / "values.yaml").read_text())["prometheusRule"]["for"]
     rules = render_rules(f"prometheusRule.rateWindow={WINDOW}", *(f"prometheusRule.for.{k}={FOR}" for k in for_values))
-    prom = Prometheus(prometheus_binary, tmp_path, f"127.0.0.1:{port}", rules)
+    scrape_configs = [
+        # The labels a PodMonitor gives the exporter's target (the pod's namespace and name).
+        {"job_name": "flow-exporter",
+         "static_configs": [{"targets": [f"127.0.0.1:{port}"], "labels": {"namespace": NAMESPACE, "pod": POD}}]},
+        {"job_name": "kube-state-metrics", "static_configs": [{"targets": [f"127.0.0.1:{ksm_port}"]}]},
+    ]  # fmt: skip
+    prom = Prometheus(prometheus_binary, tmp_path, scrape_configs, rules)
     start = time.time()
     longs = [lab.open_tcp([p1, p2][i % 2], p3, 7600) for i in range(6)]
     try:
@@ -194,7 +257,7 @@ def test_prometheus_scrapes_the_exporter_and_the_alerts_fire_for_real(
                            lambda: f"not firing: {prom.api('alerts')}; {log.read_text()[-2000:]}")  # fmt: skip
         assert given_up["labels"] == {
             "alertname": "FlowExporterConnectionsGivenUp", "instance": f"127.0.0.1:{port}", "job": "flow-exporter",
-            "severity": "warning"}  # fmt: skip
+            "namespace": NAMESPACE, "pod": POD, "severity": "warning"}  # fmt: skip
         assert given_up["annotations"]["summary"] == (
             f"The flow exporter on 127.0.0.1:{port} gives connections up at limits.maxConnections.")  # fmt: skip
         assert given_up["annotations"]["description"].endswith("Runbook: FlowExporterConnectionsGivenUp.")
@@ -218,16 +281,21 @@ def test_prometheus_scrapes_the_exporter_and_the_alerts_fire_for_real(
             tree = prom.api("parse_query", query=alert["expr"])
             for selector in selectors(tree):
                 assert prom.query(selector), f"{alert['alert']}: {selector} selects nothing"
-        # Every dashboard query, as Grafana sends it for the test's time range, returns series (the pod
-        # limits: kube-state-metrics). A range, not an instant: with the broker down, librdkafka's
-        # statistics list no broker, so the round-trip times are there only for the time before.
+        # Every dashboard query, as Grafana sends it for the test's time range, returns series. A range,
+        # not an instant: with the broker down, librdkafka's statistics list no broker, so the round-trip
+        # times are there only for the time before.
         end = time.time()
+        results = {}
         for title, query in dashboard_queries(load_dashboard()):
-            result = prom.query_range(grafana_to_promql(query), start, end)
-            if NEEDS_KUBE_STATE_METRICS in query:
-                assert result == [], (title, query)
-            else:
-                assert result, f"{title}: {query} returns nothing"
+            results[query] = prom.query_range(grafana_to_promql(query), start, end)
+            assert results[query], f"{title}: {query} returns nothing"
+        # The pod's limits, as the chart sets them, reach the memory and CPU panels.
+        limits = {q: r for q, r in results.items() if "kube_pod_container_resource_limits" in q}
+        memory, cpu = (next(r for q, r in limits.items() if f'resource="{k}"' in q) for k in ("memory", "cpu"))
+        assert [(s["metric"]["pod"], float(s["values"][-1][1])) for s in memory] == [
+            (POD, parse_quantity(container["resources"]["limits"]["memory"]))]  # fmt: skip
+        assert [(s["metric"]["pod"], float(s["values"][-1][1])) for s in cpu] == [
+            (POD, parse_quantity(container["resources"]["limits"]["cpu"]))]  # fmt: skip
     finally:
         prom.close()
         proc.kill()

@@ -356,6 +356,7 @@ def test_settings_and_readiness_reach_the_metrics_endpoint() -> None:
     assert "flow_exporter_poll_interval_seconds 5.0" in text.splitlines()
     assert "flow_exporter_ready" not in text
 
+
 @pytest.fixture(autouse=True)
 def _no_threads_left() -> None:
     """The loops here run on the test's thread only: nothing may be left behind."""
