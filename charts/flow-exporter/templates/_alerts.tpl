@@ -14,8 +14,8 @@ groups:
         annotations:
           summary: Prometheus cannot scrape the flow exporter on {{`{{ $labels.instance }}`}}.
           description: >-
-            The exporter's /metrics has not answered for {{ $f.down }}: the pod is crashing, not
-            scheduled, or metrics.port is not reachable. No flows are exported from that node.
+            The exporter's /metrics has not answered for {{ $f.down }}: the pod is crashing or
+            restarting, or metrics.port is not reachable. No flows are exported from that node.
             Runbook: FlowExporterDown.
       - alert: FlowExporterNotReady
         expr: flow_exporter_ready == 0
