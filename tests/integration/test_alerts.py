@@ -90,6 +90,8 @@ def test_every_alert_has_a_summary_a_severity_and_a_runbook_entry(rules: dict[st
     entries = re.findall(r"^### (\w+)$", runbook, re.M)
     names = [a["alert"] for a in alert_rules(rules)]
     assert entries == names  # one entry per alert, in the rules' order
+    rows = re.findall(r"^\| `(\w+)` \| (\w+) \| .* \| (\w+) \|$", runbook, re.M)
+    assert rows == [(a["alert"], a["labels"]["severity"], a["for"]) for a in alert_rules(rules)]  # the table
     for a in alert_rules(rules):
         assert a["labels"]["severity"] in ("critical", "warning"), a["alert"]
         assert "{{ $labels.instance }}" in a["annotations"]["summary"], a["alert"]
