@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-k8s setup-flink setup-image image test unit lint demo bench clean lock spark-job flink-job
+.PHONY: setup setup-k8s setup-prometheus setup-flink setup-image image test unit lint demo bench clean lock spark-job flink-job
 
 setup:
 	@bash tools/setup.sh
@@ -18,6 +18,11 @@ setup-k8s: setup
 	@bash tools/k8s/build.sh
 	@bash tools/k8s/tools.sh
 
+# prometheus and promtool from the Go module proxy (tools/prometheus/build.sh; cached in .cache/prometheus):
+# the alert rules' checks and unit tests, and the real Prometheus that scrapes the exporter in the lab.
+setup-prometheus: setup
+	@bash tools/prometheus/build.sh
+
 # podman, buildah, runc and mmdebstrap (Debian's), and the stand-in base image the tests build the
 # Dockerfile on (tools/image/base.sh; cached in the engine's storage and .cache/image/).
 setup-image: setup
@@ -32,7 +37,7 @@ image: setup-image
 setup-flink: setup
 	@bash tools/flink/setup.sh
 
-test: setup setup-k8s setup-flink setup-image lint
+test: setup setup-k8s setup-prometheus setup-flink setup-image lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # A downstream job against the local broker: broker, registry, lab traffic through the exporter

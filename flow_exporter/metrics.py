@@ -12,7 +12,7 @@ for counters, labels instead of name variants); the process's own metrics
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from flow_exporter.flow import GIVE_UP_REASONS
 from flow_exporter.ports import BrokerStats, ClientStats
 from flow_exporter.readings import Readings
+from flow_exporter.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,13 @@ _CHECKPOINT_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     ("stale", "checkpoint_stale", "1 while state.dir keeps an old state it cannot delete: records held back.", "gauge"),
 )
 GIVEN_UP_REASONS = GIVE_UP_REASONS
+# Settings served as gauges, so an alert or a dashboard can set a reading against its limit
+# (last_poll_seconds / poll_interval_seconds, records_in_flight / max_in_flight): (key, name, help).
+_SETTING_FAMILIES: tuple[tuple[str, str, str], ...] = (
+    ("conntrack.pollInterval", "poll_interval_seconds", "conntrack.pollInterval: the time between two polls."),
+    ("limits.maxInFlight", "max_in_flight", "limits.maxInFlight: the cap on records awaiting Kafka's ack."),
+    ("limits.maxConnections", "max_connections", "limits.maxConnections: the cap on connections in the store."),
+)
 # Counters other parts hand in through Readings.extra (the runner: Kubernetes enrichment), with their help.
 EXTRA_FAMILIES = {
     "enrichment_lookups": "Connections looked up in the Kubernetes caches.",
@@ -156,10 +164,14 @@ def build_labels() -> dict[str, str]:
 
 
 class Metrics:
-    """The exporter's metrics registry (one per process; tests make their own); also its :class:`Timings`."""
+    """The exporter's metrics registry (one per process; tests make their own); also its :class:`Timings`.
 
-    def __init__(self) -> None:
+    ``settings`` (the config, by key) gives the values of the setting gauges; missing keys take their defaults.
+    """
+
+    def __init__(self, settings: Mapping[str, object] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._ready: Callable[[], bool] | None = None
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, resident memory, open fds
         PlatformCollector(registry=self.registry)  # python_info
         Info("flow_exporter_build", "Version of the exporter and of the libraries that shape its output.",
@@ -177,6 +189,13 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.registry.register(_SettingsCollector({key: _setting(settings, key) for key, *_ in _SETTING_FAMILIES}))
+        self.registry.register(_ReadyCollector(self))
+
+    def bind_ready(self, check: Callable[[], bool]) -> None:
+        """Serve ``check()`` (what /readyz answers) as flow_exporter_ready at each scrape."""
+        self._ready = check
+
     def observe_poll(self, seconds: float) -> None:
         self.poll_seconds.observe(seconds)
 
@@ -186,6 +205,33 @@ class Metrics:
     def bind(self, read: Callable[[], Readings]) -> None:
         """Serve what ``read`` returns at each scrape."""
         self.registry.register(_ReadingsCollector(read))
+
+
+def _setting(settings: Mapping[str, object] | None, key: str) -> float:
+    value = DEFAULTS[key] if settings is None else settings[key]
+    assert isinstance(value, int | float), key
+    return float(value)
+
+
+class _SettingsCollector(Collector):
+    def __init__(self, values: dict[str, float]) -> None:
+        self.values = values
+
+    def collect(self) -> Iterator[Metric]:
+        for key, name, doc in _SETTING_FAMILIES:
+            yield GaugeMetricFamily(f"flow_exporter_{name}", doc, value=self.values[key])
+
+
+class _ReadyCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        check = self.metrics._ready
+        if check is not None:
+            yield GaugeMetricFamily(
+                "flow_exporter_ready", "1 while /readyz answers 200 (ready), else 0.", value=float(check())
+            )
 
 
 class _ReadingsCollector(Collector):
@@ -293,6 +339,7 @@ def catalogue() -> list[tuple[str, str, str, tuple[str, ...]]]:
     zero["kafka_client"] = ClientStats(0, 0, (BrokerStats("broker:9092", 0.0, 0, 0, 0, 0, 0),))
     metrics = Metrics()
     metrics.bind(lambda: Readings(**zero))  # type: ignore[arg-type]
+    metrics.bind_ready(lambda: False)
     out = []
     for family in metrics.registry.collect():
         labels: set[str] = set()

@@ -144,20 +144,18 @@ def start_listener(
     stalled = partial(sink.health.stalled, ready_timeout) if isinstance(sink, KafkaSink) and ready_timeout else None
     # A poll may wait out the longest retry backoff; only silence beyond that is a hang.
     silence = max(3 * cfg["conntrack.pollInterval"], 60.0) + cfg["retry.maxBackoff"]
+    ready = readiness(
+        exporter.lifecycle,
+        lambda: sink.counters.connected,
+        caches_ready,
+        lambda: sink.counters.fatal,
+        stalled,
+        held_back=exporter.held_back,
+    )
+    metrics.bind_ready(lambda: ready()[0])  # flow_exporter_ready: what /readyz answers, for the alerts
     try:
         server = Listener(
-            routes(
-                metrics,
-                liveness(exporter.lifecycle, silence),
-                readiness(
-                    exporter.lifecycle,
-                    lambda: sink.counters.connected,
-                    caches_ready,
-                    lambda: sink.counters.fatal,
-                    stalled,
-                    held_back=exporter.held_back,
-                ),
-            ),
+            routes(metrics, liveness(exporter.lifecycle, silence), ready),
             cfg["metrics.address"],
             cfg["metrics.port"],
         )
@@ -291,7 +289,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
             return 0
         flows = cfg["export.flows"]
         sink: Sink = build_sink(cfg, lifecycle) if flows else DiscardSink()
-        metrics = Metrics() if cfg["metrics.port"] else None
+        metrics = Metrics(cfg.values) if cfg["metrics.port"] else None
         markers_topic = cfg["markers.topic"] if flows else None
         completeness = Completeness(cfg["kafka.topic"], time.time_ns() // 1_000_000) if markers_topic else None
         enricher = None

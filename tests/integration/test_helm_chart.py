@@ -67,30 +67,62 @@ def test_rendered_chart_passes_server_side_dry_run(helm: Path, apiserver: ApiSer
     assert [(r["kind"], r["metadata"]["name"]) for r in results] == [(d["kind"], d["metadata"]["name"]) for d in docs]
 
 
-def test_podmonitor_against_the_prometheus_operator_crd(helm: Path, apiserver: ApiServer) -> None:
+def operator_crd(apiserver: ApiServer, plural: str) -> None:
+    """The Prometheus Operator's own CRD for ``plural``, created in the API server."""
     info = subprocess.run(
         ["go", "mod", "download", "-json", PROMETHEUS_OPERATOR], check=True, capture_output=True, text=True,
         timeout=600, cwd=REPO / "tools" / "k8s" / "apiserver",
     )  # fmt: skip
     crds = Path(json.loads(info.stdout)["Dir"]) / "example" / "prometheus-operator-crd"
-    crd_file = crds / "monitoring.coreos.com_podmonitors.yaml"
+    crd_file = crds / f"monitoring.coreos.com_{plural}.yaml"
     apiserver.apply([yaml.safe_load(crd_file.read_text())])
-    docs = template(helm, "podMonitor.enabled=true", "podMonitor.interval=15s", "podMonitor.labels.release=prom")
-    monitor = find(docs, "PodMonitor")
+
+
+def dry_run_custom(apiserver: ApiServer, doc: dict[str, Any]) -> dict[str, Any]:
     deadline = time.monotonic() + 30
     while True:  # the CRD is established a moment after it is created
         try:
-            [served] = apiserver.dry_run_apply([monitor])
-            break
+            [served] = apiserver.dry_run_apply([doc])
+            return served
         except Exception:
             if time.monotonic() > deadline:
                 raise
             apiserver.forget_discovery()  # the new kind is not in the cached discovery yet
             time.sleep(0.5)
+
+
+def test_podmonitor_against_the_prometheus_operator_crd(helm: Path, apiserver: ApiServer) -> None:
+    operator_crd(apiserver, "podmonitors")
+    docs = template(helm, "podMonitor.enabled=true", "podMonitor.interval=15s", "podMonitor.labels.release=prom")
+    monitor = find(docs, "PodMonitor")
+    served = dry_run_custom(apiserver, monitor)
     assert served["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
     selector = served["spec"]["selector"]["matchLabels"]
     assert find(docs, "DaemonSet")["spec"]["template"]["metadata"]["labels"].items() >= selector.items()
     assert monitor["metadata"]["labels"]["release"] == "prom"
+
+
+def test_alert_rules_and_dashboard_against_the_api_server(helm: Path, apiserver: ApiServer) -> None:
+    """The PrometheusRule against the operator's own CRD, and the dashboard's ConfigMap, as the API server
+    takes them; their content is the chart's plain files (monitoring/alerts.yaml, monitoring/dashboard.json)."""
+    operator_crd(apiserver, "prometheusrules")
+    docs = template(helm, "prometheusRule.enabled=true", "prometheusRule.labels.release=prom",
+                    "grafanaDashboard.enabled=true", "grafanaDashboard.annotations.grafana_folder=Network")  # fmt: skip
+    served = dry_run_custom(apiserver, find(docs, "PrometheusRule"))
+    assert served["spec"] == yaml.safe_load((CHART / "monitoring" / "alerts.yaml").read_text())
+    assert served["metadata"]["labels"]["release"] == "prom"
+    [dashboard] = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard")]
+    [cm] = apiserver.dry_run_apply([dashboard])
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "Network"}
+    plain = json.loads((CHART / "monitoring" / "dashboard.json").read_text())
+    assert json.loads(cm["data"]["flow-exporter.json"]) == plain
+
+
+def test_helm_lint_with_alerts_and_dashboard_on(helm: Path) -> None:
+    sets = ["--set", "prometheusRule.enabled=true", "--set", "grafanaDashboard.enabled=true"]
+    r = subprocess.run([str(helm), "lint", "--strict", str(CHART), *sets], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_a_config_change_rolls_the_pods(helm: Path) -> None:

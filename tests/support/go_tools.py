@@ -1,4 +1,5 @@
-"""Command-line tools the tests build from the Go module proxy into <repo>/.cache (kustomize, helm).
+"""Command-line tools the tests build from the Go module proxy into <repo>/.cache (kustomize, helm,
+kube-state-metrics).
 
 `make setup-k8s` (tools/k8s/tools.sh) builds the same versions into the same places first; this
 builds one only when a test runs without that step.

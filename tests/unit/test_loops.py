@@ -19,6 +19,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from flow_exporter.app import Exporter, ExporterOptions
+from flow_exporter.config import load
 from flow_exporter.flow import ACTIVE_TIMEOUT, END_OF_FLOW, FORCED_END, IDLE_TIMEOUT, Export
 from flow_exporter.lifecycle import Lifecycle
 from flow_exporter.metrics import _CHECKPOINT_FAMILIES, _FAMILIES, Metrics
@@ -324,6 +325,37 @@ def test_every_reading_reaches_the_metrics_endpoint() -> None:
     assert values['flow_exporter_conntrack_kernel_total{stat="early_drop"}'] == 4
     assert values["flow_exporter_last_poll_seconds"] == exp.stats.last_poll_seconds
     assert values['flow_exporter_delivery_failures_total{error="TOPIC_AUTHORIZATION_FAILED"}'] == 2
+
+
+def test_settings_and_readiness_reach_the_metrics_endpoint() -> None:
+    """The limits the alerts compare readings with, from the config; flow_exporter_ready follows /readyz."""
+    cfg = load(
+        environ={},
+        overrides={"conntrack.pollInterval": "7s", "limits.maxInFlight": 1234, "limits.maxConnections": 99},
+    )
+    metrics = Metrics(cfg.values)
+    life = Lifecycle()
+    connected = [True]
+    metrics.bind_ready(lambda: readiness(life, lambda: connected[0])()[0])
+
+    def values() -> dict[str, float]:
+        text = generate_latest(metrics.registry).decode()
+        return {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines() if not ln.startswith("#")}
+
+    first = values()
+    assert first["flow_exporter_poll_interval_seconds"] == 7.0
+    assert first["flow_exporter_max_in_flight"] == 1234
+    assert first["flow_exporter_max_connections"] == 99
+    assert first["flow_exporter_ready"] == 0  # no poll yet
+    life.first_poll_done.set()
+    assert values()["flow_exporter_ready"] == 1
+    connected[0] = False
+    assert values()["flow_exporter_ready"] == 0
+    defaults = Metrics()  # without a config: the settings' defaults, and no readiness until one is bound
+    text = generate_latest(defaults.registry).decode()
+    assert "flow_exporter_poll_interval_seconds 5.0" in text.splitlines()
+    assert "flow_exporter_ready" not in text
+
 
 @pytest.fixture(autouse=True)
 def _no_threads_left() -> None:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds the manifest tools the tests use, from the Go module proxy, into <repo>/.cache: kustomize
-# (kubectl apply -k's renderer) and helm. Each is built once per version; a line says when one is.
+# (kubectl apply -k's renderer), helm, and kube-state-metrics (the pods' resource limits that the
+# Grafana dashboard shows, tests/integration/test_prometheus_lab.py). Each is built once per version;
+# a line says when one is.
 # The test fixtures build them too if this did not run (same versions, same places).
 set -euo pipefail
 
@@ -16,6 +18,7 @@ build() {  # name version package
         || { echo "k8s tools: $1 failed to build; log: $repo/.cache/$1/$2/build.log" >&2; exit 1; }
 }
 
-# The versions the tests name (tests/integration/test_k8s_manifests.py, test_helm_chart.py).
+# The versions the tests name (tests/integration/test_k8s_manifests.py, test_helm_chart.py, test_prometheus_lab.py).
 build kustomize v5.8.2 sigs.k8s.io/kustomize/kustomize/v5
 build helm v4.3.2 helm.sh/helm/v4/cmd/helm
+build kube-state-metrics v2.20.0 k8s.io/kube-state-metrics/v2
