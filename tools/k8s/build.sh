@@ -52,7 +52,7 @@ rm -f "$marker"
 
 # Tells "no network" apart from a broken go.mod in the one-line message.
 fail() {
-    if grep -qE 'dial tcp|no such host|i/o timeout|connection refused|network is unreachable|TLS handshake timeout|proxy.golang.org.*(502|503|504)' "$log"; then
+    if grep -qE 'dial tcp|no such host|i/o timeout|connection refused|network is unreachable|TLS handshake timeout|reading https:[^ ]*: (502|503|504)' "$log"; then
         die "cannot reach the Go module proxy ($(go env GOPROXY)) to download $1's modules; log: $log"
     fi
     local why
