@@ -13,13 +13,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import tenacity
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
-from flow_exporter.delivery import DeliveryHealth
+from flow_exporter.delivery import DeliveryHealth, TopicHealth
 from flow_exporter.flow import Export
 from flow_exporter.ports import BrokerStats, ClientStats, DeliveryReport, SinkCounters
 from flow_exporter.retry import StopWhen
@@ -290,20 +291,9 @@ class KafkaSink:
         counters = self.counters
         health = self.health
         st = health.topic(topic)
-
-        def on_delivery(err: KafkaError | None, msg: Any, export: Export = export) -> None:
-            # Runs inside poll()/flush() on the caller's thread; counters are read by metrics.
-            if err is None:
-                counters.acked += 1
-                counters.connected = True
-                health.delivered(topic, st)
-                reports.append(DeliveryReport(export, True, partition=msg.partition(), offset=msg.offset()))
-            else:
-                counters.failed += 1
-                permanent = err.code() in PERMANENT_ERRORS
-                health.failed(topic, st, err.name(), err.str(), pending=True, permanent=permanent)
-                reports.append(DeliveryReport(export, False, err.str(), permanent))
-
+        # The record's report callback: a partial of one method, not a closure over six names made per
+        # record; bench/bench_app_export.py measured the closure at about 1 us of a 2.5 us produce.
+        on_delivery = partial(self._on_delivery, export, topic, st)
         produce = self._producer.produce
         try:
             try:
@@ -328,6 +318,20 @@ class KafkaSink:
         counters.produced += 1
         counters.bytes_produced += len(value)
         health.produced(st)
+
+    def _on_delivery(self, export: Export, topic: str, st: TopicHealth, err: KafkaError | None, msg: Any) -> None:
+        # Runs inside poll()/flush() on the caller's thread; counters are read by metrics.
+        counters = self.counters
+        if err is None:
+            counters.acked += 1
+            counters.connected = True
+            self.health.delivered(topic, st)
+            self._reports.append(DeliveryReport(export, True, None, False, msg.partition(), msg.offset()))
+        else:
+            counters.failed += 1
+            permanent = err.code() in PERMANENT_ERRORS
+            self.health.failed(topic, st, err.name(), err.str(), pending=True, permanent=permanent)
+            self._reports.append(DeliveryReport(export, False, err.str(), permanent))
 
     def take_reports(self) -> list[DeliveryReport]:
         """The delivery reports collected by ``poll``/``flush`` since the last call."""
