@@ -780,6 +780,11 @@ static PyMethodDef methods[] = {
     {"build_records", native_build_records, METH_VARARGS,
      "build_records(slots, reasons, out, Export, slow, columns, keys, meta, prefix, pending, consts): the records "
      "of due slots (see flow_exporter.store.ledger and _records.c)."},
+    {"acknowledge_delivered", native_acknowledge_delivered, METH_VARARGS,
+     "acknowledge_delivered(exports, pending, prefix, columns, active_bit, slow): delivered records settled "
+     "(see flow_exporter.store.ledger and _records.c)."},
+    {"journal_acked", native_journal_acked, METH_VARARGS,
+     "journal_acked(exports): a batch's ACKED journal rows, or None (see flow_exporter.checkpoint and _records.c)."},
     {"journal_sent", native_journal_sent, METH_VARARGS,
      "journal_sent(exports, topics): a batch's journal rows, or None (see flow_exporter.checkpoint and _records.c)."},
     {NULL, NULL, 0, NULL},

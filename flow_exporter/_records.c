@@ -14,7 +14,11 @@
  *
  *   journal_sent(exports, topics) -> (count, rows) or None
  *     The journal's SENT rows of a batch, exactly as checkpoint.Checkpoint.sent packs them; None when a
- *     value would not pack (the pure code then raises the same error it always did).
+ *     value would not pack (the pure code then raises the same error it always did). journal_acked: the
+ *     ACKED rows of settled records, likewise.
+ *
+ *   build_records, acknowledge_delivered: the ledger's record build and delivered-record settling, for a
+ *     batch, in the common case (see each below); every other case goes to the Python method.
  *
  * Export is a slots dataclass: its fields are read and written at their slot offsets, resolved once, which
  * costs a load where an attribute lookup costs a dictionary probe. A type whose fields are not plain slots
@@ -623,4 +627,98 @@ PyObject *native_build_records(PyObject *self, PyObject *args) {
 fail:
     release_views(b, held);
     return NULL;
+}
+
+/* ------------------------------------------------------------------ settling delivered records */
+
+/*
+ * acknowledge_delivered(exports, pending, prefix, columns, active_bit, slow) -> settled here
+ *
+ * Ledger.acknowledge(export, True, now) for each delivered record, in order. Done here when the record is
+ * its live connection's one in flight and the connection has not ended: it is in flight no more, and its
+ * prefix is kept for the next record while the connection is active (dropped when idle). Every other
+ * record (restored, stale, ended) goes to `slow(export)`, the Python method.
+ * columns: (reason bytearray, bits bytearray, epoch array('I')).
+ */
+PyObject *native_acknowledge_delivered(PyObject *self, PyObject *args) {
+    PyObject *exports, *pending, *prefix, *columns, *slow;
+    long active;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!lO", &PyList_Type, &exports, &PyList_Type, &pending, &PyList_Type, &prefix,
+                          &PyTuple_Type, &columns, &active, &slow))
+        return NULL;
+    if (PyTuple_GET_SIZE(columns) != 3) {
+        PyErr_SetString(PyExc_ValueError, "acknowledge_delivered: three columns");
+        return NULL;
+    }
+    static const Py_ssize_t size[3] = {1, 1, 4};
+    Py_buffer b[3];
+    int held = 0;
+    Py_ssize_t n_slots = PyList_GET_SIZE(pending) < PyList_GET_SIZE(prefix) ? PyList_GET_SIZE(pending)
+                                                                           : PyList_GET_SIZE(prefix);
+    for (; held < 3; held++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(columns, held), &b[held], PyBUF_WRITABLE)) goto fail;
+        if (b[held].itemsize != size[held]) {
+            held++;
+            PyErr_SetString(PyExc_TypeError, "acknowledge_delivered: a column of the wrong item size");
+            goto fail;
+        }
+        if (b[held].len / size[held] < n_slots) n_slots = b[held].len / size[held];
+    }
+    Py_ssize_t done = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(exports); i++) {
+        PyObject *e = PyList_GET_ITEM(exports, i);
+        if (!bind_export(Py_TYPE(e))) {
+            PyErr_SetString(PyExc_TypeError, "acknowledge_delivered: not an Export");
+            goto fail;
+        }
+        Py_ssize_t s = -1;
+        PyObject *slot = SLOT(e, X_SLOT);
+        if (PyLong_CheckExact(slot)) s = PyLong_AsSsize_t(slot);
+        if (s == -1 && PyErr_Occurred()) PyErr_Clear();
+        if (s < 0 || s >= n_slots || PyList_GET_ITEM(pending, s) != e || ((uint8_t *)b[0].buf)[s] != 0) {
+            PyObject *r = PyObject_CallOneArg(slow, e);
+            if (r == NULL) goto fail;
+            Py_DECREF(r);
+            continue;
+        }
+        Py_INCREF(e); /* the pending column held the list's other reference: keep ours until done */
+        PyList_SetItem(pending, s, Py_NewRef(Py_None));
+        if (((uint8_t *)b[1].buf)[s] & active) {
+            PyObject *pre = SLOT(e, X_PREFIX);
+            int64_t epoch;
+            if (pre != Py_None && as_i64(SLOT(e, X_EPOCH), &epoch) == 0 && epoch == ((uint32_t *)b[2].buf)[s])
+                PyList_SetItem(prefix, s, Py_NewRef(pre));
+        } else {
+            PyList_SetItem(prefix, s, Py_NewRef(Py_None));
+        }
+        Py_DECREF(e);
+        done++;
+    }
+    release_views(b, held);
+    return PyLong_FromSsize_t(done);
+fail:
+    release_views(b, held);
+    return NULL;
+}
+
+/* journal_acked(exports) -> the ACKED entry's rows (checkpoint._ACK per record), or None when one would not pack. */
+PyObject *native_journal_acked(PyObject *self, PyObject *args) {
+    PyObject *exports;
+    if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &exports)) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(exports);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, 16 * n);
+    if (out == NULL) return NULL;
+    uint8_t *p = (uint8_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *e = PyList_GET_ITEM(exports, i);
+        int64_t fid;
+        uint64_t seq;
+        if (!bind_export(Py_TYPE(e)) || as_i64(SLOT(e, X_FLOW_ID), &fid) || as_u64(SLOT(e, X_SEQ), &seq)) {
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        p = be_put(p, (uint64_t)fid, 8);
+        p = be_put(p, seq, 8);
+    }
+    return out;
 }

@@ -6,5 +6,7 @@
 PyObject *native_prepare_records(PyObject *self, PyObject *args);
 PyObject *native_journal_sent(PyObject *self, PyObject *args);
 PyObject *native_build_records(PyObject *self, PyObject *args);
+PyObject *native_acknowledge_delivered(PyObject *self, PyObject *args);
+PyObject *native_journal_acked(PyObject *self, PyObject *args);
 
 #endif

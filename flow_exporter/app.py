@@ -268,18 +268,25 @@ class Exporter:
             return
         now = self.clock()
         settled: list[Export] = []
+        delivered: list[Export] = []
+        store = self.store
         with self.lock:
             done = self.completeness
             done.settled_all(reports)
             for r in reports:
                 if r.delivered:
                     settled.append(r.export)
-                elif r.permanent:
+                    delivered.append(r.export)
+                    continue
+                if r.permanent:
                     settled.append(r.export)
                     self._given_up(r.export, r.error)
                 else:
                     log.debug("record not delivered (%s); the same record goes again", r.error)
-                self.store.acknowledge(r.export, r.delivered, now, permanent=r.permanent)
+                # Each record touches only its connection's state: settling the delivered ones after
+                # is the same as settling in report order.
+                store.acknowledge(r.export, False, now, permanent=r.permanent)
+            store.acknowledge_delivered(delivered, now)
         if settled:
             self.checkpoint.delivered(settled)
 

@@ -445,7 +445,10 @@ class Checkpoint:
         """Journal records whose delivery is settled (delivered, or given up for good)."""
         if self._journal is None or self.broken:
             return
-        payload = b"".join(_ACK.pack(e.flow_id, e.sequence) for e in exports)
+        native = self._native
+        payload = native.journal_acked(exports) if native is not None and isinstance(exports, list) else None
+        if payload is None:  # pure, or a value that would not pack: the pure code raises as it always did
+            payload = b"".join(_ACK.pack(e.flow_id, e.sequence) for e in exports)
         if payload:
             self._append(_ACKED, payload)
 

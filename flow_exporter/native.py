@@ -66,6 +66,18 @@ class Native(Protocol):
         constants: tuple[int, ...],
     ) -> int: ...
 
+    def acknowledge_delivered(
+        self,
+        exports: list[Any],
+        pending: list[Any],
+        prefix: list[Any],
+        columns: tuple[Any, ...],
+        active_bit: int,
+        slow: Callable[[Any], None],
+    ) -> int: ...
+
+    def journal_acked(self, exports: list[Any]) -> bytes | None: ...
+
     def journal_sent(self, exports: list[Any], topics: dict[Any, bytes]) -> tuple[int, bytes] | None: ...
 
 

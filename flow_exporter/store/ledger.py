@@ -295,6 +295,18 @@ class Ledger(Table):
         else:
             self._prefix[s] = None  # idle: free the cached record prefix until it is needed again
 
+    def acknowledge_delivered(self, exports: list[Export], now: float) -> None:
+        """:meth:`acknowledge` of delivered records, a batch in one call (compiled when built, in order)."""
+        nat = self._native
+        if nat is None:
+            for e in exports:
+                self.acknowledge(e, True, now)
+            return
+        nat.acknowledge_delivered(
+            exports, self._pending, self._prefix, (self._reason, self._bits, self._epoch), ACTIVE,
+            lambda e: self.acknowledge(e, True, now),
+        )  # fmt: skip
+
     def reported(self) -> Iterator[Restored]:
         """What a checkpoint keeps: every connection a restarted exporter may meet again with a record built.
 

@@ -2,8 +2,8 @@
 
 On the same batch of records, ``RecordEncoder.prepare_all`` with the compiled module and
 ``prepare_each`` with the pure encoder give every record the same value, key, topic, export time and
-cached prefix, and fail the same records with the same errors; ``Checkpoint.sent`` writes the same
-journal bytes either way. The batches mix generated records with hostile ones: integers past 64
+cached prefix, and fail the same records with the same errors; ``Checkpoint.sent`` and ``delivered``
+write the same journal bytes either way. The batches mix generated records with hostile ones: integers past 64
 bits, negative values, reasons and TCP states out of range, missing keys, prefixes that cannot be
 built, records prepared before, resends, odd topics.
 """
@@ -204,6 +204,7 @@ def journal(tmp: Path, compiled_path: bool, batch: list[Export]) -> tuple[list[b
     written.clear()
     try:
         cp.sent(batch)
+        cp.delivered(batch)
     except Exception as exc:  # the pure packer's errors: the compiled path must raise the same
         return written, exc
     finally:
