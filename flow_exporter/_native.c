@@ -785,6 +785,9 @@ static PyMethodDef methods[] = {
      "(see flow_exporter.store.ledger and _records.c)."},
     {"journal_acked", native_journal_acked, METH_VARARGS,
      "journal_acked(exports): a batch's ACKED journal rows, or None (see flow_exporter.checkpoint and _records.c)."},
+    {"due_slots", native_due_slots, METH_VARARGS,
+     "due_slots(heap, columns, now, active_timeout, limit, todo, why, retry, taken, pending, keys, idle_order, "
+     "heappop, heappush, push, constants): what is due, sorted (see flow_exporter.store.ledger and _records.c)."},
     {"journal_sent", native_journal_sent, METH_VARARGS,
      "journal_sent(exports, topics): a batch's journal rows, or None (see flow_exporter.checkpoint and _records.c)."},
     {NULL, NULL, 0, NULL},

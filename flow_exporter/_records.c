@@ -28,6 +28,7 @@
 #include <Python.h>
 #include <structmember.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #include "_records.h"
@@ -721,4 +722,189 @@ PyObject *native_journal_acked(PyObject *self, PyObject *args) {
         p = be_put(p, seq, 8);
     }
     return out;
+}
+
+/* ------------------------------------------------------------------ what is due */
+
+static inline int64_t ms_of(double deadline) { return (int64_t)floor(deadline * 1000.0); }
+
+enum { D_REASON, D_BITS, D_TCP, D_STATUS, D_QUEUED, D_ACTIVE, D_IDLE, D_N };
+static const Py_ssize_t D_SIZE[D_N] = {1, 1, 1, 4, 1, 8, 8};
+enum {
+    E_FINAL_DUE, E_ACTIVE, E_END_OF_FLOW, E_IDLE_TIMEOUT, E_ACTIVE_TIMEOUT, E_PROTO_TCP, E_TIME_WAIT, E_CLOSE,
+    E_IPS_DYING, E_N
+};
+
+/* heappush(heap, ms << 32 | slot); 0 or -1. */
+static int push_entry(PyObject *heappush, PyObject *heap, double deadline, Py_ssize_t s) {
+    PyObject *entry = PyLong_FromLongLong((long long)((uint64_t)ms_of(deadline) << 32 | (uint64_t)s));
+    if (entry == NULL) return -1;
+    PyObject *r = PyObject_CallFunctionObjArgs(heappush, heap, entry, NULL);
+    Py_DECREF(entry);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/*
+ * due_slots(heap, columns, now, active_timeout, limit, todo, why, retry, taken, pending, keys, idle_order,
+ *           heappop, heappush, push, constants) -> change in the queue's live count
+ *
+ * ExpiryQueue.pop_due and the decision loop of Ledger.expire, fused: every slot due at `now`, earliest
+ * first, is popped and sorted into a record to build (`todo`, `why`), a retry (its record is in flight) or
+ * nothing (ended, nothing owed); an active connection is queued again for its next active timeout. The
+ * heap is the queue's list of `ms << 32 | slot`, popped and pushed with heapq's own functions in the same
+ * order as the Python code, so the queue ends up the same, entry for entry. At the limit the slot goes
+ * back through `push(slot, active, idle)` (the queue's method) and the loop stops.
+ * columns: (reason, bits, tcp state, status, queued, active deadline, idle deadline).
+ */
+PyObject *native_due_slots(PyObject *self, PyObject *args) {
+    PyObject *heap, *columns, *todo, *why, *retry, *taken, *pending, *keys, *idle_order, *heappop, *heappush, *push,
+        *consts;
+    double now, active_timeout;
+    Py_ssize_t limit;
+    if (!PyArg_ParseTuple(args, "O!O!ddnO!O!O!O!O!O!O!OOOO!", &PyList_Type, &heap, &PyTuple_Type, &columns, &now,
+                          &active_timeout, &limit, &PyList_Type, &todo, &PyByteArray_Type, &why, &PyList_Type, &retry,
+                          &PySet_Type, &taken, &PyList_Type, &pending, &PyList_Type, &keys, &PyDict_Type, &idle_order,
+                          &heappop, &heappush, &push, &PyTuple_Type, &consts))
+        return NULL;
+    if (PyTuple_GET_SIZE(columns) != D_N || PyTuple_GET_SIZE(consts) != E_N) {
+        PyErr_SetString(PyExc_ValueError, "due_slots: columns or constants of the wrong length");
+        return NULL;
+    }
+    long k[E_N];
+    for (int i = 0; i < E_N; i++) {
+        k[i] = PyLong_AsLong(PyTuple_GET_ITEM(consts, i));
+        if (k[i] == -1 && PyErr_Occurred()) return NULL;
+    }
+    Py_buffer b[D_N];
+    int held = 0;
+    Py_ssize_t n_slots = PyList_GET_SIZE(pending) < PyList_GET_SIZE(keys) ? PyList_GET_SIZE(pending)
+                                                                         : PyList_GET_SIZE(keys);
+    for (; held < D_N; held++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(columns, held), &b[held], PyBUF_WRITABLE)) goto fail;
+        if (b[held].itemsize != D_SIZE[held]) {
+            held++;
+            PyErr_SetString(PyExc_TypeError, "due_slots: a column of the wrong item size");
+            goto fail;
+        }
+        if (b[held].len / D_SIZE[held] < n_slots) n_slots = b[held].len / D_SIZE[held];
+    }
+    uint8_t *reason = b[D_REASON].buf, *bits = b[D_BITS].buf, *queued = b[D_QUEUED].buf;
+    int8_t *tcp = b[D_TCP].buf;
+    uint32_t *status = b[D_STATUS].buf;
+    double *active = b[D_ACTIVE].buf, *idle = b[D_IDLE].buf;
+    int64_t limit_entry = (int64_t)((uint64_t)(ms_of(now) + 1) << 32);
+    Py_ssize_t live = 0;
+    PyObject *early = PyList_New(0);
+    if (early == NULL) goto fail;
+    int has_taken = PySet_GET_SIZE(taken) > 0;
+    while (PyList_GET_SIZE(heap) > 0) {
+        long long top = PyLong_AsLongLong(PyList_GET_ITEM(heap, 0));
+        if (top == -1 && PyErr_Occurred()) goto fail_early;
+        if (top >= limit_entry) break;
+        PyObject *entry = PyObject_CallOneArg(heappop, heap);
+        if (entry == NULL) goto fail_early;
+        long long ev = PyLong_AsLongLong(entry);
+        Py_ssize_t s = (Py_ssize_t)(ev & 0xFFFFFFFFLL);
+        if (ev == -1 && PyErr_Occurred()) {
+            Py_DECREF(entry);
+            goto fail_early;
+        }
+        if (s >= n_slots) {
+            Py_DECREF(entry);
+            PyErr_Format(PyExc_IndexError, "due_slots: slot %zd out of range", s);
+            goto fail_early;
+        }
+        if (!queued[s]) {
+            Py_DECREF(entry);
+            continue;
+        }
+        double deadline = active[s] < idle[s] ? active[s] : idle[s];
+        if (ms_of(deadline) != (ev >> 32)) { /* stale: the slot's deadline moved */
+            Py_DECREF(entry);
+            continue;
+        }
+        if (deadline > now) {
+            int r = PyList_Append(early, entry);
+            Py_DECREF(entry);
+            if (r) goto fail_early;
+            continue;
+        }
+        Py_DECREF(entry);
+        queued[s] = 0;
+        live--;
+        /* the slot is due: what the ledger does with it */
+        PyObject *slot = PyLong_FromSsize_t(s);
+        if (slot == NULL) goto fail_early;
+        if (limit >= 0 && PyList_GET_SIZE(todo) >= limit) {
+            PyObject *r = PyObject_CallFunction(push, "Odd", slot, active[s], idle[s]);
+            Py_DECREF(slot);
+            if (r == NULL) goto fail_early;
+            Py_DECREF(r); /* push queued it again and counted it itself */
+            break;
+        }
+        int busy = PyList_GET_ITEM(pending, s) != Py_None;
+        if (!busy && has_taken) {
+            busy = PySet_Contains(taken, slot);
+            if (busy < 0) {
+                Py_DECREF(slot);
+                goto fail_early;
+            }
+        }
+        int rc = 0;
+        if (busy) {
+            rc = PyList_Append(retry, slot);
+        } else if (reason[s]) {
+            if (bits[s] & k[E_FINAL_DUE]) {
+                rc = PyList_Append(todo, slot);
+                if (!rc) rc = PyByteArray_Resize(why, PyByteArray_GET_SIZE(why) + 1);
+                if (!rc) PyByteArray_AS_STRING(why)[PyByteArray_GET_SIZE(why) - 1] = (char)reason[s];
+            }
+        } else {
+            rc = PyList_Append(todo, slot);
+            int code = (int)k[E_ACTIVE_TIMEOUT];
+            if (!rc) {
+                PyObject *key = PyList_GET_ITEM(keys, s);
+                int dying = 0;
+                if (key != Py_None) {
+                    long proto = -1;
+                    if (PyTuple_Check(key) && PyTuple_GET_SIZE(key) > 1) proto = PyLong_AsLong(PyTuple_GET_ITEM(key, 1));
+                    if (proto == -1 && PyErr_Occurred()) rc = -1;
+                    else if (proto == k[E_PROTO_TCP] && tcp[s] >= 0) dying = tcp[s] == k[E_TIME_WAIT] || tcp[s] == k[E_CLOSE];
+                    else dying = (status[s] & (uint32_t)k[E_IPS_DYING]) != 0;
+                }
+                if (dying) {
+                    code = (int)k[E_END_OF_FLOW];
+                } else if (idle[s] <= now) {
+                    code = (int)k[E_IDLE_TIMEOUT];
+                    bits[s] &= (uint8_t)~k[E_ACTIVE];
+                    if (!rc) rc = PyDict_SetItem(idle_order, slot, Py_None);
+                } else if (!rc) { /* requeue: its next active timeout */
+                    active[s] = now + active_timeout;
+                    queued[s] = 1;
+                    live++;
+                    rc = push_entry(heappush, heap, active[s] < idle[s] ? active[s] : idle[s], s);
+                }
+            }
+            if (!rc) rc = PyByteArray_Resize(why, PyByteArray_GET_SIZE(why) + 1);
+            if (!rc) PyByteArray_AS_STRING(why)[PyByteArray_GET_SIZE(why) - 1] = (char)code;
+        }
+        Py_DECREF(slot);
+        if (rc) goto fail_early;
+    }
+    /* the entries of now's millisecond whose exact deadline is later go back, as pop_due's finally does */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(early); i++) {
+        PyObject *r = PyObject_CallFunctionObjArgs(heappush, heap, PyList_GET_ITEM(early, i), NULL);
+        if (r == NULL) goto fail_early;
+        Py_DECREF(r);
+    }
+    Py_DECREF(early);
+    release_views(b, held);
+    return PyLong_FromSsize_t(live);
+fail_early:
+    Py_DECREF(early);
+fail:
+    release_views(b, held);
+    return NULL;
 }

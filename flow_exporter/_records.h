@@ -8,5 +8,6 @@ PyObject *native_journal_sent(PyObject *self, PyObject *args);
 PyObject *native_build_records(PyObject *self, PyObject *args);
 PyObject *native_acknowledge_delivered(PyObject *self, PyObject *args);
 PyObject *native_journal_acked(PyObject *self, PyObject *args);
+PyObject *native_due_slots(PyObject *self, PyObject *args);
 
 #endif

@@ -145,6 +145,18 @@ class ExpiryQueue:
             for entry in early:
                 heapq.heappush(heap, entry)
 
+    def parts(self) -> tuple[list[int], bytearray, array[float], array[float]]:
+        """The heap, queued flags and deadlines, for the compiled loop over what is due (store.ledger).
+
+        It pops and pushes entries exactly as :meth:`pop_due` and :meth:`requeue` do, and reports
+        the change in the number of queued slots through :meth:`counted`.
+        """
+        return self._heap, self._queued, self.active, self.idle
+
+    def counted(self, change: int) -> None:
+        """Slots the compiled loop took off the queue (negative) or queued again (positive)."""
+        self._live += change
+
     def _maybe_compact(self) -> None:
         heap = self._heap
         if len(heap) > 64 and len(heap) > 2 * self._live:

@@ -78,6 +78,26 @@ class Native(Protocol):
 
     def journal_acked(self, exports: list[Any]) -> bytes | None: ...
 
+    def due_slots(
+        self,
+        heap: list[int],
+        columns: tuple[Any, ...],
+        now: float,
+        active_timeout: float,
+        limit: int,
+        todo: list[int],
+        why: bytearray,
+        retry: list[int],
+        taken: set[int],
+        pending: list[Any],
+        keys: list[Any],
+        idle_order: dict[int, None],
+        heappop: Callable[[list[int]], int],
+        heappush: Callable[[list[int], int], None],
+        push: Callable[[int, float, float], None],
+        constants: tuple[int, ...],
+    ) -> int: ...
+
     def journal_sent(self, exports: list[Any], topics: dict[Any, bytes]) -> tuple[int, bytes] | None: ...
 
 

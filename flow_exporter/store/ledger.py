@@ -16,7 +16,14 @@ import heapq
 import itertools
 from collections.abc import Iterable, Iterator
 
-from flow_exporter.connection import IPS_HW_OFFLOAD, IPS_OFFLOAD
+from flow_exporter.connection import (
+    IPS_DYING,
+    IPS_HW_OFFLOAD,
+    IPS_OFFLOAD,
+    PROTO_TCP,
+    TCP_CLOSE,
+    TCP_TIME_WAIT,
+)
 from flow_exporter.flow import (
     ACTIVE_TIMEOUT,
     COUNTERS_RESET,
@@ -63,6 +70,10 @@ class Ledger(Table):
         self._build_constants = (
             UNCOUNTED, DESTROYED, FINAL_DUE, LAST_ACTIVE, NO_COUNTERS, OFFLOADED, IPS_OFFLOAD | IPS_HW_OFFLOAD,
             ACTIVE_TIMEOUT, FORCED_END, LACK_OF_RESOURCES, ROW_ENDED, ROW_GIVEN_UP, ROW_RESET,
+        )  # fmt: skip
+        self._due_constants = (
+            FINAL_DUE, ACTIVE, END_OF_FLOW, IDLE_TIMEOUT, ACTIVE_TIMEOUT, PROTO_TCP, TCP_TIME_WAIT, TCP_CLOSE,
+            IPS_DYING,
         )  # fmt: skip
         self._orphan_due: list[int] = []
         self._loose: dict[tuple[int, int], Export] = {}  # restored records in flight: no connection holds them
@@ -146,11 +157,18 @@ class Ledger(Table):
             self._orphan_due = waiting
         active = self.timeouts.active
         queue = self.queue
+        retry: list[int] = []
+        if self._native is not None:
+            self._due_compiled(now, limit, todo, why, retry, taken)
+            for s in retry:
+                queue.push(s, now + RETRY_DELAY, now + RETRY_DELAY)
+            if todo:
+                self._build_all(todo, bytes(why), out, now)
+            return out
         requeue = queue.requeue
         idle_expire = queue.idle
         add = todo.append
         because = why.append
-        retry: list[int] = []
         for s in queue.pop_due(now):
             if limit is not None and len(todo) >= limit:
                 queue.push(s, queue.active[s], idle_expire[s])
@@ -181,6 +199,20 @@ class Ledger(Table):
         if todo:
             self._build_all(todo, bytes(why), out, now)
         return out
+
+    def _due_compiled(
+        self, now: float, limit: int | None, todo: list[int], why: bytearray, retry: list[int], taken: set[int]
+    ) -> None:
+        """The loop of :meth:`expire` over what the queue has due, in one compiled call (_records.c due_slots)."""
+        assert self._native is not None
+        queue = self.queue
+        heap, queued, active, idle = queue.parts()
+        moved = self._native.due_slots(
+            heap, (self._reason, self._bits, self._tcp, self._status, queued, active, idle), now,
+            self.timeouts.active, -1 if limit is None else limit, todo, why, retry, taken, self._pending, self._keys,
+            self._idle, heapq.heappop, heapq.heappush, queue.push, self._due_constants,
+        )  # fmt: skip
+        queue.counted(moved)
 
     def _build_all(self, slots: list[int], reasons: bytes, out: list[Export], now: float) -> None:
         """The records of ``slots`` (for ``reasons``), appended to ``out`` in order: compiled when built."""

@@ -232,10 +232,10 @@ class Lockstep:
             self.live.pop(i, None)
         self.racing.clear()
 
-    def expire(self, ack: int) -> None:
+    def expire(self, ack: int, limit: int | None = None) -> None:
         got = []
         for store in (self.pure, self.fused):
-            out = store.expire(self.now, self.wall())
+            out = store.expire(self.now, self.wall(), limit=limit)
             for e in out:
                 ENCODER.static(e)  # as the sink does: a delivered record's prefix is cached for the next build
             got.append([record(e) for e in out])
@@ -362,15 +362,21 @@ RECORD_OPS = st.sampled_from(["create", "traffic", "traffic", "reply", "tcp", "s
     [("create", 0, 0), ("create", 1, 0), ("poll", 1, 0), ("tick", 0, 10), ("expire", 0, 1), ("mark", 1, 7),
      ("poll", 1, 0), ("tick", 0, 2), ("expire", 0, 0), ("traffic", 1, 2), ("tick", 0, 10), ("poll", 1, 0),
      ("expire", 0, 0), ("traffic", 1, 2), ("tick", 0, 10), ("poll", 1, 0), ("expire", 0, 0)], 4)
+@example(  # Kafka behind: at most one record per expire, the rest stay queued
+    [("create", 0, 0), ("create", 1, 0), ("create", 2, 0), ("create", 3, 0), ("poll", 1, 0), ("tick", 0, 10),
+     ("expire", 0, 8), ("expire", 0, 9), ("tick", 0, 2), ("expire", 0, 10), ("expire", 0, 0)], 8)
+@example(  # a deadline later than now within now's millisecond: not due yet, and back in the queue
+    [("create", 0, 0), ("tick", 0, 0), ("poll", 1, 0), ("expire", 0, 0), ("traffic", 0, 1), ("tick", 0, 4),
+     ("tick", 0, 1), ("poll", 1, 0), ("expire", 0, 0), ("tick", 0, 2), ("expire", 0, 0)], 4)
 def test_compiled_build_keeps_the_same_records(ops: list[tuple[str, int, int]], cap: int) -> None:
     w = Lockstep(cap, None)
     for op, i, arg in ops:
         if op == "poll":
             w.poll(2, 0)
-        elif op == "expire":
-            w.expire(arg % 2 + 1)  # mostly delivered: (k + ack) % 3 fails one in three from a shifted start
-        elif op == "tick":
-            w.now += arg
+        elif op == "expire":  # mostly delivered: (k + ack) % 3 fails one in three from a shifted start
+            w.expire(arg % 2 + 1, None if arg < 8 else arg - 7)  # at most 1-8 records (Kafka behind)
+        elif op == "tick":  # 0 and 1: fractions that put a deadline just after now, in now's millisecond
+            w.now += {0: 0.0005, 1: 0.9996}.get(arg, arg)
         else:
             w.step(op, i, arg)
         assert state(w.fused) == state(w.pure), op
