@@ -76,13 +76,13 @@ def recording_sink():
     from flow_exporter.sink import KafkaSink
 
     class RecordingSink(KafkaSink):
-        """Keeps (topic, key, value) of each record, for the plain loop to send the same (one append each)."""
+        """Keeps (topic, key, value) of each record, for the plain loop to send the same (one list per batch)."""
 
         sent: list[tuple[str, bytes, bytes]]
 
-        def produce(self, export):
-            self.sent.append((export.topic, export.key, export.value))
-            super().produce(export)
+        def produce_all(self, exports):
+            self.sent.extend([(e.topic, e.key, e.value) for e in exports])
+            super().produce_all(exports)
 
     return RecordingSink
 

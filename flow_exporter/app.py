@@ -32,6 +32,7 @@ from flow_exporter.ports import (
     NoObserver,
     Sink,
     Source,
+    Unsent,
 )
 from flow_exporter.readings import Readings, Timings
 from flow_exporter.retry import sleep_on
@@ -326,17 +327,15 @@ class Exporter:
                 for e in ready:
                     self.store.acknowledge(e, False, now)  # kept as built; the fresh snapshot will hold them
             return
-        produce = sink.produce
         self.completeness.produced_all(ready)  # before produce: a delivery report may come at once
-        for i, e in enumerate(ready):
-            try:
-                produce(e)
-            except Exception:
-                now = self.clock()
-                with self.lock:
-                    for rest in ready[i:]:
-                        self.store.acknowledge(rest, False, now)  # resent as the same bytes after a backoff
-                raise
+        try:
+            sink.produce_all(ready)
+        except Unsent as stop:
+            now = self.clock()
+            with self.lock:
+                for rest in ready[stop.index :]:
+                    self.store.acknowledge(rest, False, now)  # resent as the same bytes after a backoff
+            raise (stop.__cause__ or stop) from None
 
     def _unencodable(self, export: Export, exc: Exception) -> None:
         self._given_up(export, f"cannot encode: {exc!r}")

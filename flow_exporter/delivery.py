@@ -91,9 +91,9 @@ class DeliveryHealth:
         return st
 
     # ------------------------------------------------------------ the sink's side
-    def produced(self, st: TopicHealth) -> None:
-        """A record went to the producer: it waits from now, unless older ones already wait."""
-        st.pending += 1
+    def produced(self, st: TopicHealth, count: int = 1) -> None:
+        """Records went to the producer: they wait from now, unless older ones already wait."""
+        st.pending += count
         if st.since is None:
             st.since = self.clock()
 

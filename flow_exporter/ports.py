@@ -82,6 +82,17 @@ class EventSource(Protocol):
         ...
 
 
+class Unsent(Exception):
+    """Producing a batch stopped at ``index`` on an unexpected error (the ``__cause__``).
+
+    The records from ``index`` on were not handed over; the ones before were.
+    """
+
+    def __init__(self, index: int) -> None:
+        super().__init__(index)
+        self.index = index
+
+
 @dataclass(slots=True)
 class DeliveryReport:
     """The broker's answer for one record."""
@@ -146,6 +157,10 @@ class Sink(Protocol):
         ...
 
     def produce(self, export: Export) -> None: ...
+
+    def produce_all(self, exports: list[Export]) -> None:
+        """:meth:`produce` each, in order; raises :class:`Unsent` if an unexpected error stops it."""
+        ...
 
     def poll(self, timeout: float) -> int:
         """Serve deliveries for up to ``timeout`` seconds."""

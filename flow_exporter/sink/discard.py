@@ -27,6 +27,10 @@ class DiscardSink:
         self.discarded += 1
         self._reports.append(DeliveryReport(export, True))
 
+    def produce_all(self, exports: list[Export]) -> None:
+        for e in exports:
+            self.produce(e)
+
     def poll(self, timeout: float) -> int:
         return 0
 

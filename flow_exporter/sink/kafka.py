@@ -22,7 +22,7 @@ from confluent_kafka.admin import AdminClient
 
 from flow_exporter.delivery import DeliveryHealth, TopicHealth
 from flow_exporter.flow import Export
-from flow_exporter.ports import BrokerStats, ClientStats, DeliveryReport, SinkCounters
+from flow_exporter.ports import BrokerStats, ClientStats, DeliveryReport, SinkCounters, Unsent
 from flow_exporter.retry import StopWhen
 from flow_exporter.settings import DEFAULTS, ConfigError, shown
 from flow_exporter.sink.encoder import Encode, prepare_with
@@ -319,6 +319,40 @@ class KafkaSink:
         counters.bytes_produced += len(value)
         health.produced(st)
 
+    def produce_all(self, exports: list[Export]) -> None:
+        """:meth:`produce` each record, in order, with the per-record work hoisted out of the loop.
+
+        The common case (librdkafka takes the record) is done here, its accounting added up once
+        per run of records to one topic; anything else (a full queue, a refusal, a record not
+        prepared, a topic the sink was not built with) goes through :meth:`produce`, after the
+        accounting so far is added (produce may serve delivery callbacks while it waits). An error
+        produce does not handle stops the batch with :class:`Unsent`, naming the first record not
+        handed over.
+        """
+        produce = self._producer.produce
+        topics = self.health.topics
+        on_delivery = self._on_delivery
+        run = _Run(self)
+        try:
+            for i, e in enumerate(exports):
+                value = e.value
+                topic = e.topic
+                try:
+                    st = topics.get(topic) if topic is not None else None
+                    if value is not None and topic is not None and st is not None:
+                        try:
+                            produce(topic, value, e.key, on_delivery=partial(on_delivery, e, topic, st))
+                            run.add(st, len(value))
+                            continue
+                        except (BufferError, KafkaException):
+                            pass  # nothing was queued: the full path below waits, or reports the refusal
+                    run.flush()
+                    self.produce(e)
+                except Exception as exc:
+                    raise Unsent(i) from exc
+        finally:
+            run.flush()
+
     def _on_delivery(self, export: Export, topic: str, st: TopicHealth, err: KafkaError | None, msg: Any) -> None:
         # Runs inside poll()/flush() on the caller's thread; counters are read by metrics.
         counters = self.counters
@@ -388,6 +422,33 @@ class KafkaSink:
             log.error("kafka %s: %s", _SECURITY_HINTS[kind], err.str())
         else:
             log.warning("kafka: %s", err.str())
+
+
+class _Run:
+    """Records handed over to one topic in a row, counted once for the sink and the topic's health."""
+
+    __slots__ = ("bytes", "count", "sink", "st")
+
+    def __init__(self, sink: KafkaSink) -> None:
+        self.sink = sink
+        self.st: TopicHealth | None = None
+        self.count = 0
+        self.bytes = 0
+
+    def add(self, st: TopicHealth, size: int) -> None:
+        if st is not self.st:
+            self.flush()
+            self.st = st
+        self.count += 1
+        self.bytes += size
+
+    def flush(self) -> None:
+        if self.count and self.st is not None:
+            counters = self.sink.counters
+            counters.produced += self.count
+            counters.bytes_produced += self.bytes
+            self.sink.health.produced(self.st, self.count)
+        self.count = self.bytes = 0
 
 
 def _is_admin_key(key: str) -> bool:

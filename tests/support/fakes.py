@@ -14,7 +14,7 @@ from typing import Any
 
 from flow_exporter.connection import Connection
 from flow_exporter.flow import Export
-from flow_exporter.ports import DecodeResult, DeliveryReport, SinkCounters
+from flow_exporter.ports import DecodeResult, DeliveryReport, SinkCounters, Unsent
 
 
 class FakeTable:
@@ -96,6 +96,13 @@ class FakeBroker:
         self.queued.append(export)
         self.counters.produced += 1
         self.counters.bytes_produced += len(export.value)
+
+    def produce_all(self, exports: list[Export]) -> None:
+        for i, e in enumerate(exports):
+            try:
+                self.produce(e)
+            except Exception as exc:
+                raise Unsent(i) from exc
 
     def _answer(self) -> int:
         n = len(self.queued)

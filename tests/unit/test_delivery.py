@@ -15,6 +15,7 @@ import pytest
 from flow_exporter.delivery import DeliveryHealth, duration_text
 from flow_exporter.flow import Export
 from flow_exporter.lifecycle import Lifecycle
+from flow_exporter.ports import Unsent
 from flow_exporter.probes import readiness
 from flow_exporter.settings import DEFAULTS, ConfigError
 from flow_exporter.sink import KafkaSink
@@ -307,3 +308,24 @@ def test_flow_exporter_run_wires_the_rule_into_readyz(ready_timeout: str) -> Non
     finally:
         http.stop()
         del sink._producer
+
+
+def test_a_batch_stops_at_the_first_record_produce_cannot_hand_over() -> None:
+    """produce_all hands over the records before it, counted once per run; the rest are Unsent from its index."""
+    sink = KafkaSink({"bootstrap.servers": "127.0.0.1:9", "log_level": 0}, "flows", lambda e, ms: b"\x00" * 40)
+    try:
+        batch = [record(), record(), record(), record()]
+        for e in batch:
+            for _, exc in sink.prepare_all([e], 0):
+                raise exc
+        batch[2].value = None  # never prepared: produce() refuses it
+        with pytest.raises(Unsent) as stopped:
+            sink.produce_all(batch)
+        assert stopped.value.index == 2 and isinstance(stopped.value.__cause__, AssertionError)
+        assert (sink.counters.produced, sink.counters.bytes_produced) == (2, 80)
+        assert sink.health.topics["flows"].pending == 2
+        sink.purge()  # what librdkafka held comes back as failed reports: exactly the two handed over
+        assert [r.export for r in sink.take_reports()] == batch[:2]
+    finally:
+        sink.purge()
+        del sink._producer  # the producer and the sink reference each other (error_cb)

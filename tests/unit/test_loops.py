@@ -365,3 +365,43 @@ def _no_threads_left() -> None:
     before = threading.active_count()
     yield
     assert threading.active_count() == before
+
+
+class BrokenProducer(FakeBroker):
+    """A sink whose producer raises once, unexpectedly, on the second record of a batch."""
+
+    broken = True
+
+    def produce(self, export: Export) -> None:
+        if self.broken and len(self.queued) == 1:
+            self.broken = False
+            raise RuntimeError("the producer broke")
+        super().produce(export)
+
+
+def test_records_a_batch_could_not_hand_over_go_again_as_the_same_records() -> None:
+    clock = Clock()
+    table = FakeTable()
+    broker = BrokenProducer(RecordEncoder("node-a").encode)
+    exp = Exporter(
+        table, broker, ExporterOptions(timeouts=TIMEOUTS, node_name="node-a"), clock=lambda: clock.now,
+        wall_ns=clock.wall,
+    )  # fmt: skip
+    table.entries = [tcp(47000 + i, packets=2) for i in range(3)]
+    exp.poll_once()
+    clock.tick(TIMEOUTS.active)
+    with pytest.raises(RuntimeError, match="the producer broke"):
+        exp.expire_once()
+    assert len(broker.queued) == 1  # the first was handed over; the second raised; the third was not tried
+    broker.poll(0)
+    clock.tick(60)  # past the resend backoff
+    table.entries = [tcp(47000 + i, packets=2) for i in range(3)]
+    exp.poll_once()
+    while exp.expire_once():
+        broker.poll(0)
+    broker.poll(0)
+    exp.expire_once()
+    got = records(broker)
+    firsts = sorted((r["sourcePort"], r["packetDeltaCount"]) for r in got if r["sequence"] == 0)
+    assert firsts == [(47000, 2), (47001, 2), (47002, 2)]  # each connection's first record, once
+    assert len({(r["connectionId"], r["sequence"]) for r in got}) == len(got)
