@@ -303,23 +303,8 @@ static int bound_direct = 0;
 
 static int bind(PyObject *ctype) {
     if (ctype == bound_type) return 0;
-    int direct = PyType_Check(ctype) && ((PyTypeObject *)ctype)->tp_init != NULL;
-    for (int i = 0; i < 26 && direct; i++) {
-        PyObject *d = PyObject_GetAttrString(ctype, FIELDS[i]);
-        if (d == NULL) {
-            PyErr_Clear();
-            direct = 0;
-            break;
-        }
-        if (Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX &&
-            !(((PyMemberDescrObject *)d)->d_member->flags & READONLY))
-            bound_off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
-        else
-            direct = 0;
-        Py_DECREF(d);
-    }
+    bound_direct = slot_offsets(ctype, FIELDS, 26, bound_off);
     Py_XSETREF(bound_type, Py_NewRef(ctype));
-    bound_direct = direct;
     return 0;
 }
 

@@ -48,27 +48,31 @@ static PyObject *x_type = NULL;
 static Py_ssize_t x_off[X_N];
 static int x_direct = 0;
 
-/* Resolve the slot offsets of `type` (once per type); 1 if every field is a plain object slot. */
-static int bind_export(PyTypeObject *type) {
-    if ((PyObject *)type == x_type) return x_direct;
-    int direct = type->tp_init != NULL;
-    for (int i = 0; i < X_N && direct; i++) {
-        PyObject *d = PyObject_GetAttrString((PyObject *)type, XNAMES[i]);
+/* The offsets of `names` in `type` (a slots dataclass): 1 if every one is a plain, writable object slot whose
+ * instances can be made by tp_alloc and filled directly, else 0 (the caller takes the Python path). */
+int slot_offsets(PyObject *type, const char *const *names, int n, Py_ssize_t *offsets) {
+    if (!PyType_Check(type) || ((PyTypeObject *)type)->tp_init == NULL) return 0;
+    for (int i = 0; i < n; i++) {
+        PyObject *d = PyObject_GetAttrString(type, names[i]);
         if (d == NULL) {
             PyErr_Clear();
-            direct = 0;
-            break;
+            return 0;
         }
-        if (Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX &&
-            !(((PyMemberDescrObject *)d)->d_member->flags & READONLY))
-            x_off[i] = ((PyMemberDescrObject *)d)->d_member->offset;
-        else
-            direct = 0;
+        int plain = Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX &&
+                    !(((PyMemberDescrObject *)d)->d_member->flags & READONLY);
+        if (plain) offsets[i] = ((PyMemberDescrObject *)d)->d_member->offset;
         Py_DECREF(d);
+        if (!plain) return 0;
     }
+    return 1;
+}
+
+/* Resolve Export's slot offsets (once per type); 1 if every field is a plain object slot. */
+static int bind_export(PyTypeObject *type) {
+    if ((PyObject *)type == x_type) return x_direct;
+    x_direct = slot_offsets((PyObject *)type, XNAMES, X_N, x_off);
     Py_XSETREF(x_type, Py_NewRef((PyObject *)type));
-    x_direct = direct;
-    return direct;
+    return x_direct;
 }
 
 #define SLOT(o, i) (*(PyObject **)((char *)(o) + x_off[i]))
@@ -480,6 +484,30 @@ static void release_views(Py_buffer *b, int held) {
     for (int i = 0; i < held; i++) PyBuffer_Release(&b[i]);
 }
 
+/* Writable views of the `n` columns (a tuple), each of its item size; `*slots` lowered to the shortest.
+ * 0, or -1 with an error set and every view released. */
+static int acquire_views(PyObject *columns, int n, const Py_ssize_t *sizes, Py_buffer *b, Py_ssize_t *slots,
+                         const char *who) {
+    if (PyTuple_GET_SIZE(columns) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: %d columns expected", who, n);
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(columns, i), &b[i], PyBUF_WRITABLE)) {
+            release_views(b, i);
+            return -1;
+        }
+        if (b[i].itemsize != sizes[i]) {
+            release_views(b, i + 1);
+            PyErr_Format(PyExc_TypeError, "%s: column %d has items of %zd bytes, not %zd", who, i, b[i].itemsize,
+                         sizes[i]);
+            return -1;
+        }
+        if (b[i].len / sizes[i] < *slots) *slots = b[i].len / sizes[i];
+    }
+    return 0;
+}
+
 /* A new Export holding the given field values (references stolen, NULLs allowed: then it fails). */
 static PyObject *make_export(PyTypeObject *type, PyObject **v) {
     PyObject *e = NULL;
@@ -509,9 +537,8 @@ PyObject *native_build_records(PyObject *self, PyObject *args) {
                           &out, &PyType_Type, &etype, &slow, &PyTuple_Type, &columns, &PyList_Type, &keys,
                           &PyList_Type, &meta, &PyList_Type, &prefix, &PyList_Type, &pending, &PyTuple_Type, &consts))
         return NULL;
-    if (PyTuple_GET_SIZE(columns) != B_N || PyTuple_GET_SIZE(consts) != K_N ||
-        PyBytes_GET_SIZE(reasons) != PyList_GET_SIZE(slots)) {
-        PyErr_SetString(PyExc_ValueError, "build_records: columns, constants or reasons of the wrong length");
+    if (PyTuple_GET_SIZE(consts) != K_N || PyBytes_GET_SIZE(reasons) != PyList_GET_SIZE(slots)) {
+        PyErr_SetString(PyExc_ValueError, "build_records: constants or reasons of the wrong length");
         return NULL;
     }
     if (!bind_export((PyTypeObject *)etype)) Py_RETURN_NOTIMPLEMENTED;
@@ -523,17 +550,8 @@ PyObject *native_build_records(PyObject *self, PyObject *args) {
     Py_buffer b[B_N];
     int held = 0;
     Py_ssize_t n_slots = PyList_GET_SIZE(keys);
-    for (; held < B_N; held++) {
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(columns, held), &b[held], PyBUF_WRITABLE)) goto fail;
-        if (b[held].itemsize != B_SIZE[held]) {
-            held++;
-            PyErr_Format(PyExc_TypeError, "build_records: column %d has items of %zd bytes", held - 1,
-                         b[held - 1].itemsize);
-            goto fail;
-        }
-        Py_ssize_t len = b[held].len / B_SIZE[held];
-        if (len < n_slots) n_slots = len;
-    }
+    if (acquire_views(columns, B_N, B_SIZE, b, &n_slots, "build_records")) return NULL;
+    held = B_N;
     if (PyList_GET_SIZE(meta) < n_slots || PyList_GET_SIZE(prefix) < n_slots || PyList_GET_SIZE(pending) < n_slots) {
         PyErr_SetString(PyExc_ValueError, "build_records: a column is shorter than the keys");
         goto fail;
@@ -647,24 +665,13 @@ PyObject *native_acknowledge_delivered(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!O!O!O!lO", &PyList_Type, &exports, &PyList_Type, &pending, &PyList_Type, &prefix,
                           &PyTuple_Type, &columns, &active, &slow))
         return NULL;
-    if (PyTuple_GET_SIZE(columns) != 3) {
-        PyErr_SetString(PyExc_ValueError, "acknowledge_delivered: three columns");
-        return NULL;
-    }
     static const Py_ssize_t size[3] = {1, 1, 4};
     Py_buffer b[3];
     int held = 0;
     Py_ssize_t n_slots = PyList_GET_SIZE(pending) < PyList_GET_SIZE(prefix) ? PyList_GET_SIZE(pending)
                                                                            : PyList_GET_SIZE(prefix);
-    for (; held < 3; held++) {
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(columns, held), &b[held], PyBUF_WRITABLE)) goto fail;
-        if (b[held].itemsize != size[held]) {
-            held++;
-            PyErr_SetString(PyExc_TypeError, "acknowledge_delivered: a column of the wrong item size");
-            goto fail;
-        }
-        if (b[held].len / size[held] < n_slots) n_slots = b[held].len / size[held];
-    }
+    if (acquire_views(columns, 3, size, b, &n_slots, "acknowledge_delivered")) return NULL;
+    held = 3;
     Py_ssize_t done = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(exports); i++) {
         PyObject *e = PyList_GET_ITEM(exports, i);
@@ -768,8 +775,8 @@ PyObject *native_due_slots(PyObject *self, PyObject *args) {
                           &PySet_Type, &taken, &PyList_Type, &pending, &PyList_Type, &keys, &PyDict_Type, &idle_order,
                           &heappop, &heappush, &push, &PyTuple_Type, &consts))
         return NULL;
-    if (PyTuple_GET_SIZE(columns) != D_N || PyTuple_GET_SIZE(consts) != E_N) {
-        PyErr_SetString(PyExc_ValueError, "due_slots: columns or constants of the wrong length");
+    if (PyTuple_GET_SIZE(consts) != E_N) {
+        PyErr_SetString(PyExc_ValueError, "due_slots: constants of the wrong length");
         return NULL;
     }
     long k[E_N];
@@ -781,15 +788,8 @@ PyObject *native_due_slots(PyObject *self, PyObject *args) {
     int held = 0;
     Py_ssize_t n_slots = PyList_GET_SIZE(pending) < PyList_GET_SIZE(keys) ? PyList_GET_SIZE(pending)
                                                                          : PyList_GET_SIZE(keys);
-    for (; held < D_N; held++) {
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(columns, held), &b[held], PyBUF_WRITABLE)) goto fail;
-        if (b[held].itemsize != D_SIZE[held]) {
-            held++;
-            PyErr_SetString(PyExc_TypeError, "due_slots: a column of the wrong item size");
-            goto fail;
-        }
-        if (b[held].len / D_SIZE[held] < n_slots) n_slots = b[held].len / D_SIZE[held];
-    }
+    if (acquire_views(columns, D_N, D_SIZE, b, &n_slots, "due_slots")) return NULL;
+    held = D_N;
     uint8_t *reason = b[D_REASON].buf, *bits = b[D_BITS].buf, *queued = b[D_QUEUED].buf;
     int8_t *tcp = b[D_TCP].buf;
     uint32_t *status = b[D_STATUS].buf;

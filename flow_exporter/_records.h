@@ -3,6 +3,9 @@
 #define FLOW_EXPORTER_RECORDS_H
 #include <Python.h>
 
+/* Shared by both C files: the slot offsets of a slots dataclass's fields (1 if every one is a plain object slot). */
+int slot_offsets(PyObject *type, const char *const *names, int n, Py_ssize_t *offsets);
+
 PyObject *native_prepare_records(PyObject *self, PyObject *args);
 PyObject *native_journal_sent(PyObject *self, PyObject *args);
 PyObject *native_build_records(PyObject *self, PyObject *args);
