@@ -155,16 +155,25 @@ class Ledger(Table):
                     why.append(reason[s])
                     taken.add(s)
             self._orphan_due = waiting
+        retry: list[int] = []
+        due = self._due_compiled if self._native is not None else self._due
+        due(now, limit, todo, why, retry, taken)
+        queue = self.queue
+        for s in retry:
+            queue.push(s, now + RETRY_DELAY, now + RETRY_DELAY)
+        if todo:
+            self._build_all(todo, bytes(why), out, now)
+        return out
+
+    def _due(
+        self, now: float, limit: int | None, todo: list[int], why: bytearray, retry: list[int], taken: set[int]
+    ) -> None:
+        """What the queue has due at ``now``, sorted into records to build (``todo``, ``why``) and retries."""
+        pending = self._pending
+        bits = self._bits
+        reason = self._reason
         active = self.timeouts.active
         queue = self.queue
-        retry: list[int] = []
-        if self._native is not None:
-            self._due_compiled(now, limit, todo, why, retry, taken)
-            for s in retry:
-                queue.push(s, now + RETRY_DELAY, now + RETRY_DELAY)
-            if todo:
-                self._build_all(todo, bytes(why), out, now)
-            return out
         requeue = queue.requeue
         idle_expire = queue.idle
         add = todo.append
@@ -194,16 +203,11 @@ class Ledger(Table):
                 continue
             because(ACTIVE_TIMEOUT)
             requeue(s, now + active, idle_expire[s])
-        for s in retry:
-            queue.push(s, now + RETRY_DELAY, now + RETRY_DELAY)
-        if todo:
-            self._build_all(todo, bytes(why), out, now)
-        return out
 
     def _due_compiled(
         self, now: float, limit: int | None, todo: list[int], why: bytearray, retry: list[int], taken: set[int]
     ) -> None:
-        """The loop of :meth:`expire` over what the queue has due, in one compiled call (_records.c due_slots)."""
+        """:meth:`_due` in one compiled call (_records.c due_slots)."""
         assert self._native is not None
         queue = self.queue
         heap, queued, active, idle = queue.parts()
