@@ -12,8 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 from confluent_kafka.admin import (
@@ -35,6 +34,7 @@ from flow_exporter.runner import build_sink, start_listener, timeouts_from
 from tests.support.exporter_process import scrape
 from tests.support.fakes import FakeTable
 from tests.support.store_builders import tcp
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.kafka
 
@@ -73,17 +73,6 @@ def revoke(admin: AdminClient, topic: str) -> None:
     )  # fmt: skip
     for future in admin.delete_acls([every]).values():
         assert future.result(), "no ACL was removed"
-
-
-def until(what: Callable[[], Any], timeout: float, describe: Callable[[], str]) -> Any:
-    """Poll ``what`` until it returns something truthy, failing with ``describe()`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = what()
-        if got:
-            return got
-        assert time.monotonic() < deadline, describe()
-        time.sleep(0.2)
 
 
 def test_a_revoked_write_acl_warns_then_not_ready_then_ready_again(

@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from tests.support.monitoring import (
     prometheus_bin,
     render_rules,
 )
+from tests.support.waiting import until
 
 pytestmark = [
     pytest.mark.lab,
@@ -124,16 +125,6 @@ class Prometheus:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
-
-
-def until(what: Callable[[], Any], timeout: float, describe: Callable[[], str]) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = what()
-        if got:
-            return got
-        assert time.monotonic() < deadline, describe()
-        time.sleep(0.5)
 
 
 def parse_quantity(text: str) -> float:
