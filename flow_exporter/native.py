@@ -51,6 +51,8 @@ class Native(Protocol):
         framing: bytes,
     ) -> Any: ...  # list of (export, exception), or NotImplemented
 
+    def encode_prefix(self, export: Any, context: tuple[Any, ...]) -> Any: ...  # bytes, or NotImplemented
+
     def build_records(
         self,
         slots: list[int],

@@ -16,13 +16,15 @@ It is tied to ``schemas/flow_record.avsc``: a schema change must change this fil
 too, and the byte-for-byte test fails until it does.
 
 The export path prepares records a batch at a time (:meth:`RecordEncoder.prepare_all`): with the
-compiled module (``flow_exporter/_records.c``) one call writes every record's value and key, the
-prefix still coming from :meth:`RecordEncoder.static`; :func:`prepare_each` is the same work in
-Python, the reference the property tests hold the compiled one to, and the path for any other encoder.
+compiled module (``flow_exporter/_records.c``) one call writes every record's value and key, and
+:meth:`RecordEncoder.static` writes a connection's prefix with ``_prefix.c``; :func:`prepare_each` and
+the pure prefix are the same work in Python, the reference the property tests hold the compiled code
+to, and the path for any other encoder and for any value the compiled code hands back.
 """
 
 from __future__ import annotations
 
+import hashlib
 import socket
 from collections.abc import Callable
 from functools import lru_cache
@@ -171,6 +173,11 @@ def reporter(node: str, meta: dict[str, Any] | None) -> int:
     return (1 if meta.get("sourceNodeName") == node else 0) | (2 if meta.get("destinationNodeName") == node else 0)
 
 
+def _sha1(data: bytes) -> Any:
+    """hashlib's SHA-1 for the Community ID, which is not a security use (FIPS builds allow it then)."""
+    return hashlib.sha1(data, usedforsecurity=False)
+
+
 def flow_hash(c: Any, seed: int) -> str:
     """The Community ID of a connection row: source, and the destination reached (after DNAT)."""
     if c.proto in (PROTO_ICMP, PROTO_ICMPV6):
@@ -200,6 +207,12 @@ class RecordEncoder:
         self._seed = community_id_seed
         self._ms: int | None = None  # no batch yet (not -1: that is a valid time, whose bytes are not b"")
         self._ms_bytes = b""
+        # What the compiled prefix needs of this encoder (_prefix.c); SHA-1 is hashlib's.
+        self._prefix_context = (
+            self._node, node, community_id_seed, _sha1,
+            tuple((name, name.endswith("Labels")) for name in K8S_FIELDS),
+            "flowType", "sourceNodeName", "destinationNodeName",
+        )  # fmt: skip
 
     def static(self, export: Export) -> bytes:
         """The connection-lifetime prefix (connectionId .. reporter), left on ``export``.
@@ -209,6 +222,16 @@ class RecordEncoder:
         """
         if export.prefix is not None:
             return export.prefix
+        native = self._native
+        if native is not None:
+            prefix = native.encode_prefix(export, self._prefix_context)
+            if prefix is not NotImplemented:
+                export.prefix = prefix
+                return cast(bytes, prefix)
+        return self.pure_static(export)
+
+    def pure_static(self, export: Export) -> bytes:
+        """:meth:`static` in Python: the reference for ``_prefix.c``, and what encodes any value it hands back."""
         c = export.conn
         assert c is not None, "an export without a prefix carries its connection's fields"
         fam = c.family
