@@ -763,8 +763,8 @@ static PyMethodDef methods[] = {
      "prepare_records(exports, export_ms, static, encode, key_of, tcp_states, topic, framing): a batch's values, "
      "keys and topics (see flow_exporter.sink.encoder and _records.c)."},
     {"build_records", native_build_records, METH_VARARGS,
-     "build_records(slots, reasons, out, Export, slow, columns, keys, meta, prefix, pending, consts): the records "
-     "of due slots (see flow_exporter.store.ledger and _records.c)."},
+     "build_records(slots, reasons, out, Export, slow, view, columns, keys, meta, prefix, pending, consts): the "
+     "records of due slots (see flow_exporter.store.ledger and _records.c)."},
     {"acknowledge_delivered", native_acknowledge_delivered, METH_VARARGS,
      "acknowledge_delivered(exports, pending, prefix, columns, active_bit, slow): delivered records settled "
      "(see flow_exporter.store.ledger and _records.c)."},

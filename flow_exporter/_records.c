@@ -525,16 +525,17 @@ done:
 }
 
 /*
- * build_records(slots, reasons, out, Export, slow, columns, keys, meta, prefix, pending, consts) -> built here
+ * build_records(slots, reasons, out, Export, slow, view, columns, keys, meta, prefix, pending, consts) -> built here
  *
- * Ledger._build for each (slot, reason), in order, appending the records to `out`. A slot whose record
- * needs its prefix encoded (none cached, or the flags it carries change now) or whose sequence would
- * not fit its column goes to `slow(slot, reason)` (the Python _build) before the next one is looked at.
+ * Ledger._build for each (slot, reason), in order, appending the records to `out`. A record without a
+ * cached prefix carries `view(slot)`, the connection's fields for the encoder (a connection's first record).
+ * A slot whose flags change now (the cached prefix then goes) or whose sequence would not fit its column
+ * goes to `slow(slot, reason)` (the Python _build) before the next one is looked at.
  */
 PyObject *native_build_records(PyObject *self, PyObject *args) {
-    PyObject *slots, *reasons, *out, *etype, *slow, *columns, *keys, *meta, *prefix, *pending, *consts;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!OO!O!O!O!O!O!", &PyList_Type, &slots, &PyBytes_Type, &reasons, &PyList_Type,
-                          &out, &PyType_Type, &etype, &slow, &PyTuple_Type, &columns, &PyList_Type, &keys,
+    PyObject *slots, *reasons, *out, *etype, *slow, *view, *columns, *keys, *meta, *prefix, *pending, *consts;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OOO!O!O!O!O!O!", &PyList_Type, &slots, &PyBytes_Type, &reasons, &PyList_Type,
+                          &out, &PyType_Type, &etype, &slow, &view, &PyTuple_Type, &columns, &PyList_Type, &keys,
                           &PyList_Type, &meta, &PyList_Type, &prefix, &PyList_Type, &pending, &PyTuple_Type, &consts))
         return NULL;
     if (PyTuple_GET_SIZE(consts) != K_N || PyBytes_GET_SIZE(reasons) != PyList_GET_SIZE(slots)) {
@@ -572,7 +573,7 @@ PyObject *native_build_records(PyObject *self, PyObject *args) {
                     ((BCOL(b, B_STATUS, uint32_t)[s] & (uint32_t)k[K_OFFLOAD_STATUS]) ? k[K_OFFLOADED] : 0);
         uint32_t seq = BCOL(b, B_SEQ, uint32_t)[s];
         PyObject *pre = PyList_GET_ITEM(prefix, s);
-        if (pre == Py_None || (seen & ~(long)flags) || seq == UINT32_MAX) {
+        if ((seen & ~(long)flags) || seq == UINT32_MAX) {
             PyObject *e = PyObject_CallFunction(slow, "ni", s, reason);
             if (e == NULL) goto fail;
             int r = PyList_Append(out, e);
@@ -584,6 +585,19 @@ PyObject *native_build_records(PyObject *self, PyObject *args) {
                          BCOL(b, B_RB, uint64_t)[s]};
         uint64_t base[4] = {BCOL(b, B_BP, uint64_t)[s], BCOL(b, B_BB, uint64_t)[s], BCOL(b, B_BRP, uint64_t)[s],
                             BCOL(b, B_BRB, uint64_t)[s]};
+        PyObject *conn = Py_None;
+        if (pre == Py_None) {
+            /* the connection's first record (or its prefix was dropped): its fields, for the encoder */
+            conn = PyObject_CallFunction(view, "n", s);
+            if (conn == NULL) goto fail;
+            if (n_slots > PyList_GET_SIZE(keys) || PyList_GET_ITEM(prefix, s) != Py_None) {
+                Py_DECREF(conn);
+                PyErr_SetString(PyExc_RuntimeError, "build_records: the store changed under the view");
+                goto fail;
+            }
+        } else {
+            Py_INCREF(conn);
+        }
         int end_reason = BCOL(b, B_REASON, uint8_t)[s];
         int8_t ts = BCOL(b, B_TCP, int8_t)[s];
         PyObject *v[X_N];
@@ -607,7 +621,7 @@ PyObject *native_build_records(PyObject *self, PyObject *args) {
         v[X_ENDED] = PyBool_FromLong(end_reason != 0 && end_reason != k[K_LACK_OF_RESOURCES]);
         v[X_TCP] = ts < 0 ? Py_NewRef(Py_None) : PyLong_FromLong(ts);
         v[X_META] = Py_NewRef(PyList_GET_ITEM(meta, s));
-        v[X_CONN] = Py_NewRef(Py_None);
+        v[X_CONN] = conn;
         v[X_PREFIX] = Py_NewRef(pre);
         v[X_SLOT] = PyLong_FromSsize_t(s);
         v[X_EPOCH] = PyLong_FromUnsignedLong(BCOL(b, B_EPOCH, uint32_t)[s]);

@@ -60,6 +60,7 @@ class Native(Protocol):
         out: list[Any],
         export: type,
         slow: Callable[[int, int], Any],
+        view: Callable[[int], Any],
         columns: tuple[Any, ...],
         keys: list[Any],
         meta: list[Any],

@@ -226,7 +226,7 @@ class Ledger(Table):
             out.extend([build(s, r, now) for s, r in zip(slots, reasons, strict=True)])
             return
         built = nat.build_records(
-            slots, reasons, out, Export, lambda s, r: self._build(s, r, now), self._build_columns,
+            slots, reasons, out, Export, lambda s, r: self._build(s, r, now), self._view, self._build_columns,
             self._keys, self._meta, self._prefix, self._pending, self._build_constants,
         )  # fmt: skip
         self.stats.records_built += built
