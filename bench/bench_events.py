@@ -27,7 +27,17 @@ from typing import Any
 
 from bench.common import ROOT, machine_line, plot, update_section, write_json
 
-DPORT_BASE, NPORTS, SPORT_LO, SPORT_HI = 6000, 20, 20000, 59999
+DPORT_BASE, SPORT_LO, SPORT_HI = 6000, 20000, 59999
+SPAN = SPORT_HI - SPORT_LO + 1
+
+
+def ports_for(rate: int, seconds: float) -> int:
+    """Destination ports enough that no flow of the run reuses another's tuple (sport, dport).
+
+    The check below knows each flow's counters by its tuple: a tuple used twice would sum two flows'
+    records against one flow's truth (20 ports made 60 s at 20,000/s look two-thirds wrong).
+    """
+    return max(20, -(-int(rate * seconds) // SPAN) + 1)
 DELTAS = ("packetDeltaCount", "octetDeltaCount", "reversePacketDeltaCount", "reverseOctetDeltaCount")
 
 
@@ -80,6 +90,7 @@ def run_rate(rate: int, seconds: float, broker: Any, churn: Path, pure: bool = F
     from tests.support.exporter_process import free_port
 
     topic = f"events-{rate}-{time.time_ns()}"
+    nports = ports_for(rate, seconds)
     broker.create_topic(topic, partitions=3)
     work = Path(tempfile.mkdtemp(prefix="bench-events-"))
     with Lab(pods=2) as lab:
@@ -87,7 +98,7 @@ def run_rate(rate: int, seconds: float, broker: Any, churn: Path, pure: bool = F
         for key in ("nf_conntrack_udp_timeout", "nf_conntrack_udp_timeout_stream"):
             run_in(lab.node_ns, "sysctl", "-q", "-w", f"net.netfilter.{key}=1")
         server = subprocess.Popen(
-            ["ip", "netns", "exec", p2.netns, str(churn), "server", p2.ipv4, str(DPORT_BASE), str(NPORTS)]
+            ["ip", "netns", "exec", p2.netns, str(churn), "server", p2.ipv4, str(DPORT_BASE), str(nports)]
         )
         port = free_port()
         log = (work / "exporter.log").open("wb")
@@ -107,7 +118,7 @@ def run_rate(rate: int, seconds: float, broker: Any, churn: Path, pure: bool = F
             status_file = work / "status"
             client = subprocess.run(
                 ["ip", "netns", "exec", p1.netns, str(churn), "client", p1.ipv4, p2.ipv4, str(DPORT_BASE),
-                 str(NPORTS), str(rate), str(seconds), str(SPORT_LO), str(SPORT_HI), str(status_file)],
+                 str(nports), str(rate), str(seconds), str(SPORT_LO), str(SPORT_HI), str(status_file)],
                 capture_output=True, text=True, check=True,
             )  # fmt: skip
             cpu1, t1 = cpu_seconds(exporter.pid), time.monotonic()
@@ -142,12 +153,13 @@ def run_rate(rate: int, seconds: float, broker: Any, churn: Path, pure: bool = F
         key = (rs[0]["sourcePort"], rs[0]["destinationPort"])
         prev = counted.get(key)
         counted[key] = sums if prev is None else [a + b for a, b in zip(prev, sums, strict=True)]
-    span = SPORT_HI - SPORT_LO + 1
+    span = SPAN
+    assert len(status) <= span * nports, "a tuple was used twice: its truth is not one flow's"
     exact = wrong = missing = 0
     for i, st in enumerate(status):
         if st != 2:
             continue
-        sport, dport = SPORT_LO + i % span, DPORT_BASE + (i // span) % NPORTS
+        sport, dport = SPORT_LO + i % span, DPORT_BASE + (i // span) % nports
         truth = [1, 20 + sport % 100 + 28, 1, 50 + sport % 200 + 28]
         got = counted.get((sport, dport))
         if got is None:
