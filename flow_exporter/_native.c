@@ -785,4 +785,8 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "flow_exporter._native", "The compiled poll and record paths (issue 24); optional.", -1, methods,
     NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && delivery_add_types(m) < 0) Py_CLEAR(m);
+    return m;
+}

@@ -1,4 +1,4 @@
-/* The compiled record path's entry points (flow_exporter/_records.c, _prefix.c), in flow_exporter._native's method table. */
+/* The compiled record path's entry points (flow_exporter/_records.c, _prefix.c, _delivery.c), in flow_exporter._native's method table. */
 #ifndef FLOW_EXPORTER_RECORDS_H
 #define FLOW_EXPORTER_RECORDS_H
 #include <Python.h>
@@ -14,5 +14,7 @@ PyObject *native_journal_acked(PyObject *self, PyObject *args);
 PyObject *native_due_slots(PyObject *self, PyObject *args);
 /* flow_exporter/_prefix.c */
 PyObject *native_encode_prefix(PyObject *self, PyObject *args);
+/* flow_exporter/_delivery.c: the Deliveries type, added to the module */
+int delivery_add_types(PyObject *module);
 
 #endif

@@ -97,9 +97,9 @@ class DeliveryHealth:
         if st.since is None:
             st.since = self.clock()
 
-    def delivered(self, name: str, st: TopicHealth) -> None:
-        """Kafka took a record: the topic works. What is still pending waits from now on."""
-        st.pending -= 1
+    def delivered(self, name: str, st: TopicHealth, count: int = 1) -> None:
+        """Kafka took ``count`` records in a row: the topic works. What is still pending waits from now on."""
+        st.pending -= count
         if st.warned:
             log.info(
                 "kafka delivery to topic %s succeeds again (after %s, %s without a successful delivery)",

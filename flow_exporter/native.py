@@ -103,6 +103,14 @@ class Native(Protocol):
 
     def journal_sent(self, exports: list[Any], topics: dict[Any, bytes]) -> tuple[int, bytes] | None: ...
 
+    def Deliveries(  # a type of the module, named as types are
+        self,
+        append: Callable[[Any], None],
+        on_failed: Callable[[Any, str, Any, Any, Any], None],
+        on_run: Callable[[str, Any, int], None],
+        report_type: type,
+    ) -> Any: ...  # .for_record(export, topic, st) -> on_delivery callable; .settle()
+
 
 _loaded: Native | None
 try:  # by name: the module's types are the protocol above (no stub to keep in step)

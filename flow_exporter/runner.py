@@ -61,6 +61,7 @@ def build_sink(cfg: Config, lifecycle: Lifecycle | None = None) -> KafkaSink:
         retry_max=cfg["retry.maxBackoff"],
         stopping=lifecycle.stopping,
         on_wait=partial(lifecycle.beat, "expire"),  # blocked on a full queue is still alive
+        compiled_path=cfg["conntrack.compiled"],
     )
 
 
