@@ -88,6 +88,7 @@ static PyObject *delivery_call(PyObject *self, PyObject *args, PyObject *kwargs)
     PyObject *v[R_N] = {Py_NewRef(r->export), Py_NewRef(Py_True), Py_NewRef(Py_None), Py_NewRef(Py_False),
                         partition, offset};
     for (int i = 0; i < R_N; i++) *(PyObject **)((char *)report + d->off[i]) = v[i];
+    PyObject_GC_UnTrack(report); /* it holds a record and four values: no cycle (see make_export) */
     PyObject *res = PyObject_CallOneArg(d->append, report);
     Py_DECREF(report);
     if (res == NULL) return NULL;

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import tenacity
 from confluent_kafka import KafkaError, KafkaException, Producer
@@ -194,6 +194,10 @@ class _LibrdkafkaLog:
         self.target.log(logging.DEBUG if args and args[0] == "FAIL" else level, fmt, *args)
 
 
+# confluent-kafka's on_delivery: (error or None, message).
+OnDelivery = Callable[[KafkaError | None, Any], None]
+
+
 class KafkaSink:
     """Produces records to Kafka topics; one producer for all of them (the :class:`~flow_exporter.ports.Sink`).
 
@@ -231,11 +235,19 @@ class KafkaSink:
         self.health = DeliveryHealth(self.topics(), clock, self.counters.failures_by_error)
         # Delivery callbacks in C (flow_exporter/_delivery.c) when the module is built: a report per record, the
         # accounting per run of records to one topic, settled after every poll and flush (_settle).
+        #
+        # ``_callback(export, topic, st)`` makes one record's delivery callback. Not a closure over six names
+        # made per record: bench/bench_app_export.py measured the closure at about 1 us of a 2.5 us produce,
+        # and a partial (tracked by the garbage collector) at 0.4 us more than a plain function; the compiled
+        # one is neither tracked nor a Python frame when it runs.
         native = compiled(compiled_path)
         self._deliveries = (
             native.Deliveries(self._reports.append, self._on_failed, self._on_run, DeliveryReport)
             if native is not None
             else None
+        )
+        self._callback: Callable[[Export, str, TopicHealth], OnDelivery] = (
+            self._deliveries.for_record if self._deliveries is not None else partial(partial, self._on_delivery)
         )
         self._last_error_log: dict[str | None, float] = {}  # by _security_failure(); None: other errors
         self._on_wait = on_wait
@@ -361,18 +373,6 @@ class KafkaSink:
                     raise Unsent(i) from exc
         finally:
             run.flush()
-
-    def _callback(self, export: Export, topic: str, st: TopicHealth) -> Callable[[KafkaError | None, Any], None]:
-        """One record's delivery callback: compiled (_delivery.c), else a partial of one method.
-
-        Not a closure over six names made per record: bench/bench_app_export.py measured the closure at
-        about 1 us of a 2.5 us produce, and the partial (tracked by the garbage collector) at 0.4 us more
-        than a plain function; the compiled one is neither tracked nor a Python frame when it runs.
-        """
-        deliveries = self._deliveries
-        if deliveries is not None:
-            return cast(Callable[[KafkaError | None, Any], None], deliveries.for_record(export, topic, st))
-        return partial(self._on_delivery, export, topic, st)
 
     def _on_delivery(self, export: Export, topic: str, st: TopicHealth, err: KafkaError | None, msg: Any) -> None:
         # Runs inside poll()/flush() on the caller's thread; counters are read by metrics.

@@ -13,6 +13,7 @@ record's prefix is cached, as the encoder leaves it).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import socket
 import struct
@@ -238,6 +239,7 @@ class Lockstep:
             out = store.expire(self.now, self.wall(), limit=limit)
             for e in out:
                 ENCODER.static(e)  # as the sink does: a delivered record's prefix is cached for the next build
+                assert not refers_back(e), "the compiled build leaves records to reference counting: no cycle"
             got.append([record(e) for e in out])
             delivered = []
             for k, e in enumerate(out):
@@ -250,6 +252,20 @@ class Lockstep:
 
 
 ENCODER = RecordEncoder("lockstep", compiled_path=False)
+
+
+def refers_back(obj: object) -> bool:
+    """Whether anything ``obj`` holds, at any depth, holds ``obj`` (a cycle the garbage collector would need)."""
+    seen: set[int] = set()
+    todo = list(gc.get_referents(obj))
+    while todo:
+        o = todo.pop()
+        if o is obj:
+            return True
+        if id(o) not in seen and not isinstance(o, type):
+            seen.add(id(o))
+            todo.extend(gc.get_referents(o))
+    return False
 
 
 def record(e: Export) -> tuple[Any, ...]:
