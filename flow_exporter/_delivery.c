@@ -1,6 +1,8 @@
 /*
  * Delivery reports, compiled (issue 24), part of flow_exporter._native.
  *
+ *   produce_run(...): records handed to librdkafka, a run at a time (below).
+ *
  *   Deliveries(append, on_failed, on_run, DeliveryReport)   one per sink
  *     .for_record(export, topic, st) -> a callable for confluent-kafka's on_delivery of one record
  *     .settle()                      -> the delivered records' accounting so far, handed to on_run
@@ -205,6 +207,103 @@ static PyTypeObject DeliveriesType = {
     .tp_new = deliveries_new,
     .tp_doc = "Delivery reports of one sink (see flow_exporter/_delivery.c).",
 };
+
+/*
+ * produce_run(exports, start, produce, for_record, topics, refused) -> (stop, count, size, st, error, slow)
+ *
+ * sink.kafka.KafkaSink.produce_all's loop from `start`, for one run of records to one topic: each record
+ * prepared (value and topic set) whose topic the sink knows (`topics`: name -> TopicHealth) is handed to
+ * `produce(topic, value, key, on_delivery=for_record(export, topic, st))`. It stops at `stop`: the end of the
+ * batch, or a record of another topic (the caller adds this run's `count` records and `size` bytes to `st`'s
+ * accounting and calls again from there), or a record for the full path (`slow`: not prepared, an unknown
+ * topic, or a produce that raised one of `refused`, BufferError and KafkaException; nothing was queued), or a
+ * produce that raised anything else (`error`, the exception: the caller stops the batch there).
+ */
+enum { P_VALUE, P_TOPIC, P_KEY, P_N };
+static const char *const PNAMES[P_N] = {"value", "topic", "key"};
+static PyObject *p_type = NULL;
+static Py_ssize_t p_off[P_N];
+static int p_direct = 0;
+
+PyObject *native_produce_run(PyObject *self, PyObject *args) {
+    PyObject *exports, *produce, *for_record, *topics, *refused;
+    Py_ssize_t i;
+    if (!PyArg_ParseTuple(args, "O!nOOO!O", &PyList_Type, &exports, &i, &produce, &for_record, &PyDict_Type, &topics,
+                          &refused))
+        return NULL;
+    static PyObject *kwnames = NULL;
+    if (kwnames == NULL && (kwnames = Py_BuildValue("(s)", "on_delivery")) == NULL) return NULL;
+    PyObject *run_st = NULL, *error = NULL;
+    Py_ssize_t count = 0, size = 0;
+    int slow = 0;
+    for (; i < PyList_GET_SIZE(exports); i++) {
+        PyObject *e = PyList_GET_ITEM(exports, i);
+        if ((PyObject *)Py_TYPE(e) != p_type) {
+            p_direct = slot_offsets((PyObject *)Py_TYPE(e), PNAMES, P_N, p_off);
+            Py_XSETREF(p_type, Py_NewRef((PyObject *)Py_TYPE(e)));
+        }
+        if (!p_direct) {
+            slow = 1;
+            break;
+        }
+        PyObject *value = *(PyObject **)((char *)e + p_off[P_VALUE]);
+        PyObject *topic = *(PyObject **)((char *)e + p_off[P_TOPIC]);
+        PyObject *key = *(PyObject **)((char *)e + p_off[P_KEY]);
+        PyObject *st = topic == NULL || topic == Py_None ? NULL : PyDict_GetItemWithError(topics, topic);
+        if (st == NULL && PyErr_Occurred()) goto fail;
+        if (value == NULL || value == Py_None || st == NULL || key == NULL) {
+            slow = 1;
+            break;
+        }
+        if (run_st != NULL && st != run_st) break; /* the next run */
+        Py_ssize_t len = PyObject_Length(value);
+        if (len < 0) {
+            PyErr_Clear();
+            slow = 1;
+            break;
+        }
+        Py_INCREF(e); /* produce may run Python code (a full queue's callbacks are not served here, but) */
+        Py_INCREF(st);
+        PyObject *fr[3] = {e, topic, st};
+        PyObject *callback = PyObject_Vectorcall(for_record, fr, 3, NULL);
+        PyObject *res = NULL;
+        if (callback != NULL) {
+            PyObject *pa[4] = {topic, value, key, callback};
+            res = PyObject_Vectorcall(produce, pa, 3, kwnames);
+            Py_DECREF(callback);
+        }
+        Py_DECREF(e);
+        if (res == NULL) {
+            Py_DECREF(st);
+            if (PyErr_ExceptionMatches(refused)) {
+                PyErr_Clear();
+                slow = 1;
+                break;
+            }
+            PyObject *type, *tb;
+            PyErr_Fetch(&type, &error, &tb);
+            PyErr_NormalizeException(&type, &error, &tb);
+            if (error != NULL && tb != NULL) PyException_SetTraceback(error, tb);
+            Py_XDECREF(type);
+            Py_XDECREF(tb);
+            if (error == NULL) error = Py_NewRef(Py_None);
+            break;
+        }
+        Py_DECREF(res);
+        if (run_st == NULL) run_st = st;
+        else Py_DECREF(st);
+        count++;
+        size += len;
+    }
+    PyObject *out = Py_BuildValue("(nnnOOO)", i, count, size, run_st ? run_st : Py_None, error ? error : Py_None,
+                                  slow ? Py_True : Py_False);
+    Py_XDECREF(run_st);
+    Py_XDECREF(error);
+    return out;
+fail:
+    Py_XDECREF(run_st);
+    return NULL;
+}
 
 int delivery_add_types(PyObject *module) {
     if (PyType_Ready(&DeliveryType) < 0 || PyType_Ready(&DeliveriesType) < 0) return -1;

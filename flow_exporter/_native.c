@@ -775,6 +775,9 @@ static PyMethodDef methods[] = {
      "heappop, heappush, push, constants): what is due, sorted (see flow_exporter.store.ledger and _records.c)."},
     {"journal_sent", native_journal_sent, METH_VARARGS,
      "journal_sent(exports, topics): a batch's journal rows, or None (see flow_exporter.checkpoint and _records.c)."},
+    {"produce_run", native_produce_run, METH_VARARGS,
+     "produce_run(exports, start, produce, for_record, topics, refused): one run of records handed to librdkafka "
+     "(see flow_exporter.sink.kafka and _delivery.c)."},
     {"encode_prefix", native_encode_prefix, METH_VARARGS,
      "encode_prefix(export, context): a connection's record prefix, or NotImplemented (see "
      "flow_exporter.sink.encoder and _prefix.c)."},

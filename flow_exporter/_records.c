@@ -508,6 +508,23 @@ static int acquire_views(PyObject *columns, int n, const Py_ssize_t *sizes, Py_b
     return 0;
 }
 
+/* A tuple of four counters. Only ints: the garbage collector would untrack it at its first look, so it is
+ * never tracked (CPython does the same for such tuples; see make_export for why it matters here). */
+static PyObject *counters(const uint64_t *c) {
+    PyObject *t = PyTuple_New(4);
+    if (t == NULL) return NULL;
+    for (int i = 0; i < 4; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(c[i]);
+        if (v == NULL) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, i, v);
+    }
+    PyObject_GC_UnTrack(t);
+    return t;
+}
+
 /* A new Export holding the given field values (references stolen, NULLs allowed: then it fails). */
 static PyObject *make_export(PyTypeObject *type, PyObject **v) {
     PyObject *e = NULL;
@@ -608,13 +625,11 @@ PyObject *native_build_records(PyObject *self, PyObject *args) {
         PyObject *v[X_N];
         v[X_REASON] = PyLong_FromLong(reason);
         v[X_SEQ] = PyLong_FromUnsignedLong(seq);
-        v[X_TOTALS] = Py_BuildValue("(KKKK)", (unsigned long long)o[0], (unsigned long long)o[1],
-                                    (unsigned long long)o[2], (unsigned long long)o[3]);
+        v[X_TOTALS] = counters(o);
         /* the Python code subtracts unbounded ints and keeps the positive part: the same in 64 bits */
-        v[X_DELTAS] = Py_BuildValue("(KKKK)", (unsigned long long)(o[0] > base[0] ? o[0] - base[0] : 0),
-                                    (unsigned long long)(o[1] > base[1] ? o[1] - base[1] : 0),
-                                    (unsigned long long)(o[2] > base[2] ? o[2] - base[2] : 0),
-                                    (unsigned long long)(o[3] > base[3] ? o[3] - base[3] : 0));
+        uint64_t d[4];
+        for (int j = 0; j < 4; j++) d[j] = o[j] > base[j] ? o[j] - base[j] : 0;
+        v[X_DELTAS] = counters(d);
         v[X_FINAL] = PyBool_FromLong(end_reason != 0);
         v[X_FLOW_END] = PyLong_FromLongLong(BCOL(b, B_LAST, int64_t)[s]);
         v[X_FLOW_ID] = PyLong_FromLongLong(BCOL(b, B_FID, int64_t)[s]);

@@ -14,7 +14,8 @@ PyObject *native_journal_acked(PyObject *self, PyObject *args);
 PyObject *native_due_slots(PyObject *self, PyObject *args);
 /* flow_exporter/_prefix.c */
 PyObject *native_encode_prefix(PyObject *self, PyObject *args);
-/* flow_exporter/_delivery.c: the Deliveries type, added to the module */
+/* flow_exporter/_delivery.c: the Deliveries type, added to the module, and produce_run */
 int delivery_add_types(PyObject *module);
+PyObject *native_produce_run(PyObject *self, PyObject *args);
 
 #endif

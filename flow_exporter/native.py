@@ -103,6 +103,16 @@ class Native(Protocol):
 
     def journal_sent(self, exports: list[Any], topics: dict[Any, bytes]) -> tuple[int, bytes] | None: ...
 
+    def produce_run(
+        self,
+        exports: list[Any],
+        start: int,
+        produce: Callable[..., None],
+        for_record: Callable[[Any, str, Any], Any],
+        topics: dict[str, Any],
+        refused: tuple[type[BaseException], ...],
+    ) -> tuple[int, int, int, Any, BaseException | None, bool]: ...
+
     def Deliveries(  # a type of the module, named as types are
         self,
         append: Callable[[Any], None],

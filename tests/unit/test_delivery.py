@@ -19,6 +19,7 @@ from flow_exporter.ports import Unsent
 from flow_exporter.probes import readiness
 from flow_exporter.settings import DEFAULTS, ConfigError
 from flow_exporter.sink import KafkaSink
+from flow_exporter.sink.kafka import Route
 from flow_exporter.store import ConnectionStore
 from tests.support.store_builders import TIME_WAIT, Clock, poll, tcp
 
@@ -310,9 +311,13 @@ def test_flow_exporter_run_wires_the_rule_into_readyz(ready_timeout: str) -> Non
         del sink._producer
 
 
-def test_a_batch_stops_at_the_first_record_produce_cannot_hand_over() -> None:
+@pytest.mark.parametrize("compiled_path", [True, False], ids=["compiled", "pure"])
+def test_a_batch_stops_at_the_first_record_produce_cannot_hand_over(compiled_path: bool) -> None:
     """produce_all hands over the records before it, counted once per run; the rest are Unsent from its index."""
-    sink = KafkaSink({"bootstrap.servers": "127.0.0.1:9", "log_level": 0}, "flows", lambda e, ms: b"\x00" * 40)
+    sink = KafkaSink(
+        {"bootstrap.servers": "127.0.0.1:9", "log_level": 0}, "flows", lambda e, ms: b"\x00" * 40,
+        compiled_path=compiled_path,
+    )  # fmt: skip
     try:
         batch = [record(), record(), record(), record()]
         for e in batch:
@@ -329,3 +334,29 @@ def test_a_batch_stops_at_the_first_record_produce_cannot_hand_over() -> None:
     finally:
         sink.purge()
         del sink._producer  # the producer and the sink reference each other (error_cb)
+
+
+@pytest.mark.parametrize("compiled_path", [True, False], ids=["compiled", "pure"])
+def test_a_batch_to_two_topics_is_counted_per_topic(compiled_path: bool) -> None:
+    """Runs of records to one topic, then the other, then back; one record for the full path (a full queue)."""
+    sink = KafkaSink(
+        {"bootstrap.servers": "127.0.0.1:9", "log_level": 0, "queue.buffering.max.messages": 6}, "flows",
+        lambda e, ms: b"\x00" * (30 + e.sequence), [Route("ended", end_reason=3)], retry_initial=0.001,
+        retry_max=0.002, stopping=lambda: True, compiled_path=compiled_path,
+    )  # fmt: skip
+    try:
+        batch = [record() for _ in range(8)]
+        for i, e in enumerate(batch):
+            e.sequence = i
+            for _, exc in sink.prepare_all([e], 0):
+                raise exc
+            e.topic = ("flows", "flows", "ended", "ended", "ended", "flows", "ended", "flows")[i]
+        sink.produce_all(batch)  # the queue holds 6: the last two are refused at shutdown, reported failed
+        assert (sink.counters.produced, sink.counters.bytes_produced) == (6, 6 * 30 + sum(range(6)))
+        assert (sink.health.topics["flows"].pending, sink.health.topics["ended"].pending) == (3, 3)
+        reports = sink.take_reports()
+        assert [(r.export, r.delivered) for r in reports] == [(batch[6], False), (batch[7], False)]
+        assert sink.counters.failed == 2
+    finally:
+        sink.purge()
+        del sink._producer
