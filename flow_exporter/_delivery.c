@@ -73,9 +73,12 @@ static PyObject *delivery_call(PyObject *self, PyObject *args, PyObject *kwargs)
         return PyObject_CallFunctionObjArgs(d->on_failed, r->export, r->topic, r->st, err, msg, NULL);
     }
     if (d->run_n && d->run_st != r->st && settle_run(d)) return NULL;
-    PyObject *partition = PyObject_CallMethod(msg, "partition", NULL);
+    static PyObject *s_partition = NULL, *s_offset = NULL; /* interned once: a method name per call costs */
+    if (s_partition == NULL && (s_partition = PyUnicode_InternFromString("partition")) == NULL) return NULL;
+    if (s_offset == NULL && (s_offset = PyUnicode_InternFromString("offset")) == NULL) return NULL;
+    PyObject *partition = PyObject_CallMethodNoArgs(msg, s_partition);
     if (partition == NULL) return NULL;
-    PyObject *offset = PyObject_CallMethod(msg, "offset", NULL);
+    PyObject *offset = PyObject_CallMethodNoArgs(msg, s_offset);
     if (offset == NULL) {
         Py_DECREF(partition);
         return NULL;
