@@ -29,8 +29,9 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def proc_rss(pid: int) -> int:
-    m = re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
+def proc_rss(pid: int, field: str = "VmRSS") -> int:
+    """Resident memory now (VmRSS), or its peak since the process started (VmHWM), in bytes."""
+    m = re.search(field + r":\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
     return int(m.group(1)) * 1024 if m else 0
 
 
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 rss.append(proc_rss(proc.pid))
             c1, w1 = proc_cpu(proc.pid), time.monotonic()
             m1 = scrape(port, "/metrics")[1]
+            peak = proc_rss(proc.pid, "VmHWM")  # first poll, first records and snapshots included
         finally:
             proc.terminate()
             proc.wait(60)
@@ -121,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         "poll_seconds_mean": poll_s / polls if polls else None,
         "rss_bytes": rss_med,
         "rss_per_connection": rss_med / n,
+        "peak_rss_bytes": peak,
         "records_given_up": metric(m1, "flow_exporter_records_given_up_total"),
         "checkpoint_snapshot_seconds": metric(m1, "flow_exporter_checkpoint_last_snapshot_seconds"),
     }
@@ -149,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| records acknowledged | {result['records_per_s']:,.0f}/s |",
         f"| poll (dump + store update), mean | {result['poll_seconds_mean'] or 0:.2f} s |",
         f"| RSS | {rss_med / 2**20:,.0f} MiB ({result['rss_per_connection']:,.0f} B per connection) |",
+        f"| peak RSS since start (first poll, first records, snapshots) | {peak / 2**20:,.0f} MiB |",
         f"| ready (first poll done) after start | {ready_s:.1f} s |",
         f"| every connection's first record acknowledged after start | {first_all_s:.1f} s |",
         "",
