@@ -19,7 +19,6 @@ from operator import attrgetter
 
 import tenacity
 
-from flow_exporter import gc_policy
 from flow_exporter.connection import Connection
 from flow_exporter.flow import FORCED_END, Export, NewConnection, Restored
 from flow_exporter.lifecycle import Lifecycle
@@ -346,10 +345,9 @@ class Exporter:
         """Write the checkpoint (from the expire thread, which is also the journal's only writer)."""
         if not self.checkpoint.keeps:
             return  # nothing kept: no pass over the store
-        with self.lock, gc_policy.paused():  # 250k rows at once, no cycles: see gc_policy
-            rows = list(self.store.reported())
-            records = list(self.store.in_flight())
-        self.checkpoint.snapshot(rows, records)
+        with self.lock:  # the state of one moment, packed as it is read; written after
+            packed = self.checkpoint.pack(self.store.reported(), self.store.in_flight())
+        self.checkpoint.write(packed)
 
     def held_back(self) -> bool:
         """Records may not be produced: the state directory holds an old state it could not delete

@@ -62,6 +62,7 @@ from typing import Any
 from flow_exporter import gc_policy
 from flow_exporter.flow import RECORD_FLAGS, ROW_ENDED, Export, Restored
 from flow_exporter.native import compiled
+from flow_exporter.ports import PackedState
 from flow_exporter.readings import CheckpointReadings
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,7 @@ class Checkpoint:
         table: str = "",
         boot: bytes | None = None,
         *,
-        write: Callable[[int, bytes], int] = os.write,
+        write: Callable[[int, bytes | bytearray], int] = os.write,
         unlink: Callable[[Path], None] = os.unlink,
         clock: Callable[[], float] = time.monotonic,
         compiled_path: bool = True,
@@ -462,7 +463,7 @@ class Checkpoint:
             return
         self.stats.journal_bytes += len(entry)
 
-    def _write_all(self, fd: int, data: bytes) -> None:
+    def _write_all(self, fd: int, data: bytes | bytearray) -> None:
         """One write of all of ``data``: a short count (a full disk) is a failure like an OSError.
 
         Not retried for the rest: the entry would be torn in the middle of the journal, and every
@@ -499,23 +500,45 @@ class Checkpoint:
         Callers pass the store's reported connections and records in flight as of one
         moment, from the thread that journals (so no entry falls between the two).
         """
+        self.write(self.pack(reported, in_flight))
+
+    def pack(self, reported: Iterable[Restored], in_flight: Iterable[Export]) -> PackedState:
+        """The snapshot's rows and records, packed one at a time into one buffer after room for its header.
+
+        The loops call this under their lock (the state of one moment) and :meth:`write` after it.
+        """
         t0 = time.perf_counter()
+        data = bytearray(self._head_size())
+        rows = records = 0
         with gc_policy.paused():  # see load(): no cycles here, and the collector would rescan the heap repeatedly
-            rows = [_pack_row(r) for r in reported]
-            records = [_pack_record(e) for e in in_flight]
+            for r in reported:
+                data += _pack_row(r)
+                rows += 1
+            for e in in_flight:
+                data += _pack_record(e)
+                records += 1
+        return PackedState(rows, records, data, time.perf_counter() - t0)
+
+    def _head_size(self) -> int:
+        return _HEAD.size + _META.size + 2 + len(self.table.encode())
+
+    def write(self, packed: PackedState) -> None:
+        """Write a packed state as the new snapshot (its header and checksum filled in here) and start the journal.
+
+        A packed state is written once: its buffer becomes the file's bytes.
+        """
+        t0 = time.perf_counter()
         snap_id = time.time_ns()
         table = self.table.encode()
-        body = b"".join(
-            (
-                _HEAD.pack(MAGIC, VERSION, snap_id),
-                _META.pack(self.boot, self.lineage, snap_id, len(rows), len(records)),
-                struct.pack("!H", len(table)),
-                table,
-                *rows,
-                *records,
-            )
-        )
-        data = body + struct.pack("!I", zlib.crc32(body))
+        data = packed.data
+        if len(data) < self._head_size():
+            raise ValueError("a packed state without room for its header")
+        _HEAD.pack_into(data, 0, MAGIC, VERSION, snap_id)
+        _META.pack_into(data, _HEAD.size, self.boot, self.lineage, snap_id, packed.rows, packed.records)
+        struct.pack_into("!H", data, _HEAD.size + _META.size, len(table))
+        start = _HEAD.size + _META.size + 2
+        data[start : start + len(table)] = table
+        data += struct.pack("!I", zlib.crc32(data))
         tmp = self.dir / (CHECKPOINT + ".tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -532,7 +555,7 @@ class Checkpoint:
         st = self.stats
         st.snapshots += 1
         st.last_snapshot_bytes = len(data)
-        st.last_snapshot_seconds = time.perf_counter() - t0
+        st.last_snapshot_seconds = packed.seconds + time.perf_counter() - t0
         self._retry_delay = RETRY_INITIAL
         if self.broken:
             self.broken = self._stale = False
@@ -540,8 +563,8 @@ class Checkpoint:
                 "state.dir %s: written again: a fresh snapshot holds the whole state (%s connections, %s records "
                 "awaiting delivery); records go out, and a restart continues every connection exactly",
                 self.dir,
-                f"{len(rows):,}",
-                f"{len(records):,}",
+                f"{packed.rows:,}",
+                f"{packed.records:,}",
             )
 
     def _open_journal(self, snap_id: int) -> None:

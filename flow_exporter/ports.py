@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from flow_exporter.connection import Connection
 from flow_exporter.flow import Export, Restored
@@ -183,6 +183,20 @@ class Sink(Protocol):
         ...
 
 
+class PackedState(NamedTuple):
+    """A snapshot's bytes before they are written: its header's room, then every row and record packed.
+
+    Packed straight into one buffer rather than a list of rows first: at 1,000,000 connections the
+    list of rows, their packed bytes and the joined body came to about 600 MiB at once (bench_node's
+    peak RSS), the buffer alone to about 100 MiB.
+    """
+
+    rows: int
+    records: int
+    data: bytearray
+    seconds: float  # spent packing
+
+
 class Journal(Protocol):
     """The state directory as the loops use it (the real one: ``checkpoint.Checkpoint``; none: ``NoJournal``).
 
@@ -213,7 +227,15 @@ class Journal(Protocol):
         ...
 
     def snapshot(self, reported: Iterable[Restored], in_flight: Iterable[Export]) -> None:
-        """Write the whole state at once; the journal starts over after it."""
+        """Write the whole state at once; the journal starts over after it (``write(pack(...))``)."""
+        ...
+
+    def pack(self, reported: Iterable[Restored], in_flight: Iterable[Export]) -> PackedState:
+        """The state as the snapshot's bytes, one row at a time (the loops hold their lock for this part only)."""
+        ...
+
+    def write(self, packed: PackedState) -> None:
+        """Write a packed state as the snapshot; the journal starts over after it."""
         ...
 
     def readings(self) -> CheckpointReadings | None:
@@ -241,6 +263,12 @@ class NoJournal:
         return False
 
     def snapshot(self, reported: Iterable[Restored], in_flight: Iterable[Export]) -> None:
+        pass
+
+    def pack(self, reported: Iterable[Restored], in_flight: Iterable[Export]) -> PackedState:
+        return PackedState(0, 0, bytearray(), 0.0)
+
+    def write(self, packed: PackedState) -> None:
         pass
 
     def readings(self) -> CheckpointReadings | None:
