@@ -88,17 +88,9 @@ static int put(Out *o, const void *data, Py_ssize_t n) {
 
 static int put_byte(Out *o, uint8_t v) { return put(o, &v, 1); }
 
-/* Avro long: zigzag, then base-128 little-endian. */
 static int put_long(Out *o, int64_t n) {
     uint8_t b[10];
-    uint64_t z = ((uint64_t)n << 1) ^ (uint64_t)(n >> 63);
-    int i = 0;
-    while (z >= 0x80) {
-        b[i++] = (uint8_t)((z & 0x7F) | 0x80);
-        z >>= 7;
-    }
-    b[i++] = (uint8_t)z;
-    return put(o, b, i);
+    return put(o, b, avro_long(b, n));
 }
 
 /* Avro string from UTF-8 bytes. */

@@ -109,17 +109,6 @@ static int as_u64(PyObject *o, uint64_t *out) {
     return 0;
 }
 
-/* Avro long: zigzag, then base-128 little-endian. */
-static inline int put_long(uint8_t *p, int64_t n) {
-    uint64_t z = ((uint64_t)n << 1) ^ (uint64_t)(n >> 63);
-    int i = 0;
-    while (z >= 0x80) {
-        p[i++] = (uint8_t)((z & 0x7F) | 0x80);
-        z >>= 7;
-    }
-    p[i++] = (uint8_t)z;
-    return i;
-}
 
 /* Python's floor division by a positive divisor. */
 static inline int64_t floor_div(int64_t a, int64_t b) {
@@ -134,7 +123,7 @@ static int put_counters(uint8_t *p, PyObject *t) {
     for (int i = 0; i < 4; i++) {
         int64_t v;
         if (as_i64(PyTuple_GET_ITEM(t, i), &v)) return -1;
-        n += put_long(p + n, v);
+        n += avro_long(p + n, v);
     }
     return n;
 }
@@ -149,10 +138,10 @@ static int encode_tail(PyObject *e, const uint8_t *ms, int ms_len, PyObject *tcp
         as_i64(SLOT(e, X_REASON), &reason))
         return -1;
     if (reason < 0 || reason > 63) return -1; /* _SMALL[reason << 1]: a list of 128 */
-    n += put_long(out + n, seq);
+    n += avro_long(out + n, seq);
     memcpy(out + n, ms, ms_len);
     n += ms_len;
-    n += put_long(out + n, floor_div(end > first ? end : first, 1000000));
+    n += avro_long(out + n, floor_div(end > first ? end : first, 1000000));
     out[n++] = (uint8_t)(reason << 1);
     /* tcpState: named only for a TCP key and a known state */
     PyObject *state = SLOT(e, X_TCP);
@@ -257,7 +246,7 @@ PyObject *native_prepare_records(PyObject *self, PyObject *args) {
         return NULL;
     }
     uint8_t ms_bytes[10];
-    int ms_len = put_long(ms_bytes, ms);
+    int ms_len = avro_long(ms_bytes, ms);
     PyObject *failures = PyList_New(0);
     if (failures == NULL) return NULL;
     const char *fr = PyBytes_AS_STRING(framing);

@@ -3,7 +3,21 @@
 #define FLOW_EXPORTER_RECORDS_H
 #include <Python.h>
 
-/* Shared by both C files: the slot offsets of a slots dataclass's fields (1 if every one is a plain object slot). */
+#include <stdint.h>
+
+/* Avro long (int64): zigzag, then base-128 little-endian, at p (room for 10 bytes); returns its length. */
+static inline int avro_long(uint8_t *p, int64_t n) {
+    uint64_t z = ((uint64_t)n << 1) ^ (uint64_t)(n >> 63);
+    int i = 0;
+    while (z >= 0x80) {
+        p[i++] = (uint8_t)((z & 0x7F) | 0x80);
+        z >>= 7;
+    }
+    p[i++] = (uint8_t)z;
+    return i;
+}
+
+/* Shared by the C files: the slot offsets of a slots dataclass's fields (1 if every one is a plain object slot). */
 int slot_offsets(PyObject *type, const char *const *names, int n, Py_ssize_t *offsets);
 
 PyObject *native_prepare_records(PyObject *self, PyObject *args);
