@@ -224,9 +224,7 @@ static PyTypeObject DeliveriesType = {
  */
 enum { P_VALUE, P_TOPIC, P_KEY, P_N };
 static const char *const PNAMES[P_N] = {"value", "topic", "key"};
-static PyObject *p_type = NULL;
-static Py_ssize_t p_off[P_N];
-static int p_direct = 0;
+static SlotCache p_slots;
 
 PyObject *native_produce_run(PyObject *self, PyObject *args) {
     PyObject *exports, *produce, *for_record, *topics, *refused;
@@ -241,17 +239,13 @@ PyObject *native_produce_run(PyObject *self, PyObject *args) {
     int slow = 0;
     for (; i < PyList_GET_SIZE(exports); i++) {
         PyObject *e = PyList_GET_ITEM(exports, i);
-        if ((PyObject *)Py_TYPE(e) != p_type) {
-            p_direct = slot_offsets((PyObject *)Py_TYPE(e), PNAMES, P_N, p_off);
-            Py_XSETREF(p_type, Py_NewRef((PyObject *)Py_TYPE(e)));
-        }
-        if (!p_direct) {
+        if (!slot_cache(&p_slots, (PyObject *)Py_TYPE(e), PNAMES, P_N)) {
             slow = 1;
             break;
         }
-        PyObject *value = *(PyObject **)((char *)e + p_off[P_VALUE]);
-        PyObject *topic = *(PyObject **)((char *)e + p_off[P_TOPIC]);
-        PyObject *key = *(PyObject **)((char *)e + p_off[P_KEY]);
+        PyObject *value = SLOT_AT(p_slots, e, P_VALUE);
+        PyObject *topic = SLOT_AT(p_slots, e, P_TOPIC);
+        PyObject *key = SLOT_AT(p_slots, e, P_KEY);
         PyObject *st = topic == NULL || topic == Py_None ? NULL : PyDict_GetItemWithError(topics, topic);
         if (st == NULL && PyErr_Occurred()) goto fail;
         if (value == NULL || value == Py_None || st == NULL || key == NULL) {
@@ -265,7 +259,7 @@ PyObject *native_produce_run(PyObject *self, PyObject *args) {
             slow = 1;
             break;
         }
-        Py_INCREF(e); /* produce may run Python code (a full queue's callbacks are not served here, but) */
+        Py_INCREF(e); /* produce may run Python code (its logger, say): keep the record and its fields alive */
         Py_INCREF(st);
         PyObject *fr[3] = {e, topic, st};
         PyObject *callback = PyObject_Vectorcall(for_record, fr, 3, NULL);

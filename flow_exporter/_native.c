@@ -297,14 +297,10 @@ static const char *const FIELDS[26] = {
 /* Where each field lives in a Connection (a slots dataclass): filling the slots directly skips the generated
  * Python __init__, the larger part of a decoded entry's cost. Resolved once per class; a class whose fields
  * are not plain object slots is called instead. */
-static PyObject *bound_type = NULL;
-static Py_ssize_t bound_off[26];
-static int bound_direct = 0;
+static SlotCache bound;
 
 static int bind(PyObject *ctype) {
-    if (ctype == bound_type) return 0;
-    bound_direct = slot_offsets(ctype, FIELDS, 26, bound_off);
-    Py_XSETREF(bound_type, Py_NewRef(ctype));
+    slot_cache(&bound, ctype, FIELDS, 26);
     return 0;
 }
 
@@ -349,12 +345,12 @@ static PyObject *make_connection(PyObject *ctype, const Entry *e, const Row *r) 
     a[i++] = PyBool_FromLong(r->counted);
     for (int k = 0; k < 26; k++)
         if (a[k] == NULL) goto done;
-    if (bound_direct) {
+    if (bound.direct) {
         PyTypeObject *t = (PyTypeObject *)ctype;
         res = t->tp_alloc(t, 0);
         if (res == NULL) goto done;
         for (int k = 0; k < 26; k++) {
-            *(PyObject **)((char *)res + bound_off[k]) = a[k]; /* the slot takes the reference */
+            SLOT_AT(bound, res, k) = a[k]; /* the slot takes the reference */
             a[k] = NULL;
         }
     } else {

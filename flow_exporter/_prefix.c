@@ -41,23 +41,13 @@ static const char *const CNAMES[C_N] = {
     "family", "proto", "orig_src", "orig_dst", "orig_sport", "orig_dport", "reply_src", "reply_dst",
     "reply_sport", "reply_dport", "zone", "ct_id", "mark", "labels", "icmp_type", "icmp_code"};
 
-typedef struct {
-    PyObject *type;
-    Py_ssize_t off[C_N]; /* the longer of the two lists */
-    int direct;
-} Bound;
+static SlotCache e_bound, c_bound;
 
-static Bound e_bound, c_bound;
-
-static int bound(Bound *b, PyObject *o, const char *const *names, int n) {
-    PyObject *type = (PyObject *)Py_TYPE(o);
-    if (type == b->type) return b->direct;
-    b->direct = slot_offsets(type, names, n, b->off);
-    Py_XSETREF(b->type, Py_NewRef(type));
-    return b->direct;
+static int bound(SlotCache *c, PyObject *o, const char *const *names, int n) {
+    return slot_cache(c, (PyObject *)Py_TYPE(o), names, n);
 }
 
-#define FIELD(b, o, i) (*(PyObject **)((char *)(o) + (b).off[i]))
+#define FIELD(b, o, i) SLOT_AT(b, o, i)
 
 /* A growable output buffer. */
 typedef struct {

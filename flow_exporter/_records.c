@@ -44,9 +44,7 @@ static const char *const XNAMES[X_N] = {
     "ct_id", "start_ns", "flags", "ended", "tcp_state", "meta", "conn", "prefix", "slot", "epoch", "value",
     "topic", "key", "attempts", "export_ms", "row_kind"};
 
-static PyObject *x_type = NULL;
-static Py_ssize_t x_off[X_N];
-static int x_direct = 0;
+static SlotCache x_slots;
 
 /* The offsets of `names` in `type` (a slots dataclass): 1 if every one is a plain, writable object slot whose
  * instances can be made by tp_alloc and filled directly, else 0 (the caller takes the Python path). */
@@ -67,15 +65,17 @@ int slot_offsets(PyObject *type, const char *const *names, int n, Py_ssize_t *of
     return 1;
 }
 
-/* Resolve Export's slot offsets (once per type); 1 if every field is a plain object slot. */
-static int bind_export(PyTypeObject *type) {
-    if ((PyObject *)type == x_type) return x_direct;
-    x_direct = slot_offsets((PyObject *)type, XNAMES, X_N, x_off);
-    Py_XSETREF(x_type, Py_NewRef((PyObject *)type));
-    return x_direct;
+int slot_cache(SlotCache *c, PyObject *type, const char *const *names, int n) {
+    if (type == c->type) return c->direct;
+    c->direct = n <= (int)(sizeof c->off / sizeof c->off[0]) && slot_offsets(type, names, n, c->off);
+    Py_XSETREF(c->type, Py_NewRef(type));
+    return c->direct;
 }
 
-#define SLOT(o, i) (*(PyObject **)((char *)(o) + x_off[i]))
+/* Resolve Export's slot offsets (once per type); 1 if every field is a plain object slot. */
+static int bind_export(PyTypeObject *type) { return slot_cache(&x_slots, (PyObject *)type, XNAMES, X_N); }
+
+#define SLOT(o, i) SLOT_AT(x_slots, o, i)
 
 /* Set a slot, taking the reference to v. */
 static void set_slot(PyObject *o, int i, PyObject *v) {

@@ -20,6 +20,15 @@ static inline int avro_long(uint8_t *p, int64_t n) {
 /* Shared by the C files: the slot offsets of a slots dataclass's fields (1 if every one is a plain object slot). */
 int slot_offsets(PyObject *type, const char *const *names, int n, Py_ssize_t *offsets);
 
+/* slot_offsets of the last type seen, kept: resolved again only when another type comes. */
+typedef struct {
+    PyObject *type;
+    int direct; /* 1: every field is a plain object slot at off[i] */
+    Py_ssize_t off[32];
+} SlotCache;
+int slot_cache(SlotCache *c, PyObject *type, const char *const *names, int n);
+#define SLOT_AT(c, o, i) (*(PyObject **)((char *)(o) + (c).off[i]))
+
 PyObject *native_prepare_records(PyObject *self, PyObject *args);
 PyObject *native_journal_sent(PyObject *self, PyObject *args);
 PyObject *native_build_records(PyObject *self, PyObject *args);

@@ -508,7 +508,7 @@ class Checkpoint:
         The loops call this under their lock (the state of one moment) and :meth:`write` after it.
         """
         t0 = time.perf_counter()
-        data = bytearray(self._head_size())
+        data = bytearray(_HEAD.size + _META.size + 2 + len(self.table.encode()))  # the header, filled in by write
         rows = records = 0
         with gc_policy.paused():  # see load(): no cycles here, and the collector would rescan the heap repeatedly
             for r in reported:
@@ -519,9 +519,6 @@ class Checkpoint:
                 records += 1
         return PackedState(rows, records, data, time.perf_counter() - t0)
 
-    def _head_size(self) -> int:
-        return _HEAD.size + _META.size + 2 + len(self.table.encode())
-
     def write(self, packed: PackedState) -> None:
         """Write a packed state as the new snapshot (its header and checksum filled in here) and start the journal.
 
@@ -531,12 +528,12 @@ class Checkpoint:
         snap_id = time.time_ns()
         table = self.table.encode()
         data = packed.data
-        if len(data) < self._head_size():
+        start = _HEAD.size + _META.size + 2  # the table's name after the header, then rows and records
+        if len(data) < start + len(table):
             raise ValueError("a packed state without room for its header")
         _HEAD.pack_into(data, 0, MAGIC, VERSION, snap_id)
         _META.pack_into(data, _HEAD.size, self.boot, self.lineage, snap_id, packed.rows, packed.records)
         struct.pack_into("!H", data, _HEAD.size + _META.size, len(table))
-        start = _HEAD.size + _META.size + 2
         data[start : start + len(table)] = table
         data += struct.pack("!I", zlib.crc32(data))
         tmp = self.dir / (CHECKPOINT + ".tmp")

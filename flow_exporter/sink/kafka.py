@@ -338,9 +338,7 @@ class KafkaSink:
             code, reason = (err.name(), err.str()) if err is not None else ("UNKNOWN", str(exc))
             health.failed(topic, st, code, reason, pending=False, permanent=permanent)
             return
-        counters.produced += 1
-        counters.bytes_produced += len(value)
-        health.produced(st)
+        self._produced(st, 1, len(value))
 
     def produce_all(self, exports: list[Export]) -> None:
         """:meth:`produce` each record, in order, with the per-record work hoisted out of the loop.
@@ -369,7 +367,7 @@ class KafkaSink:
                             produce(topic, value, e.key, on_delivery=callback(e, topic, st))
                             run.add(st, len(value))
                             continue
-                        except (BufferError, KafkaException):
+                        except _REFUSED:
                             pass  # nothing was queued: the full path below waits, or reports the refusal
                     run.flush()
                     self.produce(e)
@@ -396,10 +394,7 @@ class KafkaSink:
         while i < n:
             stop, count, size, st, error, slow = produce_run(exports, i, produce, callback, topics, _REFUSED)
             if count and st is not None:
-                counters = self.counters
-                counters.produced += count
-                counters.bytes_produced += size
-                self.health.produced(st, count)
+                self._produced(st, count, size)
             if error is not None:
                 if isinstance(error, Exception):
                     raise Unsent(stop) from error
@@ -411,6 +406,13 @@ class KafkaSink:
                     raise Unsent(stop) from exc
                 stop += 1
             i = stop
+
+    def _produced(self, st: TopicHealth, count: int, size: int) -> None:
+        """``count`` records of ``size`` bytes in all handed to librdkafka for one topic: the accounting."""
+        counters = self.counters
+        counters.produced += count
+        counters.bytes_produced += size
+        self.health.produced(st, count)
 
     def _on_delivery(self, export: Export, topic: str, st: TopicHealth, err: KafkaError | None, msg: Any) -> None:
         # Runs inside poll()/flush() on the caller's thread; counters are read by metrics.
@@ -522,10 +524,7 @@ class _Run:
 
     def flush(self) -> None:
         if self.count and self.st is not None:
-            counters = self.sink.counters
-            counters.produced += self.count
-            counters.bytes_produced += self.bytes
-            self.sink.health.produced(self.st, self.count)
+            self.sink._produced(self.st, self.count, self.bytes)
         self.count = self.bytes = 0
 
 
