@@ -3,7 +3,8 @@
 ``python -m bench [NAME ...]`` runs only the named ones (poll, export, app_export, node, capture, events,
 checkpoint, latency, k8s, spark: the Spark and Flink downstream jobs on one input, pipeline, decode: dump and
 decode against the kernel's own recv loop, compiled: the poll pure and compiled from 100k to 1M beside the
-kernel's dump, ti-mo/conntrack and conntrack -L, encoder: one enriched record's encode cost, soak: 10 minutes at 250k).
+kernel's dump, ti-mo/conntrack and conntrack -L, scaling: `flow-exporter run`'s CPU and
+records/s against table size, pure and compiled, encoder: one enriched record's encode cost, soak: 10 minutes at 250k).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ SUITE = {
     "pipeline": ("bench.bench_pipeline", []),
     "decode": ("bench.bench_decode_quick", ["--skip-pyroute2"]),
     "compiled": ("bench.bench_compiled", []),
+    "scaling": ("bench.bench_scaling", []),
     "encoder": ("bench.bench_encoder", []),
     "soak": ("bench.bench_soak", []),  # 10 minutes: last
 }

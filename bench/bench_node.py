@@ -20,8 +20,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bench.common import plot_load, section_head, update_section, write_json
+from flow_exporter.settings import parse_duration
 
 
 def proc_cpu(pid: int) -> float:
@@ -49,58 +51,55 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.bench_node")
-    ap.add_argument("--connections", type=int, default=250_000)
-    ap.add_argument("--window", type=float, default=60.0, help="seconds of steady state measured")
-    ap.add_argument("--active", default="5s", help="expiry.activeTimeout (production: 60s)")
-    ap.add_argument("--pure", action="store_true", help="conntrack.compiled=false: the pure-Python poll path")
-    args = ap.parse_args(argv)
-    from devtools.kafka import KafkaBroker
-    from devtools.lab import Lab
+def measure(
+    ns: str, broker: Any, tmp: Path, n: int, *, active: str, idle: str, pure: bool, window: float, topic: str
+) -> dict[str, Any]:
+    """Run ``flow-exporter run`` on the ``n`` entries already in ``ns`` and measure its steady state.
+
+    Waits for readiness and for every connection's first record to be acknowledged, then measures
+    CPU, RSS and the exporter's own counters over ``window`` seconds; stops the exporter.
+    """
     from tests.support.exporter_process import free_port, scrape
 
-    n = args.connections
-    with tempfile.TemporaryDirectory() as tmp, KafkaBroker(Path(tmp) / "kafka") as broker, Lab(pods=1) as lab:
-        broker.create_topic("node", partitions=3)
-        ns = lab.table_ns()
-        lab.load_synthetic(n, netns=ns, timeout=3600)
-        port = free_port()
-        log = Path(tmp) / "exporter.log"
-        cmd = [sys.executable, "-m", "flow_exporter", "run", "--netns", ns, "--bootstrap-servers", broker.bootstrap,
-               "--topic", "node", "--node-name", "bench-node", "--set", f"state.dir={tmp}/state",
-               "--set", f"metrics.port={port}", "--set", "metrics.address=127.0.0.1",
-               "--set", f"expiry.activeTimeout={args.active}",
-               "--set", f"conntrack.compiled={'false' if args.pure else 'true'}",
-               # the DaemonSet's limits (k8s/config.yaml), the cap raised to the table when it is larger
-               "--set", f"limits.maxConnections={max(n, 250_000)}", "--set", "limits.maxInFlight=50000"]  # fmt: skip
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            t_start = time.monotonic()
-            while not ready(port):
-                if proc.poll() is not None or time.monotonic() - t_start > 120:
-                    raise SystemExit(f"exporter did not become ready:\n{log.read_text()[-2000:]}")
-                time.sleep(0.2)
-            ready_s = time.monotonic() - t_start
-            while metric(scrape(port, "/metrics")[1], "flow_exporter_records_acknowledged_total") < n:
-                if proc.poll() is not None or time.monotonic() - t_start > 900:
-                    raise SystemExit(f"first records did not all go out:\n{log.read_text()[-2000:]}")
-                time.sleep(0.5)
-            first_all_s = time.monotonic() - t_start
-            time.sleep(5)
-            m0 = scrape(port, "/metrics")[1]
-            c0, w0 = proc_cpu(proc.pid), time.monotonic()
-            rss = []
-            while time.monotonic() - w0 < args.window:
-                time.sleep(1)
-                rss.append(proc_rss(proc.pid))
-            c1, w1 = proc_cpu(proc.pid), time.monotonic()
-            m1 = scrape(port, "/metrics")[1]
-            peak = proc_rss(proc.pid, "VmHWM")  # first poll, first records and snapshots included
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    broker.create_topic(topic, partitions=3)
+    port = free_port()
+    log = tmp / f"{topic}.log"
+    cmd = [sys.executable, "-m", "flow_exporter", "run", "--netns", ns, "--bootstrap-servers", broker.bootstrap,
+           "--topic", topic, "--node-name", "bench-node", "--set", f"state.dir={tmp}/{topic}-state",
+           "--set", f"metrics.port={port}", "--set", "metrics.address=127.0.0.1",
+           "--set", f"expiry.activeTimeout={active}", "--set", f"expiry.idleTimeout={idle}",
+           "--set", f"conntrack.compiled={'false' if pure else 'true'}",
+           # the DaemonSet's limits (k8s/config.yaml), the cap raised to the table when it is larger
+           "--set", f"limits.maxConnections={max(n, 250_000)}", "--set", "limits.maxInFlight=50000"]  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        t_start = time.monotonic()
+        while not ready(port):
+            if proc.poll() is not None or time.monotonic() - t_start > 120:
+                raise SystemExit(f"exporter did not become ready:\n{log.read_text()[-2000:]}")
+            time.sleep(0.2)
+        ready_s = time.monotonic() - t_start
+        while metric(scrape(port, "/metrics")[1], "flow_exporter_records_acknowledged_total") < n:
+            if proc.poll() is not None or time.monotonic() - t_start > 900:
+                raise SystemExit(f"first records did not all go out:\n{log.read_text()[-2000:]}")
+            time.sleep(0.5)
+        first_all_s = time.monotonic() - t_start
+        time.sleep(5)
+        m0 = scrape(port, "/metrics")[1]
+        c0, w0 = proc_cpu(proc.pid), time.monotonic()
+        rss = []
+        while time.monotonic() - w0 < window:
+            time.sleep(1)
+            rss.append(proc_rss(proc.pid))
+        c1, w1 = proc_cpu(proc.pid), time.monotonic()
+        m1 = scrape(port, "/metrics")[1]
+        peak = proc_rss(proc.pid, "VmHWM")  # first poll, first records and snapshots included
+        load = os.getloadavg()[0]
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
     def grew(name: str) -> float:
         return metric(m1, f"flow_exporter_{name}") - metric(m0, f"flow_exporter_{name}")
 
@@ -109,16 +108,22 @@ def main(argv: list[str] | None = None) -> int:
     poll_s = grew("poll_duration_seconds_sum")
     wall = w1 - w0
     rss_med = sorted(rss)[len(rss) // 2]
-    result = {
+    active_s = parse_duration("active", active)
+    # Every entry is due once per active timeout while the idle timeout has not stopped it (quiet
+    # synthetic entries leave the queue at their idle timeout): that rate is what the table demands.
+    demanded = n / active_s if parse_duration("idle", idle) > w1 - t_start + active_s else None
+    return {
         "connections": n,
-        "path": "pure" if args.pure else "compiled",
-        "active_timeout": args.active,
+        "path": "pure" if pure else "compiled",
+        "active_timeout": active,
+        "idle_timeout": idle,
         "tracked": metric(m1, "flow_exporter_connections_tracked"),
         "ready_s": ready_s,
         "first_records_all_acked_s": first_all_s,
         "window_s": wall,
         "cpu_cores": (c1 - c0) / wall,
         "records_per_s": acked / wall,
+        "demanded_per_s": demanded,
         "polls": polls,
         "poll_seconds_mean": poll_s / polls if polls else None,
         "rss_bytes": rss_med,
@@ -126,41 +131,83 @@ def main(argv: list[str] | None = None) -> int:
         "peak_rss_bytes": peak,
         "records_given_up": metric(m1, "flow_exporter_records_given_up_total"),
         "checkpoint_snapshot_seconds": metric(m1, "flow_exporter_checkpoint_last_snapshot_seconds"),
+        "load_average_1m": load,
     }
-    default = n == 250_000 and not args.pure and args.active == "5s"
-    name = "node" if default else f"node_{n}_{result['path']}_active{args.active}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.bench_node")
+    ap.add_argument("--connections", type=int, default=250_000)
+    ap.add_argument("--window", type=float, default=60.0, help="seconds of steady state measured")
+    ap.add_argument("--active", default="5s", help="expiry.activeTimeout (production: 60s)")
+    ap.add_argument("--idle", default="15s",
+                    help="expiry.idleTimeout (default 15s: quiet entries stop after it; 1h keeps every entry due "
+                         "once per active timeout, the table's full demand)")  # fmt: skip
+    ap.add_argument("--pure", action="store_true", help="conntrack.compiled=false: the pure-Python poll path")
+    args = ap.parse_args(argv)
+    from devtools.kafka import KafkaBroker
+    from devtools.lab import Lab
+
+    n = args.connections
+    with tempfile.TemporaryDirectory() as tmp, KafkaBroker(Path(tmp) / "kafka") as broker, Lab(pods=1) as lab:
+        ns = lab.table_ns()
+        lab.load_synthetic(n, netns=ns, timeout=3600)
+        result = measure(ns, broker, Path(tmp), n, active=args.active, idle=args.idle, pure=args.pure,
+                         window=args.window, topic="node")  # fmt: skip
+    wall = result["window_s"]
+    rss_med = result["rss_bytes"]
+    peak = result["peak_rss_bytes"]
+    demanded = result["demanded_per_s"]
+    default = n == 250_000 and not args.pure and args.active == "5s" and args.idle == "15s"
+    idle_tag = "" if args.idle == "15s" else f"_idle{args.idle}"
+    name = "node" if default else f"node_{n}_{result['path']}_active{args.active}{idle_tag}"
     write_json(name, result)
     print(result)
 
     title = f"flow-exporter run, {n:,} connections, poll 5 s, active {args.active}, {result['path']} path"
     plot_load(name, result["cpu_cores"], result["records_per_s"], title)
+    if demanded is None:
+        traffic = [
+            "Synthetic entries",
+            "carry no traffic: after their first records and the idle timeout they are quiet, so this is the fixed",
+            "cost of the table (a full dump per poll, the store update, events, snapshots); per-record cost: see",
+            "the app-path export section (at 50,000 records/s add 50,000 / its steady rate, in cores).",
+        ]
+    else:
+        traffic = [
+            f"The idle timeout ({args.idle})",
+            "is longer than the run, so every entry is due once per active timeout: the table demands "
+            f"{demanded:,.0f} records/s.",
+        ]
     lines = [
-        *section_head(f"The whole node pipeline at {n:,} connections ({result['path']} path, active {args.active})",
-                      "bench.bench_node", argv),
+        *section_head(
+            f"The whole node pipeline at {n:,} connections ({result['path']} path, active {args.active}"
+            + ("" if demanded is None else f", idle {args.idle}") + ")",
+            "bench.bench_node", argv,
+        ),
         f"`flow-exporter run` on {n:,} real conntrack entries (synthetic, `conntrack -R`), poll 5 s, active timeout",
-        f"{args.active}, events on, state.dir on, metrics on, the DaemonSet's limits (maxConnections "
-        f"{max(n, 250_000):,}, maxInFlight 50,000),"
+        f"{args.active}, idle timeout {args.idle}, events on, state.dir on, metrics on, the DaemonSet's limits "
+        f"(maxConnections {max(n, 250_000):,}, maxInFlight 50,000),"
         " a local broker (3 partitions). Measured over "
-        f"{wall:.0f} s of steady state, after every connection's first record was acknowledged. Synthetic entries",
-        "carry no traffic: after their first records and the idle timeout they are quiet, so this is the fixed",
-        "cost of the table (a full dump per poll, the store update, events, snapshots); per-record cost: see",
-        "the app-path export section (at 50,000 records/s add 50,000 / its steady rate, in cores).",
+        f"{wall:.0f} s of steady state, after every connection's first record was acknowledged "
+        f"(load average {result['load_average_1m']:.2f} at its end). " + traffic[0],
+        *traffic[1:],
         "",
         "| measure | result |",
         "|---|---:|",
         f"| CPU, user + system | {result['cpu_cores']:.2f} cores |",
+        *([] if demanded is None else [f"| records demanded by the table | {demanded:,.0f}/s |"]),
         f"| records acknowledged | {result['records_per_s']:,.0f}/s |",
         f"| poll (dump + store update), mean | {result['poll_seconds_mean'] or 0:.2f} s |",
         f"| RSS | {rss_med / 2**20:,.0f} MiB ({result['rss_per_connection']:,.0f} B per connection) |",
         f"| peak RSS since start (first poll, first records, snapshots) | {peak / 2**20:,.0f} MiB |",
-        f"| ready (first poll done) after start | {ready_s:.1f} s |",
-        f"| every connection's first record acknowledged after start | {first_all_s:.1f} s |",
+        f"| ready (first poll done) after start | {result['ready_s']:.1f} s |",
+        f"| every connection's first record acknowledged after start | {result['first_records_all_acked_s']:.1f} s |",
         "",
         f"![node](bench/results/{name}.png)",
     ]
     update_section(name, "\n".join(lines))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
