@@ -774,6 +774,12 @@ static PyMethodDef methods[] = {
     {"produce_run", native_produce_run, METH_VARARGS,
      "produce_run(exports, start, produce, for_record, topics, refused): one run of records handed to librdkafka "
      "(see flow_exporter.sink.kafka and _delivery.c)."},
+    {"admit_rows", native_admit_rows, METH_VARARGS,
+     "admit_rows(rows, start, Connection, connections, orphans, restored, given_up, tombs, max_connections, "
+     "readmit_before, keys, "
+     "static, labels, columns, free, intern, intern_max, generation, flags, wall_ns, active_at, idle_at, heap, "
+     "admitted, state): a run of new connections admitted; the index it stopped at (see "
+     "flow_exporter.store.table and _admit.c)."},
     {"encode_prefix", native_encode_prefix, METH_VARARGS,
      "encode_prefix(export, context): a connection's record prefix, or NotImplemented (see "
      "flow_exporter.sink.encoder and _prefix.c)."},

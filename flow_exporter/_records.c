@@ -84,32 +84,6 @@ static void set_slot(PyObject *o, int i, PyObject *v) {
     Py_XDECREF(old);
 }
 
-/* An exact int that fits int64 (bool included, as Python's arithmetic takes it): 0, else -1 (no error set). */
-static int as_i64(PyObject *o, int64_t *out) {
-    if (o == NULL || !PyLong_Check(o)) return -1;
-    int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-    if (overflow || (v == -1 && PyErr_Occurred())) {
-        PyErr_Clear();
-        return -1;
-    }
-    *out = (int64_t)v;
-    return 0;
-}
-
-/* An int in [0, 2**64): 0, else -1 (no error set). */
-static int as_u64(PyObject *o, uint64_t *out) {
-    if (o == NULL || !PyLong_Check(o)) return -1;
-    unsigned long long v = PyLong_AsUnsignedLongLong(o);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return -1;
-    }
-    *out = (uint64_t)v;
-    return 0;
-}
-
-
 /* Python's floor division by a positive divisor. */
 static inline int64_t floor_div(int64_t a, int64_t b) {
     int64_t q = a / b;

@@ -17,6 +17,31 @@ static inline int avro_long(uint8_t *p, int64_t n) {
     return i;
 }
 
+/* An exact int that fits int64 (bool included, as Python's arithmetic takes it): 0, else -1 (no error set). */
+static inline int as_i64(PyObject *o, int64_t *out) {
+    if (o == NULL || !PyLong_Check(o)) return -1;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return -1;
+    }
+    *out = (int64_t)v;
+    return 0;
+}
+
+/* An int in [0, 2**64): 0, else -1 (no error set). */
+static inline int as_u64(PyObject *o, uint64_t *out) {
+    if (o == NULL || !PyLong_Check(o)) return -1;
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
 /* Shared by the C files: the slot offsets of a slots dataclass's fields (1 if every one is a plain object slot). */
 int slot_offsets(PyObject *type, const char *const *names, int n, Py_ssize_t *offsets);
 
@@ -40,5 +65,7 @@ PyObject *native_encode_prefix(PyObject *self, PyObject *args);
 /* flow_exporter/_delivery.c: the Deliveries type, added to the module, and produce_run */
 int delivery_add_types(PyObject *module);
 PyObject *native_produce_run(PyObject *self, PyObject *args);
+/* flow_exporter/_admit.c */
+PyObject *native_admit_rows(PyObject *self, PyObject *args);
 
 #endif

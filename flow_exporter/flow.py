@@ -118,6 +118,16 @@ class IdAllocator:
         x ^= x >> 31
         return x - _TWO64 if x >= _TWO63 else x
 
+    @property
+    def sequence(self) -> int:
+        """The sequence's position: where a batch of allocations made elsewhere starts (store/_admit.c)."""
+        return self._next
+
+    def advanced(self, sequence: int, count: int) -> None:
+        """``count`` ids were allocated elsewhere from :attr:`sequence`, which is now ``sequence``."""
+        self._next = sequence & _MASK64
+        self.allocated += count
+
 
 _MASK64 = (1 << 64) - 1
 _TWO64 = 1 << 64

@@ -1,4 +1,4 @@
-"""The compiled poll and record paths (``flow_exporter/_native.c``, ``_records.c``, README "Performance"), when built.
+"""The compiled poll and record paths (``flow_exporter/_native.c``, ``_records.c``, ``_admit.c``...), when built.
 
 The extension is optional: a build without a C compiler leaves it out, and ``conntrack.compiled: false``
 turns it off. Either way the pure-Python decoder and store update do the same work (the property tests
@@ -68,6 +68,35 @@ class Native(Protocol):
         pending: list[Any],
         constants: tuple[int, ...],
     ) -> int: ...
+
+    def admit_rows(
+        self,
+        rows: list[Any],
+        start: int,
+        connection: type,
+        connections: dict[Any, int],
+        orphans: dict[int, int],
+        restored: dict[Any, Any],
+        given_up: dict[Any, Any],
+        tombs: dict[Any, Any],
+        max_connections: int,
+        readmit_before: int,
+        keys: list[Any],
+        static: list[Any],
+        labels: dict[int, bytes],
+        columns: tuple[Any, ...],
+        free: list[int],
+        intern: dict[Any, Any],
+        intern_max: int,
+        generation: int,
+        flags: int,
+        wall_ns: int,
+        active_at: float,
+        idle_at: float,
+        heap: list[int],
+        admitted: list[Any] | None,
+        state: list[int],
+    ) -> int: ...  # the index of the first row it left to the caller
 
     def acknowledge_delivered(
         self,

@@ -26,6 +26,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, replace
+from itertools import islice
 from typing import Any
 
 from flow_exporter import native
@@ -49,6 +50,7 @@ from flow_exporter.flow import (
 )
 from flow_exporter.ports import DecodeResult
 from flow_exporter.store.columns import (
+    _INTERN_MAX,
     ACTIVE,
     DESTROYED,
     FINAL_DUE,
@@ -73,6 +75,7 @@ TOMBSTONE_MIN_TTL = 60.0
 
 # Slack (ns) between the kernel's start stamp and our reading of the clock before a dump.
 _DUMP_MARGIN_NS = 100_000_000
+_NO_DUMP = -(1 << 63)  # the compiled admission's readmission bound while no dump has been timed
 
 
 @dataclass(slots=True)
@@ -197,6 +200,12 @@ class Table(Columns):
         self._fused_columns = (
             self._seen, self._ct, self._start, self._first, self._seq, self._bits, self._op, self._ob, self._rp,
             self._rb, self._tcp, self._status, self._mark, self._last_active, self._dump_order,
+        )  # fmt: skip
+        _heap, queued, q_active, q_idle = self.queue.parts()
+        # The columns a compiled admission writes, in the order _admit.c names them.
+        self._admit_columns = (
+            self._fid, self._first, self._last_active, self._seen, self._bits, self._flags, self._op, self._ob,
+            self._rp, self._rb, self._tcp, self._status, self._start, self._ct, self._mark, q_active, q_idle, queued,
         )  # fmt: skip
         self._new_id = IdAllocator(self.id_seed)
         self.connections: dict[ConnectionKey, int] = {}  # key -> slot of the incarnation that holds the tuple
@@ -373,7 +382,62 @@ class Table(Columns):
     def update_batch(self, dumped: Iterable[Connection], now: float, wall_ns: int) -> None:
         """Add or update the connections of one part of the current dump.
 
-        The hot loop of every poll (one pass per entry): columns are bound to locals and
+        With the compiled module, runs of new connections are admitted in one call each
+        (:meth:`_admit_run`); every other row, and a new one the run stops at, goes through
+        :meth:`_update_rows`, the pure path, which is all of it without the module.
+        """
+        if self._native is None:
+            self._update_rows(dumped, 0, now, wall_ns, stop_at_new=False)
+            return
+        rows = dumped if isinstance(dumped, list) else list(dumped)
+        i: int | None = 0
+        while i is not None and i < len(rows):
+            i = self._admit_run(rows, i, now, wall_ns)
+            if i == len(rows):
+                break
+            i = self._update_rows(rows, i, now, wall_ns, stop_at_new=True)
+
+    def _admit_run(self, rows: list[Connection], i: int, now: float, wall_ns: int) -> int:
+        """Admit the new connections of ``rows`` from ``i`` in one compiled call (_admit.c); where it stopped.
+
+        What ``_admit`` does for each (ids, first-seen stamps, slots, columns, the keyed table, the
+        queue), for rows nothing else applies to: it stops at a known key, a restored row, a
+        given-up tuple, a tombstone of the same incarnation, the cap, a possible readmission or a
+        slot the columns must grow for, leaving that row to :meth:`_update_rows`. The hook for new
+        connections runs after the call, in row order.
+        """
+        assert self._native is not None
+        t = self.timeouts
+        dumps = self._dumps
+        heap = self.queue.parts()[0]
+        admitted: list[tuple[int, int, Connection]] | None = [] if self.on_new is not None else None
+        state = [self._next_slot, self._new_id.sequence, self._last_stamp, 0]
+        try:
+            i = self._native.admit_rows(
+                rows, i, Connection, self.connections, self._orphans, self._restored, self._given_up, self._tombs,
+                self.max_connections,
+                dumps[-1][0] - _DUMP_MARGIN_NS if dumps else _NO_DUMP, self._keys, self._static, self._labels,
+                self._admit_columns, self._free, self._intern, _INTERN_MAX, self._generation,
+                ADOPTED if self.adopt else 0, wall_ns, now + t.active, now + t.idle, heap, admitted, state,
+            )  # fmt: skip
+        finally:
+            self._next_slot, sequence, self._last_stamp, count = state
+            self._new_id.advanced(sequence, count)
+            self.stats.added += count
+            self.queue.counted(count)
+        if admitted:
+            assert self.on_new is not None
+            for s, flow_id, conn in admitted:
+                self.on_new(_Newcomer(self, s, flow_id, conn))
+        return i
+
+    def _update_rows(
+        self, dumped: Iterable[Connection], i: int, now: float, wall_ns: int, *, stop_at_new: bool
+    ) -> int | None:
+        """Rows of the dump from ``i`` on, one by one; with ``stop_at_new``, stops at the first new
+        connection after the first row and returns its index (None: all done).
+
+        The hot loop of every pure poll (one pass per entry): columns are bound to locals and
         a row that did not move writes only its status (and a stop time).
         """
         gen = self._generation
@@ -394,10 +458,13 @@ class Table(Columns):
         mark = self._mark
         labels = self._labels
         last_active = self._last_active
-        for conn in dumped:
+        begin = i
+        for i, conn in enumerate(islice(dumped, begin, None), begin):
             key = conn.key
             s = conns.get(key)
             if s is None:
+                if stop_at_new and i != begin:
+                    return i  # the compiled admission's (update_batch)
                 if self._given_up or self._tombs:
                     self._admit_row(key, conn, now, wall_ns)
                 else:  # nothing to match it against: a new connection (the first poll's path)
@@ -478,6 +545,7 @@ class Table(Columns):
                     queue.push(s, now + t.active, now + t.idle)
                 else:
                     queue.update(s, idle_expire=now + t.idle)
+        return None
 
     def apply_events(
         self, new: Iterable[Connection], destroyed: Iterable[Connection], now: float, wall_ns: int
