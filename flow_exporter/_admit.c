@@ -69,36 +69,33 @@ static int vals_of(PyObject *conn, Vals *v) {
     return 1;
 }
 
-/* Connection.key's tuple (zone, proto, orig_src, orig_sport, reply_src, orig_dport for ICMP else reply_sport),
- * with its addresses and ports as the intern table holds them where it does (Columns._alloc shares them): the
- * tuple the keyed table gets if the row is admitted. Nothing is inserted: that waits for admission. */
-static PyObject *key_of(const Vals *v, PyObject *intern) {
+/* Connection.key's tuple: (zone, proto, orig_src, orig_sport, reply_src, orig_dport for ICMP else reply_sport). */
+static PyObject *key_of(const Vals *v) {
     int64_t proto;
     if (as_i64(v->o[K_PROTO], &proto)) return NULL;
-    PyObject *parts[4] = {v->o[K_OSRC], v->o[K_OSPORT], v->o[K_RSRC],
-                          (proto == PROTO_ICMP || proto == PROTO_ICMPV6) ? v->o[K_ODPORT] : v->o[K_RSPORT]};
-    for (int i = 0; i < 4; i++) {
-        PyObject *held = PyDict_GetItemWithError(intern, parts[i]);
-        if (held != NULL) parts[i] = held;
-        else if (PyErr_Occurred()) return NULL;
-    }
-    return PyTuple_Pack(6, v->o[K_ZONE], v->o[K_PROTO], parts[0], parts[1], parts[2], parts[3]);
+    PyObject *last = (proto == PROTO_ICMP || proto == PROTO_ICMPV6) ? v->o[K_ODPORT] : v->o[K_RSPORT];
+    return PyTuple_Pack(6, v->o[K_ZONE], v->o[K_PROTO], v->o[K_OSRC], v->o[K_OSPORT], v->o[K_RSRC], last);
 }
 
-/* Columns._alloc's interning at admission: the table cleared when past its bound, then each part put in (kept
- * where present). The key it returns (a new reference) holds what the table holds, as the pure path's does. */
+/* Columns._alloc's interning at admission: the table cleared when past its bound, then the addresses and the
+ * destination port put in (kept where present). The key it returns (a new reference) holds what the table
+ * holds, as the pure path's does; untracked by the cyclic collector (ints and bytes cannot form a cycle), as
+ * the collector itself would untrack it at its first pass: a million keys it need not walk. */
 static PyObject *interned_key(PyObject *key, PyObject *intern, Py_ssize_t intern_max) {
+    static const int SHARED[3] = {2, 4, 5}; /* orig_src, reply_src, the destination port */
     if (PyDict_GET_SIZE(intern) > intern_max) PyDict_Clear(intern);
     int same = 1;
-    PyObject *parts[4];
-    for (int i = 0; i < 4; i++) {
-        PyObject *x = PyTuple_GET_ITEM(key, 2 + i);
-        parts[i] = PyDict_SetDefault(intern, x, x); /* borrowed */
-        if (parts[i] == NULL) return NULL;
-        same &= parts[i] == x;
+    PyObject *parts[6];
+    for (int i = 0; i < 6; i++) parts[i] = PyTuple_GET_ITEM(key, i);
+    for (int i = 0; i < 3; i++) {
+        PyObject *x = parts[SHARED[i]];
+        parts[SHARED[i]] = PyDict_SetDefault(intern, x, x); /* borrowed */
+        if (parts[SHARED[i]] == NULL) return NULL;
+        same &= parts[SHARED[i]] == x;
     }
-    if (same) return Py_NewRef(key);
-    return PyTuple_Pack(6, PyTuple_GET_ITEM(key, 0), PyTuple_GET_ITEM(key, 1), parts[0], parts[1], parts[2], parts[3]);
+    PyObject *out = same ? Py_NewRef(key) : PyTuple_Pack(6, parts[0], parts[1], parts[2], parts[3], parts[4], parts[5]);
+    if (out != NULL && PyObject_GC_IsTracked(out)) PyObject_GC_UnTrack(out);
+    return out;
 }
 
 /* columns.py _static: orig_dst + reply_dst + struct "!HHHB" (orig_dport, reply_sport, reply_dport, ICMP bits). */
@@ -259,7 +256,7 @@ PyObject *native_admit_rows(PyObject *self, PyObject *args) {
         PyObject *conn = PyList_GET_ITEM(rows, i);
         Vals v;
         if (Py_TYPE(conn) != (PyTypeObject *)ctype || !vals_of(conn, &v)) break;
-        PyObject *key = key_of(&v, intern);
+        PyObject *key = key_of(&v);
         if (key == NULL) {
             if (PyErr_Occurred()) PyErr_Clear();
             break;

@@ -69,6 +69,10 @@ class Native(Protocol):
         constants: tuple[int, ...],
     ) -> int: ...
 
+    def swept(
+        self, connections: dict[Any, int], seen: Any, bits: Any, generation: int, present: int, destroyed: int
+    ) -> list[int]: ...
+
     def admit_rows(
         self,
         rows: list[Any],

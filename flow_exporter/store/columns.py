@@ -44,8 +44,9 @@ UNCOUNTED = 128  # its rows carry no counter attributes (created with accounting
 # reply_dport and which ICMP fields the kernel gave, after the two destination addresses.
 _STATIC = struct.Struct("!HHHB")
 _MIN_GROW = 1024
-# Addresses and ports of keys are shared between connections (a node's pods talk to a few
-# peers and Services): one object per distinct value saves ~100 B per connection at 250k.
+# Addresses and destination ports of keys are shared between connections (a node's pods talk to
+# a few peers and Services): one object per distinct value saves ~100 B per connection at 250k.
+# Source ports are not: ephemeral, nearly one per connection, they only churned the table.
 # The table is dropped when it grows past this, so a scan of many addresses cannot grow it.
 _INTERN_MAX = 1 << 17
 
@@ -150,7 +151,7 @@ class Columns:
         if len(iv) > _INTERN_MAX:
             iv.clear()
         get = iv.setdefault
-        self._keys[s] = (zone, proto, get(src, src), get(sport, sport), get(dst, dst), get(dport, dport))
+        self._keys[s] = (zone, proto, get(src, src), sport, get(dst, dst), get(dport, dport))
         self._static[s] = _static(conn)
         self._fid[s] = flow_id
         self._first[s] = first_seen

@@ -917,9 +917,13 @@ class Table(Columns):
         """Connections missing from this dump left the table: report them now, not at a deadline."""
         seen = self._seen
         bits = self._bits
-        gone = [
-            s for s in self.connections.values() if seen[s] != gen and bits[s] & PRESENT and not bits[s] & DESTROYED
-        ]
+        if self._native is not None:
+            gone = self._native.swept(self.connections, seen, bits, gen, PRESENT, DESTROYED)
+        else:
+            gone = [
+                s for s in self.connections.values()
+                if seen[s] != gen and bits[s] & PRESENT and not bits[s] & DESTROYED
+            ]  # fmt: skip
         for s in gone:
             bits[s] &= ~PRESENT
             if not self._reason[s]:
