@@ -33,6 +33,7 @@ from devtools.kafka import KafkaBroker
 from devtools.lab import Lab
 from flow_exporter.conntrack.sysctl import read_sysctl, write_sysctl
 from tests.integration.test_accounting_lab import Traffic, ct_counts, of_client, summed
+from tests.integration.test_k8s_manifests import quantity
 from tests.support import contract
 from tests.support.container_image import base_image
 from tests.support.go_tools import go_tool
@@ -192,7 +193,7 @@ def test_daemonset_pod_exports_exactly_and_continues_on_its_host_path(
             assert running["Config"]["User"] in ("0", "0:0") and host["NetworkMode"] == "host"
             assert host["ReadonlyRootfs"] is True and "no-new-privileges" in host["SecurityOpt"]
             assert host["CapAdd"] == ["CAP_NET_ADMIN"] and "CAP_NET_RAW" in host["CapDrop"]
-            assert host["Memory"] == 1 << 30  # the manifest's limit
+            assert host["Memory"] == quantity(exporter["resources"]["limits"]["memory"])  # the manifest's limit
             conns = [lab.open_tcp([p0, p1][i % 2], p2, SERVER_PORT) for i in range(CONNECTIONS)]
             traffic = Traffic(conns, size=300, every=0.25)
             time.sleep(2 * poll)
