@@ -169,31 +169,14 @@ static int heap_push(PyObject *heap, PyObject *item) {
 
 typedef struct {
     Py_buffer b[A_N];
-    int held;
-    Py_ssize_t slots;
+    Py_ssize_t slots; /* slots every column has */
 } ACols;
 
-static void acols_release(ACols *c) {
-    for (int i = 0; i < c->held; i++) PyBuffer_Release(&c->b[i]);
-    c->held = 0;
-}
-
 static int acols_acquire(ACols *c, PyObject *columns) {
-    c->held = 0;
+    if (columns_acquire(c->b, columns, A_N, A_SIZE)) return -1;
     c->slots = PY_SSIZE_T_MAX;
-    for (int i = 0; i < A_N; i++) {
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(columns, i), &c->b[i], PyBUF_WRITABLE | PyBUF_FORMAT)) {
-            acols_release(c);
-            return -1;
-        }
-        c->held++;
-        if (c->b[i].itemsize != A_SIZE[i]) {
-            acols_release(c);
-            PyErr_Format(PyExc_TypeError, "column %d: item size %zd, expected %zd", i, c->b[i].itemsize, A_SIZE[i]);
-            return -1;
-        }
+    for (int i = 0; i < A_N; i++)
         if (c->b[i].len / A_SIZE[i] < c->slots) c->slots = c->b[i].len / A_SIZE[i];
-    }
     return 0;
 }
 
@@ -360,7 +343,7 @@ PyObject *native_admit_rows(PyObject *self, PyObject *args) {
             break;
         }
     }
-    acols_release(&c);
+    columns_release(c.b, A_N);
     if (state_put(state, next_slot, ids, stamp, count) || failed) return NULL;
     return PyLong_FromSsize_t(i);
 }

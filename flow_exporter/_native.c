@@ -501,24 +501,16 @@ typedef struct {
 } Cols;
 
 static void cols_release(Cols *c) {
-    for (int i = 0; i < c->held; i++) PyBuffer_Release(&c->b[i]);
+    columns_release(c->b, c->held);
     c->held = 0;
 }
 
 static int cols_acquire(Cols *c, PyObject *columns) {
     c->held = 0;
+    if (columns_acquire(c->b, columns, C_N, COL_SIZE)) return -1;
+    c->held = C_N;
     c->slots = PY_SSIZE_T_MAX;
     for (int i = 0; i < C_N; i++) {
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(columns, i), &c->b[i], PyBUF_WRITABLE | PyBUF_FORMAT)) {
-            cols_release(c);
-            return -1;
-        }
-        c->held++;
-        if (c->b[i].itemsize != COL_SIZE[i]) {
-            cols_release(c);
-            PyErr_Format(PyExc_TypeError, "column %d: item size %zd, expected %zd", i, c->b[i].itemsize, COL_SIZE[i]);
-            return -1;
-        }
         Py_ssize_t len = c->b[i].len / COL_SIZE[i];
         if (i == C_ORDER) c->orders = len;
         else if (len < c->slots) c->slots = len;

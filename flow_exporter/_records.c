@@ -65,6 +65,25 @@ int slot_offsets(PyObject *type, const char *const *names, int n, Py_ssize_t *of
     return 1;
 }
 
+void columns_release(Py_buffer *b, int n) {
+    for (int i = 0; i < n; i++) PyBuffer_Release(&b[i]);
+}
+
+int columns_acquire(Py_buffer *b, PyObject *columns, int n, const Py_ssize_t *sizes) {
+    for (int i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(columns, i), &b[i], PyBUF_WRITABLE | PyBUF_FORMAT)) {
+            columns_release(b, i);
+            return -1;
+        }
+        if (b[i].itemsize != sizes[i]) {
+            PyErr_Format(PyExc_TypeError, "column %d: item size %zd, expected %zd", i, b[i].itemsize, sizes[i]);
+            columns_release(b, i + 1);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 int slot_cache(SlotCache *c, PyObject *type, const char *const *names, int n) {
     if (type == c->type) return c->direct;
     c->direct = n <= (int)(sizeof c->off / sizeof c->off[0]) && slot_offsets(type, names, n, c->off);

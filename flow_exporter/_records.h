@@ -42,6 +42,11 @@ static inline int as_u64(PyObject *o, uint64_t *out) {
     return 0;
 }
 
+/* Writable buffers of n columns (a tuple of arrays and bytearrays) whose items have the given sizes: 0, or -1
+ * with an exception set and nothing held. Shared by the poll's column writers (_native.c, _admit.c). */
+int columns_acquire(Py_buffer *b, PyObject *columns, int n, const Py_ssize_t *sizes);
+void columns_release(Py_buffer *b, int n);
+
 /* Shared by the C files: the slot offsets of a slots dataclass's fields (1 if every one is a plain object slot). */
 int slot_offsets(PyObject *type, const char *const *names, int n, Py_ssize_t *offsets);
 

@@ -66,10 +66,20 @@ def rows(draw: Any) -> Connection:
     return Connection(fam, proto, src, dst, 40000 + sport, 80, dst, src, 80, 40000 + sport, tcp_state=tcp, **common)
 
 
+START_WALL = 5_000 * NS
+
+
+def timed(conn: Connection, wall: int) -> Connection:
+    """The row with its start/stop slots turned into wall times around a dump at ``wall``."""
+    slots = {0: 0, 1: wall - 3 * NS, 2: wall + NS}  # none; before the last dump (readmitted?); new
+    stop = wall if conn.stop_ns == 1 else conn.stop_ns
+    return replace(conn, start_ns=slots.get(conn.start_ns, conn.start_ns), stop_ns=stop)
+
+
 class Pair:
     def __init__(self, cap: int, restored: list[Restored], hook: bool) -> None:
         self.now = 1000.0
-        self.wall = 5_000 * NS
+        self.wall = START_WALL
         self.calls: dict[str, list[tuple[Any, ...]]] = {"pure": [], "compiled": []}
         self.stores = {}
         for name, compiled in (("pure", False), ("compiled", True)):
@@ -86,11 +96,7 @@ class Pair:
         assert self.stores["compiled"].fused and not self.stores["pure"].fused
 
     def times(self, conn: Connection) -> Connection:
-        """The row with its start/stop slots turned into wall times around the current dump."""
-        slots = {0: 0, 1: self.wall - 3 * NS, 2: self.wall + NS}  # none; before the last dump (readmitted?); new
-        start = slots.get(conn.start_ns, conn.start_ns)
-        stop = self.wall if conn.stop_ns == 1 else conn.stop_ns
-        return replace(conn, start_ns=start, stop_ns=stop)
+        return timed(conn, self.wall)
 
     def dump(self, batches: list[list[Connection]]) -> None:
         self.wall += 2 * NS
@@ -147,8 +153,8 @@ def restored_rows(conns: list[Connection], picks: list[int]) -> list[Restored]:
 def test_compiled_admission_keeps_the_same_store(
     pool: list[Connection], dumps: list[list[list[int]]], cap: int, restore: list[int], hook: bool
 ) -> None:
-    timed = Pair(cap, [], hook).times  # the rows' times as the first dump sees them, for the checkpoint's rows
-    pair = Pair(cap, restored_rows([timed(c) for c in pool], restore) if restore else [], hook)
+    first_dump = START_WALL  # the rows' times as the first dump sees them, for the checkpoint's rows
+    pair = Pair(cap, restored_rows([timed(c, first_dump) for c in pool], restore) if restore else [], hook)
     for batches in dumps:
         # every dump: the rows it shows, in batches; rows a dump no longer shows end, and once their records
         # are delivered their slots are free for the next dump's new rows (an empty dump: all records go out)
