@@ -818,6 +818,12 @@ static PyMethodDef methods[] = {
      "static, labels, columns, free, intern, intern_max, generation, flags, wall_ns, active_at, idle_at, heap, "
      "admitted, state): a run of new connections admitted; the index it stopped at (see "
      "flow_exporter.store.table and _admit.c)."},
+    {"pack_rows", native_pack_rows, METH_VARARGS,
+     "pack_rows(slots, keys, columns, out): a snapshot's rows from the store's columns, appended to out; their "
+     "count, or None (see flow_exporter.checkpoint and _snapshot.c)."},
+    {"pack_records", native_pack_records, METH_VARARGS,
+     "pack_records(exports, out): a snapshot's records appended to out; their count, or None (see "
+     "flow_exporter.checkpoint and _snapshot.c)."},
     {"encode_prefix", native_encode_prefix, METH_VARARGS,
      "encode_prefix(export, context): a connection's record prefix, or NotImplemented (see "
      "flow_exporter.sink.encoder and _prefix.c)."},

@@ -302,14 +302,6 @@ PyObject *native_prepare_records(PyObject *self, PyObject *args) {
 
 /* ------------------------------------------------------------------ journal rows */
 
-static inline uint8_t *be_put(uint8_t *p, uint64_t v, int size) {
-    for (int i = size - 1; i >= 0; i--) {
-        p[i] = (uint8_t)v;
-        v >>= 8;
-    }
-    return p + size;
-}
-
 typedef struct {
     uint8_t *buf;
     Py_ssize_t len, cap;

@@ -17,6 +17,15 @@ static inline int avro_long(uint8_t *p, int64_t n) {
     return i;
 }
 
+/* v as `size` bytes, big-endian (network order, as struct's "!"), at p; returns the end. */
+static inline uint8_t *be_put(uint8_t *p, uint64_t v, int size) {
+    for (int i = size - 1; i >= 0; i--) {
+        p[i] = (uint8_t)v;
+        v >>= 8;
+    }
+    return p + size;
+}
+
 /* An exact int that fits int64 (bool included, as Python's arithmetic takes it): 0, else -1 (no error set). */
 static inline int as_i64(PyObject *o, int64_t *out) {
     if (o == NULL || !PyLong_Check(o)) return -1;
@@ -72,5 +81,8 @@ int delivery_add_types(PyObject *module);
 PyObject *native_produce_run(PyObject *self, PyObject *args);
 /* flow_exporter/_admit.c */
 PyObject *native_admit_rows(PyObject *self, PyObject *args);
+/* flow_exporter/_snapshot.c */
+PyObject *native_pack_rows(PyObject *self, PyObject *args);
+PyObject *native_pack_records(PyObject *self, PyObject *args);
 
 #endif

@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from flow_exporter import gc_policy
-from flow_exporter.flow import RECORD_FLAGS, ROW_ENDED, Export, Restored
+from flow_exporter.flow import RECORD_FLAGS, ROW_ENDED, Export, ReportedRows, Restored
 from flow_exporter.native import compiled
 from flow_exporter.ports import PackedState
 from flow_exporter.readings import CheckpointReadings
@@ -202,7 +202,7 @@ class Checkpoint:
         compiled_path: bool = True,
     ) -> None:
         self.dir = Path(directory)
-        self._native = compiled(compiled_path)  # journal rows packed in one call (flow_exporter/_records.c)
+        self._native = compiled(compiled_path)  # journal rows, snapshots: one call each (_records.c, _snapshot.c)
         self.table = table  # which conntrack table: the netns name, "" for the exporter's own
         self.boot = boot if boot is not None else boot_id()
         self.stats = CheckpointStats()
@@ -510,10 +510,20 @@ class Checkpoint:
         t0 = time.perf_counter()
         data = bytearray(_HEAD.size + _META.size + 2 + len(self.table.encode()))  # the header, filled in by write
         rows = records = 0
+        native = self._native
         with gc_policy.paused():  # see load(): no cycles here, and the collector would rescan the heap repeatedly
+            if native is not None and isinstance(reported, ReportedRows) and isinstance(reported.keys, list):
+                packed = native.pack_rows(reported.slots, reported.keys, reported.columns, data)
+                if packed is not None:  # None: a value would not pack here; the loop below packs it or raises
+                    rows, reported = packed, reported.rest
             for r in reported:
                 data += _pack_row(r)
                 rows += 1
+            if native is not None:
+                in_flight = list(in_flight)
+                packed = native.pack_records(in_flight, data)
+                if packed is not None:
+                    records, in_flight = packed, ()
             for e in in_flight:
                 data += _pack_record(e)
                 records += 1

@@ -136,6 +136,12 @@ class Native(Protocol):
 
     def journal_sent(self, exports: list[Any], topics: dict[Any, bytes]) -> tuple[int, bytes] | None: ...
 
+    def pack_rows(
+        self, slots: list[int], keys: list[Any], columns: tuple[Any, ...], out: bytearray
+    ) -> int | None: ...  # None: out as it was, the caller packs
+
+    def pack_records(self, exports: list[Any], out: bytearray) -> int | None: ...
+
     def produce_run(
         self,
         exports: list[Any],

@@ -43,7 +43,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/dev.lo
         || die "the installed dependencies do not satisfy pyproject.toml (requirements/dev.lock is stale: run make lock); log: /tmp/flow-exporter-pip.log"
     touch "$stamp"
 fi
-# The compiled poll and record paths (flow_exporter/_native.c, _records.c, _prefix.c, _delivery.c, _admit.c) are built in
+# The compiled poll and record paths (flow_exporter/_native.c, _records.c, _prefix.c, _delivery.c, _admit.c, _snapshot.c) are built in
 # place by the editable install; rebuilt here when a source changed, since an editable install does not notice. No
 # compiler: they stay out, and the pure-Python paths run (the unit tests then fail on purpose: test_native*.py).
 native_so=$(ls flow_exporter/_native.*.so 2>/dev/null | head -1 || true)
@@ -52,7 +52,7 @@ for src in flow_exporter/_*.c flow_exporter/_*.h; do
     if [ -n "$native_so" ] && [ "$src" -nt "$native_so" ]; then native_stale=1; fi
 done
 if [ -z "$native_so" ] || [ "$native_stale" = 1 ]; then
-    echo "setup: building the compiled paths (flow_exporter/_native.c, _records.c, _prefix.c, _delivery.c, _admit.c)"
+    echo "setup: building the compiled paths (flow_exporter/_native.c, _records.c, _prefix.c, _delivery.c, _admit.c, _snapshot.c)"
     .venv/bin/python -m pip install -q --no-deps -e . >>/tmp/flow-exporter-pip.log 2>&1 \
         || die "pip could not build the project (pip install --no-deps -e .); log: /tmp/flow-exporter-pip.log"
     command -v cc >/dev/null || command -v gcc >/dev/null \

@@ -38,6 +38,7 @@ from flow_exporter.flow import (
     ROW_RESET,
     ZERO,
     Export,
+    ReportedRows,
     Restored,
 )
 from flow_exporter.store.columns import (
@@ -343,24 +344,21 @@ class Ledger(Table):
             lambda e: self.acknowledge(e, True, now),
         )  # fmt: skip
 
-    def reported(self) -> Iterator[Restored]:
+    def reported(self) -> ReportedRows:
         """What a checkpoint keeps: every connection a restarted exporter may meet again with a record built.
 
         Tracked connections, connections given up at the cap, and rows restored from the
-        last checkpoint that no dump has matched yet; not the orphans that ended.
+        last checkpoint that no dump has matched yet; not the orphans that ended. The tracked
+        ones as slots into the columns, read when packed (under the caller's lock).
         """
         seq = self._seq
         fl = self._flags
         # Reset successors before their first record too: their ended predecessor no longer says so.
         slots = [s for s in self.connections.values() if seq[s] or fl[s] & COUNTERS_RESET]
-        # One pass with the columns in locals and a NamedTuple made without its __new__: a snapshot
-        # reads 250k of these every few seconds at 50k records/s (bench/bench_pipeline.py).
-        new = tuple.__new__
-        keys, ct, start, first, fid, flags = self._keys, self._ct, self._start, self._first, self._fid, self._flags
-        bp, bb, brp, brb = self._bp, self._bb, self._brp, self._brb
-        for s in slots:
-            yield new(Restored, (keys[s], ct[s], start[s], first[s], fid[s], seq[s], (bp[s], bb[s], brp[s], brb[s]),
-                                 flags[s]))  # fmt: skip
+        columns = (self._ct, self._start, self._first, self._fid, seq, self._bp, self._bb, self._brp, self._brb, fl)
+        return ReportedRows(slots, self._keys, columns, self._untracked_rows())
+
+    def _untracked_rows(self) -> Iterator[Restored]:
         for rows in self._restored.values():
             yield from rows
         for key, g in self._given_up.items():

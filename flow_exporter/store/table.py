@@ -26,7 +26,6 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, replace
-from itertools import islice
 from typing import Any
 
 from flow_exporter import native
@@ -459,7 +458,14 @@ class Table(Columns):
         labels = self._labels
         last_active = self._last_active
         begin = i
-        for i, conn in enumerate(islice(dumped, begin, None), begin):
+        # From ``begin`` by index, not islice: islice would step over the rows before it again on every
+        # call, and the compiled admission calls once per row it stops at (a restart's restored rows,
+        # rows over the cap): 250k restored rows took 210 s instead of seconds (bench_checkpoint).
+        todo = dumped
+        if begin:
+            assert isinstance(dumped, list)  # update_batch's rows, from where the admission stopped
+            todo = map(dumped.__getitem__, range(begin, len(dumped)))
+        for i, conn in enumerate(todo, begin):
             key = conn.key
             s = conns.get(key)
             if s is None:

@@ -1,0 +1,181 @@
+"""The compiled snapshot packer (flow_exporter/_snapshot.c) against the pure one: the same bytes, or the same error.
+
+A snapshot packs the store's reported connections straight from its columns (flow.ReportedRows)
+and the records in flight; the pure Checkpoint.pack makes a Restored per connection and packs it
+with struct. Both are given the same rows and records, hostile values included (a negative start,
+a zone past 16 bits, an address of another length, a slot past the columns, totals past 64 bits,
+a topic that cannot be encoded, a bytearray key), and must give the same PackedState or raise the
+same error.
+"""
+
+from __future__ import annotations
+
+import socket
+from array import array
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from flow_exporter import native
+from flow_exporter.checkpoint import Checkpoint
+from flow_exporter.connection import PROTO_TCP, PROTO_UDP, Connection
+from flow_exporter.flow import ROW_ENDED, Export, ReportedRows, Restored
+from flow_exporter.store import ConnectionStore
+from flow_exporter.timeouts import Timeouts
+
+pytestmark = pytest.mark.skipif(native.compiled(True) is None, reason="the compiled module is not built")
+
+U64 = 2**64 - 1
+ADDRS = [bytes([10, 0, 0, 1]), bytes([10, 0, 0, 2]), b"\xfd" + b"\0" * 14 + b"\x01", b"\x0a\0\0", b"\x0a\0\0\0\0"]
+HEADER = 4 + 2 + 8 + 16 + 8 + 8 + 4 + 4 + 2  # magic, version, id; boot, lineage, time, rows, records; table
+COLUMN_TYPES = ("I", "q", "q", "q", "I", "Q", "Q", "Q", "Q")
+
+
+def packed(compiled: bool, reported: Any, in_flight: Any) -> tuple[Any, ...]:
+    """Checkpoint.pack's rows, records and bytes, or the error it raised (type and message)."""
+    cp = Checkpoint("unused", compiled_path=compiled)
+    try:
+        p = cp.pack(reported, in_flight)
+    except Exception as exc:  # the error itself is compared
+        return (type(exc), str(exc))
+    return (p.rows, p.records, bytes(p.data))
+
+
+def assert_same(reported: ReportedRows, in_flight: list[Export]) -> tuple[Any, ...]:
+    pure = packed(False, reported, list(in_flight))  # iterated: the Restored rows
+    assert packed(True, reported, list(in_flight)) == pure
+    return pure
+
+
+keys = st.tuples(
+    st.sampled_from([0, 7, 0xFFFF, 0x1_0007, -1]),  # zone: & 0xFFFF as the pure packer does
+    st.sampled_from([PROTO_TCP, PROTO_UDP, 0, 255]),
+    st.sampled_from(ADDRS[:3]),
+    st.integers(0, 0xFFFF),
+    st.sampled_from(ADDRS[:3]),
+    st.integers(0, 0xFFFF),
+).filter(lambda k: len(k[2]) == len(k[4]))
+
+
+@st.composite
+def reported_rows(draw: Any) -> ReportedRows:
+    """Columns of n slots with any value their arrays hold, some slots reported, and rows already made."""
+    n = draw(st.integers(0, 12))
+    cols: list[Any] = []
+    for code in COLUMN_TYPES:
+        big = {"I": 2**32 - 1, "q": 2**63 - 1, "Q": U64}[code]
+        low = -(2**63) if code == "q" else 0
+        cols.append(array(code, draw(st.lists(st.sampled_from([0, 1, big, low, 12345]), min_size=n, max_size=n))))
+    cols.append(bytearray(draw(st.lists(st.integers(0, 255), min_size=n, max_size=n))))
+    table = draw(st.lists(keys, min_size=n, max_size=n))
+    slots = draw(st.lists(st.integers(0, max(n - 1, 0)), max_size=n)) if n else []
+    rest = [
+        Restored(k, 1, 2, 3, 4, 5, (6, 7, 8, 9), ROW_ENDED) for k in draw(st.lists(keys, max_size=2))
+    ]  # fmt: skip
+    return ReportedRows(slots, table, tuple(cols), rest)
+
+
+texts = st.sampled_from([None, "", "flows", "flüsse", "\ud800"])
+blobs = st.sampled_from([None, b"", b"k", b"\x00" * 300])
+
+
+@st.composite
+def records(draw: Any) -> Export:
+    return Export(
+        0,
+        draw(st.sampled_from([0, 1, U64])),
+        draw(st.tuples(*[st.sampled_from([0, 7, U64])] * 4)),
+        (0, 0, 0, 0),
+        False,
+        0,
+        draw(st.sampled_from([0, -1, 2**63 - 1, -(2**63)])),
+        topic=draw(texts),
+        key=draw(blobs),
+        value=draw(blobs),
+    )
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(reported=reported_rows(), in_flight=st.lists(records(), max_size=4))
+def test_the_same_snapshot_bytes(reported: ReportedRows, in_flight: list[Export]) -> None:
+    assert_same(reported, in_flight)
+
+
+def one_row(**change: Any) -> ReportedRows:
+    cols: list[Any] = [array(code, [5]) for code in COLUMN_TYPES] + [bytearray([3])]
+    for name, value in change.items():
+        i = ["ct", "start", "first", "fid", "seq", "bp", "bb", "brp", "brb", "flags"].index(name)
+        cols[i] = type(cols[i])(cols[i].typecode, [value]) if isinstance(cols[i], array) else bytearray([value])
+    return ReportedRows([0], [(0, PROTO_TCP, ADDRS[0], 1, ADDRS[1], 2)], tuple(cols), [])
+
+
+@pytest.mark.parametrize(
+    "reported",
+    [
+        pytest.param(one_row(), id="plain"),
+        pytest.param(one_row(start=-1), id="negative start"),
+        pytest.param(one_row(first=-(2**63)), id="negative first seen"),
+        pytest.param(one_row(fid=-1), id="negative flow id"),
+        pytest.param(one_row(flags=255), id="every flag"),
+        pytest.param(ReportedRows([1], [(0, 6, ADDRS[0], 1, ADDRS[1], 2)], one_row().columns, []), id="slot past"),
+        pytest.param(ReportedRows([1], one_row().keys * 2, one_row().columns, []), id="slot past the columns"),
+        pytest.param(ReportedRows([0], [(0, 6, ADDRS[0], 1, ADDRS[2], 2)], one_row().columns, []), id="mixed sizes"),
+        pytest.param(ReportedRows([0], [(0, 6, ADDRS[3], 1, ADDRS[3], 2)], one_row().columns, []), id="3 bytes"),
+        pytest.param(ReportedRows([0], [(0, 6, ADDRS[0], 70000, ADDRS[0], 2)], one_row().columns, []), id="port"),
+        pytest.param(ReportedRows([0], [(0, 256, ADDRS[0], 1, ADDRS[0], 2)], one_row().columns, []), id="proto"),
+        pytest.param(ReportedRows([0], [(2**70, 6, ADDRS[0], 1, ADDRS[0], 2)], one_row().columns, []), id="zone"),
+        pytest.param(ReportedRows([0], [(0, True, ADDRS[0], 1, ADDRS[0], 2)], one_row().columns, []), id="bool"),
+        pytest.param(ReportedRows([0], [(0, 6, "10.0.0.1", 1, ADDRS[0], 2)], one_row().columns, []), id="str addr"),
+        pytest.param(ReportedRows([0], [(0, 6, ADDRS[0], 1)], one_row().columns, []), id="short key"),
+        pytest.param(ReportedRows([True], one_row().keys, one_row().columns, []), id="bool slot"),
+        pytest.param(ReportedRows([0], one_row().keys, tuple([5] for _ in range(10)), []), id="lists"),
+    ],
+)
+def test_a_hostile_row_packs_or_fails_alike(reported: ReportedRows) -> None:
+    assert_same(reported, [])
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        pytest.param(Export(0, 1, (1, 2, 3, 2**64), (0,) * 4, False, 0, 1), id="totals past 64 bits"),  # type: ignore[arg-type]
+        pytest.param(Export(0, 1, (1, 2, 3), (0,) * 4, False, 0, 1), id="three totals"),  # type: ignore[arg-type]
+        pytest.param(Export(0, -1, (1, 2, 3, 4), (0,) * 4, False, 0, 1), id="negative sequence"),
+        pytest.param(Export(0, 1, (1, 2, 3, 4), (0,) * 4, False, 0, 2**63), id="flow id past int64"),
+        pytest.param(Export(0, 1, (1, 2, 3, 4), (0,) * 4, False, 0, 1, key=b"k" * 70000), id="long key"),
+        pytest.param(Export(0, 1, (1, 2, 3, 4), (0,) * 4, False, 0, 1, key=bytearray(b"k")), id="bytearray key"),  # type: ignore[arg-type]
+        pytest.param(Export(0, 1, (1, 2, 3, 4), (0,) * 4, False, 0, 1, topic="t" * 70000), id="long topic"),
+        pytest.param(Export(0, 1, (1, 2, 3, 4), (0,) * 4, False, 0, 1, topic=b"t"), id="bytes topic"),  # type: ignore[arg-type]
+        pytest.param(Export(0, 1, (1, 2, 3, 4), (0,) * 4, False, 0, 1, value=b"v" * 100_000), id="long value"),
+    ],
+)
+def test_a_hostile_record_packs_or_fails_alike(record: Export) -> None:
+    good = Export(0, 1, (1, 2, 3, 4), (0,) * 4, False, 0, 9, topic="t", key=b"k", value=b"v")
+    assert_same(one_row(), [good, record, good])
+
+
+@example(n=0)
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(0, 40))
+def test_a_store_snapshot_is_the_same_bytes(n: int) -> None:
+    """A real store's reported rows and records in flight (built, not yet delivered), both ways."""
+    store = ConnectionStore(Timeouts(poll_interval=1, active=5, idle=15))
+    conns = [
+        Connection(socket.AF_INET, PROTO_TCP, ADDRS[0], ADDRS[1], 1000 + i, 80, ADDRS[1], ADDRS[0], 80, 1000 + i,
+                   ct_id=i + 1, orig_packets=i, orig_bytes=10 * i, start_ns=1 + i)
+        for i in range(n)
+    ]  # fmt: skip
+    store.update_batch(conns, now=0.0, wall_ns=1)
+    exports = store.expire(6.0, 6 * 10**9)
+    for e in exports[: n // 2]:
+        store.acknowledge(e, True, 6.0)
+    pure = assert_same(store.reported(), list(store.in_flight()))
+    assert pure[:2] == (n, n - n // 2)
+    nat = native.compiled(True)
+    assert nat is not None
+    reported, out = store.reported(), bytearray()
+    assert nat.pack_rows(reported.slots, list(reported.keys), reported.columns, out) == n  # not left to Python
+    assert nat.pack_records(list(store.in_flight()), out) == n - n // 2
+    assert pure[2] == bytes(HEADER) + out  # the header's room is zeros until write() fills it
