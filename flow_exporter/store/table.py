@@ -457,6 +457,9 @@ class Table(Columns):
         mark = self._mark
         labels = self._labels
         last_active = self._last_active
+        restored = self._restored
+        given_up = self._given_up
+        cap = self.max_connections
         begin = i
         # From ``begin`` by index, not islice: islice would step over the rows before it again on every
         # call, and the compiled admission calls once per row it stops at (a restart's restored rows,
@@ -469,8 +472,8 @@ class Table(Columns):
             key = conn.key
             s = conns.get(key)
             if s is None:
-                if stop_at_new and i != begin:
-                    return i  # the compiled admission's (update_batch)
+                if stop_at_new and i != begin and key not in restored and key not in given_up and len(conns) < cap:
+                    return i  # the compiled admission's (update_batch); it would stop again at the others at once
                 if self._given_up or self._tombs:
                     self._admit_row(key, conn, now, wall_ns)
                 else:  # nothing to match it against: a new connection (the first poll's path)
