@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-k8s setup-prometheus setup-flink setup-image image test unit lint demo bench clean lock spark-job flink-job
+.PHONY: setup setup-k8s setup-prometheus setup-flink setup-image image image-check-arm64 test unit lint demo bench clean lock spark-job flink-job
 
 setup:
 	@bash tools/setup.sh
@@ -32,6 +32,11 @@ setup-image: setup
 IMAGE ?= localhost/flow-exporter:dev
 image: setup-image
 	@bash tools/image/build.sh $(IMAGE)
+
+# The image for arm64 (under qemu-user on amd64) and the compiled-path property tests run inside it; slow,
+# not part of `make test` (tools/image/check_arch.sh says what it needs).
+image-check-arm64: setup-image
+	@ARCH=arm64 bash tools/image/check_arch.sh
 
 # PyFlink in its own virtualenv (.venv-flink, from requirements/flink.lock) and the Flink connector jars.
 setup-flink: setup

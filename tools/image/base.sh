@@ -14,16 +14,19 @@
 #
 # Cached: the image is built once (tagged with $version, tarball under .cache/image/); later runs
 # return at once. Raise $version when changing what goes into the image. Prints nothing but one line when it
-# builds; `base.sh --tag` prints the tag.
+# builds; `base.sh --tag` prints the tag. ARCH=arm64 (a Debian architecture) builds the base for another
+# architecture, run under qemu-user through binfmt_misc (Debian's qemu-user-static registers it).
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 export CONTAINERS_CONF="$repo/tools/image/containers.conf"
 version=python3.11-2
-tag=localhost/flow-exporter-base:bookworm-$version
+arch=${ARCH:-}
+suffix=${arch:+-$arch}
+tag=localhost/flow-exporter-base:bookworm-$version$suffix
 cache="$repo/.cache/image"
-tarball="$cache/base-$version.tar"
-log="$cache/base-$version.log"
+tarball="$cache/base-$version$suffix.tar"
+log="$cache/base-$version$suffix.log"
 if [ "${1:-}" = --tag ]; then echo "$tag"; exit 0; fi
 
 die() { echo "image base: $*" >&2; exit 1; }
@@ -66,7 +69,7 @@ if [ ! -s "$tarball" ]; then
         --customize-hook="cp '$pipconf' \"\$1\"/etc/pip.conf"
     )
     [ -s "$stage/host-ca.crt" ] && hooks+=(--customize-hook="cp '$stage/host-ca.crt' \"\$1\"/etc/ssl/certs/host-ca.crt")
-    mmdebstrap --variant=minbase --mode=root --format=tar \
+    mmdebstrap --variant=minbase --mode=root --format=tar ${arch:+--architectures="$arch"} \
         --include=python3.11,python3.11-venv,ca-certificates \
         --aptopt='Acquire::Languages "none"' \
         --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
@@ -75,9 +78,9 @@ if [ ! -s "$tarball" ]; then
         bookworm "$stage/base.tar" "${sources[@]}" >"$log" 2>&1 \
         || die "mmdebstrap failed (is Debian's package registry reachable?); log: $log"
     mv "$stage/base.tar" "$tarball"
-    find "$cache" -maxdepth 1 -name 'base-*' ! -name "base-$version.*" -delete  # an older script's
+    find "$cache" -maxdepth 1 -name 'base-*' ! -name "base-$version.*" ! -name "base-$version-*" -delete  # an older script's
 fi
-podman import \
+podman import ${arch:+--arch "$arch"} \
     --change 'ENV PATH=/usr/local/python/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     --change 'ENV LANG=C.UTF-8' \
     --change 'ENV PIP_CONFIG_FILE=/etc/pip.conf' \

@@ -2,6 +2,7 @@
 # Builds the Dockerfile with podman on the stand-in base (tools/image/base.sh): usage build.sh IMAGE.
 # The build runs on the host's network (the Dockerfile's `pip wheel` reaches the package index with
 # the pip settings the base carries) and with runc; extra podman build arguments may follow IMAGE.
+# ARCH=arm64 builds for that architecture on a base of its own (base.sh), under qemu-user emulation.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
 export CONTAINERS_CONF="$repo/tools/image/containers.conf"
@@ -9,4 +10,4 @@ image=${1:?usage: build.sh IMAGE [podman build arguments]}
 shift
 bash "$repo/tools/image/base.sh"
 base=$(bash "$repo/tools/image/base.sh" --tag)
-exec podman build --runtime runc --network host --build-arg "BASE=$base" -t "$image" "$@" "$repo"
+exec podman build --runtime runc --network host ${ARCH:+--arch "$ARCH"} --build-arg "BASE=$base" -t "$image" "$@" "$repo"
