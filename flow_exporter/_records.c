@@ -321,19 +321,49 @@ static int buf_room(Buf *b, Py_ssize_t more) {
     return 0;
 }
 
-/* One SENT row (checkpoint._SENT_ROW): 0 written, 1 not packable here (the caller falls back), -1 error. */
-static int sent_row(Buf *b, PyObject *e, PyObject *topics) {
-    PyObject *k = SLOT(e, X_CONN_KEY);
+int checkpoint_key(PyObject *k, CheckpointKey *out) {
     if (!PyTuple_CheckExact(k) || PyTuple_GET_SIZE(k) != 6) return 1;
-    PyObject *src = PyTuple_GET_ITEM(k, 2), *dst = PyTuple_GET_ITEM(k, 4);
-    if (!PyBytes_CheckExact(src) || !PyBytes_CheckExact(dst)) return 1;
-    Py_ssize_t alen = PyBytes_GET_SIZE(src);
-    if ((alen != 4 && alen != 16) || PyBytes_GET_SIZE(dst) != alen) return 1;
-    int64_t zone, proto, sport, dport, ct, flow_id, flags, row_kind;
+    out->src = PyTuple_GET_ITEM(k, 2);
+    out->dst = PyTuple_GET_ITEM(k, 4);
+    if (!PyBytes_CheckExact(out->src) || !PyBytes_CheckExact(out->dst)) return 1;
+    out->alen = PyBytes_GET_SIZE(out->src);
+    if ((out->alen != 4 && out->alen != 16) || PyBytes_GET_SIZE(out->dst) != out->alen) return 1;
+    if (as_i64(PyTuple_GET_ITEM(k, 0), &out->zone) || as_i64(PyTuple_GET_ITEM(k, 1), &out->proto) ||
+        as_i64(PyTuple_GET_ITEM(k, 3), &out->sport) || as_i64(PyTuple_GET_ITEM(k, 5), &out->dport))
+        return 1;
+    return out->proto < 0 || out->proto > 255 || out->sport < 0 || out->sport > 0xFFFF || out->dport < 0 ||
+           out->dport > 0xFFFF;
+}
+
+uint8_t *put_checkpoint_row(uint8_t *p, const CheckpointKey *k, uint32_t ct, uint64_t start, uint64_t first,
+                            uint64_t flow_id, uint64_t next_seq, const uint64_t base[4], uint8_t flags) {
+    *p++ = (uint8_t)k->alen;
+    p = be_put(p, (uint64_t)k->zone, 2); /* its low 16 bits: the pure packer's zone & 0xFFFF */
+    *p++ = (uint8_t)k->proto;
+    p = be_put(p, (uint64_t)k->sport, 2);
+    p = be_put(p, (uint64_t)k->dport, 2);
+    memcpy(p, PyBytes_AS_STRING(k->src), k->alen);
+    p += k->alen;
+    memcpy(p, PyBytes_AS_STRING(k->dst), k->alen);
+    p += k->alen;
+    p = be_put(p, ct, 4);
+    p = be_put(p, start, 8);
+    p = be_put(p, first, 8);
+    p = be_put(p, flow_id, 8);
+    p = be_put(p, next_seq, 8);
+    for (int i = 0; i < 4; i++) p = be_put(p, base[i], 8);
+    *p++ = flags;
+    return p;
+}
+
+/* One SENT row (checkpoint._SENT_ROW: a _ROW, then the record): 0 written, 1 not packable here (the caller
+ * falls back), -1 error. */
+static int sent_row(Buf *b, PyObject *e, PyObject *topics) {
+    CheckpointKey k;
+    if (checkpoint_key(SLOT(e, X_CONN_KEY), &k)) return 1;
+    int64_t ct, flow_id, flags, row_kind;
     uint64_t start, first, seq, t[4];
-    if (as_i64(PyTuple_GET_ITEM(k, 0), &zone) || as_i64(PyTuple_GET_ITEM(k, 1), &proto) ||
-        as_i64(PyTuple_GET_ITEM(k, 3), &sport) || as_i64(PyTuple_GET_ITEM(k, 5), &dport) ||
-        as_i64(SLOT(e, X_CT_ID), &ct) || as_u64(SLOT(e, X_START), &start) || as_u64(SLOT(e, X_FIRST), &first) ||
+    if (as_i64(SLOT(e, X_CT_ID), &ct) || as_u64(SLOT(e, X_START), &start) || as_u64(SLOT(e, X_FIRST), &first) ||
         as_i64(SLOT(e, X_FLOW_ID), &flow_id) || as_u64(SLOT(e, X_SEQ), &seq) || as_i64(SLOT(e, X_FLAGS), &flags) ||
         as_i64(SLOT(e, X_ROW_KIND), &row_kind))
         return 1;
@@ -343,8 +373,7 @@ static int sent_row(Buf *b, PyObject *e, PyObject *topics) {
     for (int i = 0; i < 4; i++)
         if (as_u64(PyTuple_GET_ITEM(tot, i), &t[i])) return 1;
     int64_t fl = (flags & 0x0F) | row_kind;
-    if (proto < 0 || proto > 255 || sport < 0 || sport > 0xFFFF || dport < 0 || dport > 0xFFFF || fl < 0 || fl > 255)
-        return 1;
+    if (fl < 0 || fl > 255) return 1;
     int ended = PyObject_IsTrue(SLOT(e, X_ENDED));
     if (ended < 0) return -1;
     /* topic bytes, cached by topic in `topics` as the pure code does */
@@ -373,24 +402,9 @@ static int sent_row(Buf *b, PyObject *e, PyObject *topics) {
     }
     Py_ssize_t tl = PyBytes_GET_SIZE(tb);
     if (tl > 0xFFFF || kl > 0xFFFF || vl > 0xFFFFFFFFLL) return 1;
-    if (buf_room(b, 1 + 2 + 1 + 2 + 2 + 2 * alen + 4 + 8 * 9 + 1 + 1 + 2 + 2 + 4 + tl + kl + vl)) return -1;
-    uint8_t *p = b->buf + b->len;
-    *p++ = (uint8_t)alen;
-    p = be_put(p, (uint64_t)zone & 0xFFFF, 2);
-    *p++ = (uint8_t)proto;
-    p = be_put(p, (uint64_t)sport, 2);
-    p = be_put(p, (uint64_t)dport, 2);
-    memcpy(p, PyBytes_AS_STRING(src), alen);
-    p += alen;
-    memcpy(p, PyBytes_AS_STRING(dst), alen);
-    p += alen;
-    p = be_put(p, (uint64_t)ct & 0xFFFFFFFFu, 4);
-    p = be_put(p, start, 8);
-    p = be_put(p, first, 8);
-    p = be_put(p, (uint64_t)flow_id, 8);
-    p = be_put(p, seq + 1, 8);
-    for (int i = 0; i < 4; i++) p = be_put(p, t[i], 8);
-    *p++ = (uint8_t)fl;
+    if (buf_room(b, CHECKPOINT_ROW_SIZE(k.alen) + 1 + 2 + 2 + 4 + tl + kl + vl)) return -1;
+    uint8_t *p =
+        put_checkpoint_row(b->buf + b->len, &k, (uint32_t)ct, start, first, (uint64_t)flow_id, seq + 1, t, (uint8_t)fl);
     *p++ = (uint8_t)ended;
     p = be_put(p, (uint64_t)tl, 2);
     p = be_put(p, (uint64_t)kl, 2);

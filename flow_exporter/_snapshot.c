@@ -24,7 +24,6 @@
 /* The columns of flow.ReportedRows, in its order, and their item sizes (array I, q, q, q, I, Q x4; bytearray). */
 enum { R_CT, R_START, R_FIRST, R_FID, R_SEQ, R_BP, R_BB, R_BRP, R_BRB, R_FLAGS, R_N };
 static const Py_ssize_t R_SIZE[R_N] = {4, 8, 8, 8, 4, 8, 8, 8, 8, 1};
-#define ROW_MAX (1 + 2 + 1 + 2 + 2 + 2 * 16 + 4 + 8 * 9 + 1)
 
 /* Room for `more` bytes after out's first `len`; the start of them, or NULL with an error set. */
 static uint8_t *grow(PyObject *out, Py_ssize_t len, Py_ssize_t more) {
@@ -34,20 +33,6 @@ static uint8_t *grow(PyObject *out, Py_ssize_t len, Py_ssize_t more) {
     }
     if (PyByteArray_Resize(out, len + more)) return NULL;
     return (uint8_t *)PyByteArray_AS_STRING(out) + len;
-}
-
-/* The key's fields, when it packs exactly: 0, else 1. */
-static int key_fields(PyObject *k, int64_t v[4], PyObject **src, PyObject **dst, Py_ssize_t *alen) {
-    if (!PyTuple_CheckExact(k) || PyTuple_GET_SIZE(k) != 6) return 1;
-    *src = PyTuple_GET_ITEM(k, 2);
-    *dst = PyTuple_GET_ITEM(k, 4);
-    if (!PyBytes_CheckExact(*src) || !PyBytes_CheckExact(*dst)) return 1;
-    *alen = PyBytes_GET_SIZE(*src);
-    if ((*alen != 4 && *alen != 16) || PyBytes_GET_SIZE(*dst) != *alen) return 1;
-    if (as_i64(PyTuple_GET_ITEM(k, 0), &v[0]) || as_i64(PyTuple_GET_ITEM(k, 1), &v[1]) ||
-        as_i64(PyTuple_GET_ITEM(k, 3), &v[2]) || as_i64(PyTuple_GET_ITEM(k, 5), &v[3]))
-        return 1;
-    return v[1] < 0 || v[1] > 255 || v[2] < 0 || v[2] > 0xFFFF || v[3] < 0 || v[3] > 0xFFFF;
 }
 
 PyObject *native_pack_rows(PyObject *self, PyObject *args) {
@@ -68,8 +53,8 @@ PyObject *native_pack_rows(PyObject *self, PyObject *args) {
         if (i == 0 || n < rows) rows = n;
     }
     Py_ssize_t n = PyList_GET_SIZE(slots), base = PyByteArray_GET_SIZE(out);
-    if (n > (PY_SSIZE_T_MAX - base) / ROW_MAX) goto fallback;
-    uint8_t *p = grow(out, base, n * ROW_MAX);
+    if (n > (PY_SSIZE_T_MAX - base) / CHECKPOINT_ROW_MAX) goto fallback;
+    uint8_t *p = grow(out, base, n * CHECKPOINT_ROW_MAX);
     if (p == NULL) {
         columns_release(b, R_N);
         return NULL;
@@ -86,30 +71,12 @@ PyObject *native_pack_rows(PyObject *self, PyObject *args) {
             PyErr_Clear();
             goto fallback;
         }
-        int64_t v[4];
-        PyObject *src, *dst;
-        Py_ssize_t alen;
-        if (key_fields(PyList_GET_ITEM(keys, s), v, &src, &dst, &alen)) goto fallback;
+        CheckpointKey k;
+        if (checkpoint_key(PyList_GET_ITEM(keys, s), &k)) goto fallback;
         if (start[s] < 0 || first[s] < 0) goto fallback; /* struct's Q refuses them */
-        *p++ = (uint8_t)alen;
-        p = be_put(p, (uint64_t)v[0], 2); /* its low 16 bits: the pure packer's zone & 0xFFFF */
-        *p++ = (uint8_t)v[1];
-        p = be_put(p, (uint64_t)v[2], 2);
-        p = be_put(p, (uint64_t)v[3], 2);
-        memcpy(p, PyBytes_AS_STRING(src), alen);
-        p += alen;
-        memcpy(p, PyBytes_AS_STRING(dst), alen);
-        p += alen;
-        p = be_put(p, ct[s], 4);
-        p = be_put(p, (uint64_t)start[s], 8);
-        p = be_put(p, (uint64_t)first[s], 8);
-        p = be_put(p, (uint64_t)fid[s], 8);
-        p = be_put(p, seq[s], 8);
-        p = be_put(p, bp[s], 8);
-        p = be_put(p, bb[s], 8);
-        p = be_put(p, brp[s], 8);
-        p = be_put(p, brb[s], 8);
-        *p++ = flags[s];
+        const uint64_t totals[4] = {bp[s], bb[s], brp[s], brb[s]}; /* the base: the last record's */
+        p = put_checkpoint_row(p, &k, ct[s], (uint64_t)start[s], (uint64_t)first[s], (uint64_t)fid[s], seq[s], totals,
+                               flags[s]);
     }
     Py_ssize_t end = p - (uint8_t *)PyByteArray_AS_STRING(out);
     columns_release(b, R_N);

@@ -55,8 +55,18 @@ if [ -z "$native_so" ] || [ "$native_stale" = 1 ]; then
     echo "setup: building the compiled paths (flow_exporter/_native.c, _records.c, _prefix.c, _delivery.c, _admit.c, _snapshot.c)"
     .venv/bin/python -m pip install -q --no-deps -e . >>/tmp/flow-exporter-pip.log 2>&1 \
         || die "pip could not build the project (pip install --no-deps -e .); log: /tmp/flow-exporter-pip.log"
-    command -v cc >/dev/null || command -v gcc >/dev/null \
-        || echo "setup: no C compiler (gcc): the compiled paths are left out (apt-get install gcc)" >&2
+    if command -v cc >/dev/null || command -v gcc >/dev/null; then
+        # The extension is optional, so pip reports success when its build fails; an older .so would then stay
+        # and every test would run the old C. With a compiler there, a build that did not happen is an error.
+        native_so=$(ls flow_exporter/_native.*.so 2>/dev/null | head -1 || true)
+        for src in flow_exporter/_*.c flow_exporter/_*.h; do
+            if [ -z "$native_so" ] || [ "$src" -nt "$native_so" ]; then
+                die "the compiled paths did not build ($src); see: .venv/bin/python -m pip install -v --no-deps -e ."
+            fi
+        done
+    else
+        echo "setup: no C compiler (gcc): the compiled paths are left out (apt-get install gcc)" >&2
+    fi
 fi
 
 kafka_jars=$(.venv/bin/python -c 'from devtools.kafka import cache_dir; print(cache_dir())' 2>/dev/null || true)
