@@ -87,6 +87,7 @@ class ExporterOptions:
     max_connections: int = DEFAULTS["limits.maxConnections"]
     max_in_flight: int = DEFAULTS["limits.maxInFlight"]
     compiled: bool = True  # the compiled poll path, when built (conntrack.compiled)
+    cache_prefixes: bool = True  # keep active connections' record prefixes (export.prefixCache, resolved)
     adopt: bool = True  # no state to continue from: connections found live are flagged adopted
 
 
@@ -125,6 +126,7 @@ class Exporter:
             max_connections=options.max_connections,
             adopt=options.adopt,
             compiled=options.compiled,
+            cache_prefixes=options.cache_prefixes,
         )
         self.checkpoint: Journal = checkpoint if checkpoint is not None else NoJournal()
         self.events: EventSource | None = None

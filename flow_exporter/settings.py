@@ -79,6 +79,16 @@ def parse_bool(key: str, value: object) -> bool:
     raise ConfigError(key, value, "expected true or false")
 
 
+def parse_auto_bool(key: str, value: object) -> bool | None:
+    """true, false, or auto (None: the program decides from other settings)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    try:
+        return parse_bool(key, value)
+    except ConfigError:
+        raise ConfigError(key, value, "expected auto, true or false") from None
+
+
 def parse_str(key: str, value: object) -> str:
     if isinstance(value, str | int) and not isinstance(value, bool):
         return str(value)
@@ -380,6 +390,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("kafka.bootstrapServers", parse_str, "localhost:9092", "Kafka bootstrap servers, host:port[,...]."),
     Setting("kafka.topic", parse_topic, "flows", "Topic for flow records (unless a route matches)."),
     Setting("export.flows", parse_bool, True, "Export flow records; false: only the health stream (health.topic)."),
+    Setting(
+        "export.prefixCache",
+        parse_auto_bool,
+        None,
+        "Keep each active connection's encoded record prefix between its records: true, false, or auto (null, "
+        "the default: on when expiry.activeTimeout is under 30 s, where records are frequent enough to pay for "
+        "the ~160 bytes per connection).",
+    ),
     Setting("health.topic", parse_opt_topic, None, "Topic for ConntrackHealth records; empty: no health stream."),
     Setting("health.interval", positive_duration, 60.0, "Time between two ConntrackHealth records."),
     Setting("markers.topic", parse_opt_topic, None, "Topic for CompletenessMarker records; empty: none sent."),

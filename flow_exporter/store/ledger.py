@@ -60,6 +60,8 @@ RESEND_MAX_DELAY = 30.0
 class Ledger(Table):
     """Records: building them when due, settling their delivery, and the state a checkpoint keeps."""
 
+    cache_prefixes: bool
+
     def _init_ledger(self) -> None:
         # The columns the compiled build reads and writes, in the order _records.c names them, and the
         # bits and codes it needs (passed, not restated there).
@@ -76,6 +78,9 @@ class Ledger(Table):
             FINAL_DUE, ACTIVE, END_OF_FLOW, IDLE_TIMEOUT, ACTIVE_TIMEOUT, PROTO_TCP, TCP_TIME_WAIT, TCP_CLOSE,
             IPS_DYING,
         )  # fmt: skip
+        # The bit that keeps a delivered record's prefix for the connection's next one: ACTIVE, or 0 when
+        # prefixes are not cached (every record rebuilds its own; export.prefixCache).
+        self._keep_prefix = ACTIVE if self.cache_prefixes else 0
         self._orphan_due: list[int] = []
         self._loose: dict[tuple[int, int], Export] = {}  # restored records in flight: no connection holds them
         self._resend: list[tuple[float, int, Export]] = []  # heap of failed records waiting to go again
@@ -326,11 +331,11 @@ class Ledger(Table):
                     self.queue.push(s, now, now)
             elif self._settled(s):
                 self._forget(s, now)
-        elif b & ACTIVE:
+        elif b & self._keep_prefix:
             if export.prefix is not None and export.epoch == self._epoch[s]:
                 self._prefix[s] = export.prefix  # the encoder's work, kept for the next record
         else:
-            self._prefix[s] = None  # idle: free the cached record prefix until it is needed again
+            self._prefix[s] = None  # idle (or no cache): free the record prefix until it is needed again
 
     def acknowledge_delivered(self, exports: list[Export], now: float) -> None:
         """:meth:`acknowledge` of delivered records, a batch in one call (compiled when built, in order)."""
@@ -340,7 +345,7 @@ class Ledger(Table):
                 self.acknowledge(e, True, now)
             return
         nat.acknowledge_delivered(
-            exports, self._pending, self._prefix, (self._reason, self._bits, self._epoch), ACTIVE,
+            exports, self._pending, self._prefix, (self._reason, self._bits, self._epoch), self._keep_prefix,
             lambda e: self.acknowledge(e, True, now),
         )  # fmt: skip
 
