@@ -53,7 +53,7 @@ def metric(text: str, name: str) -> float:
 
 def measure(
     ns: str, broker: Any, tmp: Path, n: int, *, active: str, idle: str, pure: bool, window: float, topic: str,
-    max_in_flight: int = 50_000,
+    max_in_flight: int = 50_000, prefix_cache: str = "auto",
 ) -> dict[str, Any]:
     """Run ``flow-exporter run`` on the ``n`` entries already in ``ns`` and measure its steady state.
 
@@ -73,7 +73,7 @@ def measure(
            # the DaemonSet's limits (k8s/config.yaml), the cap raised to the table when it is larger, the records
            # in flight raised with --max-in-flight
            "--set", f"limits.maxConnections={max(n, 250_000)}",
-           "--set", f"limits.maxInFlight={max_in_flight}"]  # fmt: skip
+           "--set", f"limits.maxInFlight={max_in_flight}", "--set", f"export.prefixCache={prefix_cache}"]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -121,6 +121,7 @@ def measure(
         "active_timeout": active,
         "idle_timeout": idle,
         "max_in_flight": max_in_flight,
+        "prefix_cache": prefix_cache,
         "tracked": metric(m1, "flow_exporter_connections_tracked"),
         "ready_s": ready_s,
         "first_records_all_acked_s": first_all_s,
@@ -150,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pure", action="store_true", help="conntrack.compiled=false: the pure-Python poll path")
     ap.add_argument("--max-in-flight", type=int, default=50_000,
                     help="limits.maxInFlight (the DaemonSet's 50000: 6 s of records at 500k, active 60s)")  # fmt: skip
+    ap.add_argument("--prefix-cache", default="auto", choices=["auto", "true", "false"],
+                    help="export.prefixCache (auto: kept when the active timeout is under 30 s)")
     args = ap.parse_args(argv)
     from devtools.kafka import KafkaBroker
     from devtools.lab import Lab
@@ -159,14 +162,17 @@ def main(argv: list[str] | None = None) -> int:
         ns = lab.table_ns()
         lab.load_synthetic(n, netns=ns, timeout=3600)
         result = measure(ns, broker, Path(tmp), n, active=args.active, idle=args.idle, pure=args.pure,
-                         window=args.window, topic="node", max_in_flight=args.max_in_flight)  # fmt: skip
+                         window=args.window, topic="node", max_in_flight=args.max_in_flight,
+                         prefix_cache=args.prefix_cache)  # fmt: skip
     wall = result["window_s"]
     rss_med = result["rss_bytes"]
     peak = result["peak_rss_bytes"]
     demanded = result["demanded_per_s"]
     default = n == 250_000 and not args.pure and args.active == "5s" and args.idle == "15s"
+    default = default and args.max_in_flight == 50_000 and args.prefix_cache == "auto"
     idle_tag = "" if args.idle == "15s" else f"_idle{args.idle}"
     idle_tag += "" if args.max_in_flight == 50_000 else f"_inflight{args.max_in_flight}"
+    idle_tag += "" if args.prefix_cache == "auto" else f"_prefixcache{args.prefix_cache}"
     name = "node" if default else f"node_{n}_{result['path']}_active{args.active}{idle_tag}"
     write_json(name, result)
     print(result)
@@ -194,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         ),
         f"`flow-exporter run` on {n:,} real conntrack entries (synthetic, `conntrack -R`), poll 5 s, active timeout",
         f"{args.active}, idle timeout {args.idle}, events on, state.dir on, metrics on, the DaemonSet's limits "
-        f"(maxConnections {max(n, 250_000):,}, maxInFlight {args.max_in_flight:,}),"
+        f"(maxConnections {max(n, 250_000):,}, maxInFlight {args.max_in_flight:,}), export.prefixCache "
+        f"{args.prefix_cache},"
         " a local broker (3 partitions). Measured over "
         f"{wall:.0f} s of steady state, after every connection's first record was acknowledged "
         f"(load average {result['load_average_1m']:.2f} at its end). " + traffic[0],
