@@ -304,23 +304,29 @@ static int bind(PyObject *ctype) {
     return 0;
 }
 
-/* A new reference to the Connection of an Entry. */
-static PyObject *make_connection(PyObject *ctype, const Entry *e, const Row *r) {
+/* The item of `key` (a row_key tuple, or NULL) at i, as a new reference; else `made`, a new object. */
+#define FROM_KEY(key, i, made) ((key) != NULL ? Py_NewRef(PyTuple_GET_ITEM(key, i)) : (made))
+
+/* A new reference to the Connection of an Entry. `key` (borrowed, or NULL) is the row's row_key tuple when the
+ * caller built one to look the row up: the Connection takes its objects rather than new equal ones, so the
+ * addresses' hashes, computed by that lookup, are not computed again when the row is admitted (a first poll
+ * of a 1M table builds both for every row). */
+static PyObject *make_connection(PyObject *ctype, const Entry *e, const Row *r, PyObject *key) {
     PyObject *a[26] = {0};
     PyObject *res = NULL;
     int i = 0;
     if (bind(ctype)) return NULL;
     a[i++] = PyLong_FromLong(e->family);
-    a[i++] = PyLong_FromUnsignedLong(r->proto);
-    a[i++] = addr(e, O_ + T_SRC);
+    a[i++] = FROM_KEY(key, 1, PyLong_FromUnsignedLong(r->proto));
+    a[i++] = FROM_KEY(key, 2, addr(e, O_ + T_SRC));
     a[i++] = addr(e, O_ + T_DST);
-    a[i++] = PyLong_FromUnsignedLongLong(r->sport);
-    a[i++] = PyLong_FromUnsignedLongLong(r->dport);
-    a[i++] = addr(e, R_ + T_SRC);
+    a[i++] = FROM_KEY(key, 3, PyLong_FromUnsignedLongLong(r->sport));
+    a[i++] = FROM_KEY(r->icmp ? key : NULL, 5, PyLong_FromUnsignedLongLong(r->dport));
+    a[i++] = FROM_KEY(key, 4, addr(e, R_ + T_SRC));
     a[i++] = addr(e, R_ + T_DST);
-    a[i++] = PyLong_FromUnsignedLongLong(r->rsport);
+    a[i++] = FROM_KEY(r->icmp ? NULL : key, 5, PyLong_FromUnsignedLongLong(r->rsport));
     a[i++] = PyLong_FromUnsignedLongLong(r->rdport);
-    a[i++] = PyLong_FromUnsignedLongLong(r->zone);
+    a[i++] = FROM_KEY(key, 0, PyLong_FromUnsignedLongLong(r->zone));
     a[i++] = PyLong_FromUnsignedLongLong(r->ct_id);
     a[i++] = PyLong_FromUnsignedLongLong(r->mark);
     if (r->labelled) a[i++] = addr(e, F_LABELS);
@@ -465,7 +471,7 @@ static PyObject *native_decode(PyObject *self, PyObject *args) {
     uint16_t mtype;
     int got;
     while ((got = next_entry(buf, n, &off, &res, zones, &e, &r, &mtype)) == 1) {
-        PyObject *conn = make_connection(ctype, &e, &r);
+        PyObject *conn = make_connection(ctype, &e, &r, NULL);
         if (conn == NULL) goto fail;
         PyObject *target = (destroyed != Py_None && mtype == CT_DELETE) ? destroyed : out;
         int rc = PyList_Append(target, conn);
@@ -644,12 +650,14 @@ fail:
     return -1;
 }
 
-/* The slot of a row in the keyed table, or -1 (unknown); -2 on error. */
-static Py_ssize_t find_slot(PyObject *conns, const Entry *e, const Row *r) {
+/* The slot of a row in the keyed table, or -1 (unknown); -2 on error. *key_out gets the key built for the lookup
+ * (a new reference, for make_connection; anything it held is released first). */
+static Py_ssize_t find_slot(PyObject *conns, const Entry *e, const Row *r, PyObject **key_out) {
+    Py_CLEAR(*key_out);
     PyObject *key = row_key(e, r);
     if (key == NULL) return -2;
+    *key_out = key;
     PyObject *slot = PyDict_GetItemWithError(conns, key);
-    Py_DECREF(key);
     if (slot == NULL) return PyErr_Occurred() ? -2 : -1;
     Py_ssize_t s = PyLong_AsSsize_t(slot);
     if (s == -1 && PyErr_Occurred()) return -2;
@@ -683,6 +691,7 @@ static PyObject *native_apply_dump(PyObject *self, PyObject *args) {
     Result res = {0};
     Entry e;
     Row r;
+    PyObject *key = NULL; /* the current row's lookup key, when find_slot built one */
     uint16_t mtype;
     uint64_t run_zone = 0;
     Py_ssize_t run = 0;
@@ -698,12 +707,13 @@ static PyObject *native_apply_dump(PyObject *self, PyObject *args) {
         run++;
         int64_t *order = COL(&c, C_ORDER, int64_t);
         Py_ssize_t s = -1;
+        Py_CLEAR(key);
         if (pos < c.orders && slot_holds(&c, keys, (Py_ssize_t)order[pos], &e, &r)) s = (Py_ssize_t)order[pos];
-        else if ((s = find_slot(conns, &e, &r)) == -2) goto fail;
+        else if ((s = find_slot(conns, &e, &r, &key)) == -2) goto fail;
         if (s >= 0 && PyList_GET_SIZE(pending)) {
             /* earlier rows first: they may change what this one finds */
             if (flush(slow, &pending, &c, columns)) goto fail;
-            if ((s = find_slot(conns, &e, &r)) == -2) goto fail;
+            if ((s = find_slot(conns, &e, &r, &key)) == -2) goto fail;
             order = COL(&c, C_ORDER, int64_t);
         }
         int done = 0;
@@ -720,13 +730,14 @@ static PyObject *native_apply_dump(PyObject *self, PyObject *args) {
             done = fast_update(&c, s, &r, gen, held);
         }
         if (!done) {
-            PyObject *conn = make_connection(ctype, &e, &r);
+            PyObject *conn = make_connection(ctype, &e, &r, key);
             if (conn == NULL) goto fail;
             int rc = PyList_Append(pending, conn);
             Py_DECREF(conn);
             if (rc) goto fail;
         }
     }
+    Py_CLEAR(key);
     if (got < 0) goto fail;
     if (count_zone(zone_counts, run_zone, run)) goto fail;
     if (flush(slow, &pending, &c, columns)) goto fail;
@@ -736,6 +747,7 @@ static PyObject *native_apply_dump(PyObject *self, PyObject *args) {
     return result_tuple(&res);
 fail:
     cols_release(&c);
+    Py_XDECREF(key);
     Py_XDECREF(pending);
     PyBuffer_Release(&view);
     return NULL;
