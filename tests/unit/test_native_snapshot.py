@@ -162,10 +162,12 @@ def test_a_hostile_record_packs_or_fails_alike(record: Export) -> None:
 def test_a_store_snapshot_is_the_same_bytes(n: int) -> None:
     """A real store's reported rows and records in flight (built, not yet delivered), both ways."""
     store = ConnectionStore(Timeouts(poll_interval=1, active=5, idle=15))
-    conns = [
-        Connection(socket.AF_INET, PROTO_TCP, ADDRS[0], ADDRS[1], 1000 + i, 80, ADDRS[1], ADDRS[0], 80, 1000 + i,
-                   ct_id=i + 1, orig_packets=i, orig_bytes=10 * i, start_ns=1 + i)
+    v6 = (ADDRS[2], ADDRS[2][:-1] + b"\x02")
+    conns = [  # IPv4 and IPv6 (every third) rows: the packer sizes its buffer for each row's own length
+        Connection(socket.AF_INET6 if i % 3 == 0 else socket.AF_INET, PROTO_TCP, a, b, 1000 + i, 80, b, a, 80,
+                   1000 + i, ct_id=i + 1, orig_packets=i, orig_bytes=10 * i, start_ns=1 + i)
         for i in range(n)
+        for a, b in [v6 if i % 3 == 0 else (ADDRS[0], ADDRS[1])]
     ]  # fmt: skip
     store.update_batch(conns, now=0.0, wall_ns=1)
     exports = store.expire(6.0, 6 * 10**9)
