@@ -289,12 +289,12 @@ def test_installed_tail_reads_records_from_kafka(
 ) -> None:
     # Two records as the exporter writes them (its encoder, its key), produced by this process.
     exports = synthetic_exports(2)
+    expected = [build_record(e, NODE, EXPORT_MS) for e in exports]  # first: encoding lets go of e.conn
     encoder = RecordEncoder(NODE)
     producer = Producer({"bootstrap.servers": kafka_broker.bootstrap})
     for e in exports:
         producer.produce(kafka_topic, encoder.encode(e, EXPORT_MS), key=partition_key(e))
     assert producer.flush(30) == 0
-    expected = [build_record(e, NODE, EXPORT_MS) for e in exports]
 
     args = ["--bootstrap-servers", kafka_broker.bootstrap, "--topic", kafka_topic, "--from-beginning"]
     proc = installed.run("flow-exporter", "tail", *args, "--json", "--count", "2")

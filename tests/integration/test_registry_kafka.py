@@ -63,6 +63,7 @@ def test_build_sink_writes_what_the_serializer_writes(
     sink = build_sink(cfg)
     assert registry.ensure_registered(sink.encode, threading.Event())  # as run_exporter does, after /healthz is up
     exports = synthetic_exports(25)
+    records = [build_record(e, NODE, EXPORT_MS) for e in exports]  # first: encoding lets go of e.conn
     for e in exports:
         sink.send(e, EXPORT_MS)
     assert sink.flush(30) == 0 and sink.counters.acked == len(exports)
@@ -70,11 +71,11 @@ def test_build_sink_writes_what_the_serializer_writes(
     # The default subject is the topic's (TopicNameStrategy), as the serializer names it.
     ser = reference(client, topic_subject_name_strategy)
     ctx = SerializationContext(kafka_topic, MessageField.VALUE)
-    assert values == [ser(build_record(e, NODE, EXPORT_MS), ctx) for e in exports]
+    assert values == [ser(r, ctx) for r in records]
     # tail finds the framing by itself and decodes the same records.
     proc = run_tail(kafka_broker.bootstrap, kafka_topic, "--json", "--count", str(len(exports)))
     assert proc.returncode == 0, proc.stderr
-    assert [from_json(line) for line in proc.stdout.splitlines()] == [build_record(e, NODE, EXPORT_MS) for e in exports]
+    assert [from_json(line) for line in proc.stdout.splitlines()] == records
     proc = run_tail(kafka_broker.bootstrap, kafka_topic, "--json", "--confluent", "--count", "1")
     assert proc.returncode == 0 and len(proc.stdout.splitlines()) == 1, proc.stderr
 

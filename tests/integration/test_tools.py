@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import fastavro
@@ -35,10 +36,11 @@ from tests.support.reference import build_record
 def produce(bootstrap: str, topic: str, exports: Sequence[Export], encode: Any = None) -> list[dict[str, Any]]:
     """Send ``exports`` through a KafkaSink; their record dicts, in order."""
     sink = KafkaSink({"bootstrap.servers": bootstrap}, topic, encode or RecordEncoder(NODE).encode)
+    expected = [build_record(e, NODE, EXPORT_MS) for e in exports]  # first: encoding lets go of e.conn
     for e in exports:
         sink.send(e, EXPORT_MS)
     assert sink.flush(30) == 0 and sink.counters.acked == len(exports)
-    return [build_record(e, NODE, EXPORT_MS) for e in exports]
+    return expected
 
 
 def produce_raw(bootstrap: str, topic: str, values: Sequence[bytes | None]) -> None:
@@ -133,7 +135,7 @@ def test_tail_warns_on_malformed_values_and_goes_on(kafka_broker: KafkaBroker, k
     produce_raw(
         kafka_broker.bootstrap, kafka_topic, [b"not avro at all \xff\xfe", b"", None, b"\x00\x00\x00\x00\x01\xff"]
     )
-    good = RecordEncoder(NODE).encode(exports[1], EXPORT_MS)
+    good = RecordEncoder(NODE).encode(replace(exports[1]), EXPORT_MS)  # a copy: encoding lets go of its conn
     produce_raw(kafka_broker.bootstrap, kafka_topic, [good[:-3], good + b"\x00\x01"])  # truncated; trailing bytes
     rest = produce(kafka_broker.bootstrap, kafka_topic, exports[1:])
     proc = run_tail(kafka_broker.bootstrap, kafka_topic, "--json", "--count", "3")

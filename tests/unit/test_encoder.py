@@ -22,6 +22,8 @@ def test_encoder_is_byte_identical_to_fastavro(export: Export, node: str, export
     expected = SER(build_record(export, node, export_ms, cluster))
     enc = RecordEncoder(node, cluster=cluster)
     assert enc.encode(export, export_ms) == expected
+    # A record in flight keeps its prefix, not the connection's fields (memory: every record in flight).
+    assert export.prefix is not None and export.conn is None
     assert enc.encode(export, export_ms) == expected  # from the cached prefix
     assert SER.decode(expected)["connectionId"] == export.flow_id
 

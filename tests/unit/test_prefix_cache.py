@@ -31,8 +31,9 @@ TIMEOUTS = Timeouts(active=5.0, idle=15.0)
     st.lists(
         st.tuples(st.sampled_from(["traffic", "mark", "labels", "tick", "poll", "expire", "fail"]),
                   st.integers(0, 3), st.integers(1, 9)),
-        min_size=3, max_size=40,
-    )  # fmt: skip
+        min_size=3,
+        max_size=40,
+    )
 )
 def test_no_cache_sends_the_same_bytes_and_keeps_no_prefix(
     compiled: bool, ops: list[tuple[str, int, int]]

@@ -54,7 +54,8 @@ _ENCODE = framed(RecordEncoder(NODE).encode, _ID)
 def test_framed_values_equal_the_confluent_serializer(export: Export) -> None:
     """Any export: header + hand-written body == AvroSerializer(build_record(...))."""
     ms = 1_700_000_000_000
-    assert _ENCODE(export, ms) == _REFERENCE(build_record(export, NODE, ms), CTX)
+    want = _REFERENCE(build_record(export, NODE, ms), CTX)  # first: encoding lets go of export.conn
+    assert _ENCODE(export, ms) == want
 
 
 def test_header_layout_and_deserializer() -> None:
@@ -65,11 +66,11 @@ def test_header_layout_and_deserializer() -> None:
     encode = framed(RecordEncoder(NODE).encode, schema_id)
     deser = AvroDeserializer(client)
     for e in synthetic_exports(20):
+        want = build_record(e, NODE, EXPORT_MS)  # first: encoding lets go of e.conn (its prefix holds it)
         value = encode(e, EXPORT_MS)
         assert value[0] == 0 and int.from_bytes(value[1:5], "big") == schema_id
         assert split_header(value) == (schema_id, RecordEncoder(NODE).encode(e, EXPORT_MS))
         got = deser(value, CTX)
-        want = build_record(e, NODE, EXPORT_MS)
         for name in ("flowStart", "flowEnd", "exportTime"):
             got[name] = round(got[name].timestamp() * 1000)
         assert got == want
