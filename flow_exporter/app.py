@@ -491,8 +491,10 @@ class Exporter:
         while True:
             if cp.stale and cp.due():
                 self.snapshot()  # held back until one succeeds (the records built so far are in it)
+            # Within limits.maxInFlight, as the expire loop: a large table's final records in rounds.
+            room = max(self.max_in_flight - self.sink.in_flight(), 0)
             with self.lock:
-                exports = self.store.export_all(self.clock(), FORCED_END)
+                exports = self.store.export_all(self.clock(), FORCED_END, limit=room) if room else []
             if exports:
                 sent += sum(1 for e in exports if e.attempts == 0)  # resends are not new records
                 self._send(exports)

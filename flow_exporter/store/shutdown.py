@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+
 from flow_exporter.flow import (
     FORCED_END,
     Export,
@@ -13,17 +15,24 @@ from flow_exporter.store.ledger import Ledger
 class Shutdown(Ledger):
     """What SIGTERM needs of the store: final records, and how many are still to come."""
 
-    def export_all(self, now: float, reason: int = FORCED_END) -> list[Export]:
+    def export_all(self, now: float, reason: int = FORCED_END, limit: int | None = None) -> list[Export]:
         """Shutdown: a last record for every connection with something unreported (or never reported).
 
         Live connections get ``reason`` (forced end); ones that already ended get their own
         end reason. A connection with a record in flight gets its turn once that settles,
-        so no counts are sent twice; resends go out as they are.
+        so no counts are sent twice; resends go out as they are. At most ``limit`` records
+        (the room under limits.maxInFlight): the rest come at the next call, so the final
+        records of a large table are not all in memory at once (1M of them took ~2 GB).
         """
-        out = [e for _, _, e in self._resend]
-        self._resend.clear()
+        resend = self._resend
+        out: list[Export] = []
+        while resend and (limit is None or len(out) < limit):
+            out.append(heapq.heappop(resend)[2])
+        self._orphan_due = []  # the orphans owing a record are met below, in this call or a later one
         bits = self._bits
         for s in [*self._orphans.values(), *self.connections.values()]:
+            if limit is not None and len(out) >= limit:
+                break
             if self._pending[s] is not None or bits[s] & CLOSED:
                 continue
             r = self._reason[s]
@@ -36,7 +45,6 @@ class Shutdown(Ledger):
                 continue  # its end-of-flow record told it all (TIME_WAIT)
             self.queue.remove(s)
             out.append(self._build(s, reason, now))
-        self._orphan_due = []
         return out
 
     def unfinished(self) -> int:

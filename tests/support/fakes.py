@@ -76,6 +76,7 @@ class FakeBroker:
     counters: SinkCounters = field(default_factory=SinkCounters)
     queued: list[Export] = field(default_factory=list)
     purged: int = 0
+    peak_in_flight: int = 0  # the most records produced and not yet answered at any time
     _reports: list[DeliveryReport] = field(default_factory=list)
 
     def prepare_all(self, exports: list[Export], export_ms: int) -> list[tuple[Export, Exception]]:
@@ -94,6 +95,7 @@ class FakeBroker:
     def produce(self, export: Export) -> None:
         assert export.value is not None, "produce() before prepare()"
         self.queued.append(export)
+        self.peak_in_flight = max(self.peak_in_flight, len(self.queued))
         self.counters.produced += 1
         self.counters.bytes_produced += len(export.value)
 

@@ -178,6 +178,19 @@ def test_shutdown_sends_every_final_record() -> None:
     assert dataclasses.astuple(exp.outcome) == (2, 0, 0)
 
 
+def test_shutdown_sends_the_final_records_within_max_in_flight() -> None:
+    """A table larger than limits.maxInFlight: its final records go in rounds, never more in flight than the cap."""
+    exp, table, broker, clock = rig(grace=5.0, max_in_flight=3)
+    table.entries = [tcp(42100 + i) for i in range(8)] + [udp(5500 + i, packets=2) for i in range(3)]
+    step(exp, broker, clock)
+    assert exp.shutdown() == 0
+    recs = records(broker)
+    assert broker.peak_in_flight == 3
+    assert sorted(r["sourcePort"] for r in recs) == sorted([42100 + i for i in range(8)] + [5500 + i for i in range(3)])
+    assert {r["flowEndReason"] for r in recs} == {FORCED_END}
+    assert dataclasses.astuple(exp.outcome) == (11, 0, 0)
+
+
 def test_shutdown_with_the_broker_gone_reports_what_is_lost() -> None:
     exp, table, broker, clock = rig(grace=0.3)
     table.entries = [tcp(42001), tcp(42002)]
