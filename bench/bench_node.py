@@ -99,9 +99,18 @@ def measure(
         m1 = scrape(port, "/metrics")[1]
         peak = proc_rss(proc.pid, "VmHWM")  # first poll, first records and snapshots included
         load = os.getloadavg()[0]
-    finally:
+        # SIGTERM as the kubelet sends it: every connection's final record, within limits.maxInFlight.
         proc.terminate()
+        t_term, shutdown_peak = time.monotonic(), 0
+        while proc.poll() is None and time.monotonic() - t_term < 120:
+            shutdown_peak = max(shutdown_peak, proc_rss(proc.pid, "VmHWM"))
+            time.sleep(0.1)
+        shutdown_s = time.monotonic() - t_term
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
         proc.wait(60)
+    said = [line for line in log.read_text(errors="replace").splitlines() if "shutdown" in line]
 
     def grew(name: str) -> float:
         return metric(m1, f"flow_exporter_{name}") - metric(m0, f"flow_exporter_{name}")
@@ -137,6 +146,10 @@ def measure(
         "records_given_up": metric(m1, "flow_exporter_records_given_up_total"),
         "checkpoint_snapshot_seconds": metric(m1, "flow_exporter_checkpoint_last_snapshot_seconds"),
         "load_average_1m": load,
+        "shutdown_s": shutdown_s,
+        "shutdown_peak_rss_bytes": shutdown_peak,
+        "shutdown_exit_code": proc.returncode,
+        "shutdown_log": said[-3:],
     }
 
 
@@ -217,6 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         f"| peak RSS since start (first poll, first records, snapshots) | {peak / 2**20:,.0f} MiB |",
         f"| ready (first poll done) after start | {result['ready_s']:.1f} s |",
         f"| every connection's first record acknowledged after start | {result['first_records_all_acked_s']:.1f} s |",
+        f"| SIGTERM to exit (every final record, shutdown.grace 30 s) | {result['shutdown_s']:.1f} s, exit code "
+        f"{result['shutdown_exit_code']} |",
+        f"| peak RSS at exit (the shutdown's final records included) | "
+        f"{result['shutdown_peak_rss_bytes'] / 2**20:,.0f} MiB |",
+        "",
+        *[f"    {line[-200:]}" for line in result["shutdown_log"]],
         "",
         f"![node](bench/results/{name}.png)",
     ]
