@@ -65,3 +65,4 @@ class ConnectionStore(Shutdown):
         self._init_columns()
         self._init_table()
         self._init_ledger()
+        self._init_shutdown()

@@ -15,6 +15,12 @@ from flow_exporter.store.ledger import Ledger
 class Shutdown(Ledger):
     """What SIGTERM needs of the store: final records, and how many are still to come."""
 
+    def _init_shutdown(self) -> None:
+        # export_all's pass over the connections, continued by the next call while a limit cuts it short:
+        # starting every call from the first connection again rescanned the closed ones (quadratic in rounds).
+        self._closing: list[int] | None = None
+        self._closing_at = 0
+
     def export_all(self, now: float, reason: int = FORCED_END, limit: int | None = None) -> list[Export]:
         """Shutdown: a last record for every connection with something unreported (or never reported).
 
@@ -30,11 +36,17 @@ class Shutdown(Ledger):
             out.append(heapq.heappop(resend)[2])
         self._orphan_due = []  # the orphans owing a record are met below, in this call or a later one
         bits = self._bits
-        for s in [*self._orphans.values(), *self.connections.values()]:
-            if limit is not None and len(out) >= limit:
-                break
-            if self._pending[s] is not None or bits[s] & CLOSED:
-                continue
+        keys = self._keys
+        todo = self._closing
+        if todo is None:  # a new pass: it also meets connections whose record was in flight at the last one
+            todo = self._closing = [*self._orphans.values(), *self.connections.values()]
+            self._closing_at = 0
+        i = self._closing_at
+        while i < len(todo) and (limit is None or len(out) < limit):
+            s = todo[i]
+            i += 1
+            if keys[s] is None or self._pending[s] is not None or bits[s] & CLOSED:
+                continue  # forgotten since the pass began (its slot is free), in flight, or done
             r = self._reason[s]
             if r:
                 if bits[s] & FINAL_DUE:
@@ -45,6 +57,9 @@ class Shutdown(Ledger):
                 continue  # its end-of-flow record told it all (TIME_WAIT)
             self.queue.remove(s)
             out.append(self._build(s, reason, now))
+        self._closing_at = i
+        if i >= len(todo):
+            self._closing = None
         return out
 
     def unfinished(self) -> int:

@@ -286,6 +286,42 @@ def test_expire_limit_leaves_the_rest_due() -> None:
     assert len(first) == 20 and len(rest) == 30
 
 
+def test_shutdown_in_rounds_gives_each_connection_one_final_record() -> None:
+    """export_all under a limit: later calls continue the pass; a slot freed meanwhile is skipped (its connection's
+    end record settled); a connection whose record was in flight gets its final one, with what came after, once
+    that record settles."""
+    clock = Clock()
+    store = make(clock)
+    conns = [tcp(4000 + i, packets=2) for i in range(6)]
+    poll(store, clock, *conns)
+    clock.tick(1)
+    store.apply_events([], [replace(conns[-1], stop_ns=clock.wall())], clock.now, clock.wall())
+    (ended,) = store.expire(clock.now, clock.wall())  # its end record, in flight when the shutdown begins
+    clock.tick(5)
+    (busy,) = store.expire(clock.now, clock.wall(), limit=1)  # in flight too
+    assert busy.conn_key is not None and ended.reason == END_OF_FLOW
+    moved = [replace(c, orig_packets=9, orig_bytes=900) if c.orig_sport == busy.conn_key[3] else c for c in conns[:-1]]
+    poll(store, clock, *moved)  # it moves after its record was built: its final record carries that
+    finals: list[Export] = []
+    rounds = 0
+    while store.unfinished():
+        rounds += 1
+        out = store.export_all(clock.now, limit=2)
+        assert len(out) <= 2
+        finals += out
+        for e in out:
+            store.acknowledge(e, True, clock.now)  # settled: ended and reported, the slot is freed
+        if rounds == 1:  # the pass has not reached the last slot yet: it is freed before it does
+            store.acknowledge(ended, True, clock.now)
+            store.acknowledge(busy, True, clock.now)
+        assert rounds < 10
+    assert sorted(e.conn_key[3] for e in finals) == [4000 + i for i in range(5)]  # type: ignore[index]
+    assert {e.reason for e in finals} == {FORCED_END}
+    (last,) = [e for e in finals if e.flow_id == busy.flow_id]
+    assert (last.sequence, last.totals[0], last.deltas[0]) == (busy.sequence + 1, 9, 7)
+    assert store.export_all(clock.now) == []
+
+
 def test_shutdown_exports_every_connection_with_forced_end() -> None:
     clock = Clock()
     store = make(clock)
