@@ -42,7 +42,12 @@ class Shutdown(Ledger):
             todo = self._closing = [*self._orphans.values(), *self.connections.values()]
             self._closing_at = 0
         i = self._closing_at
-        while i < len(todo) and (limit is None or len(out) < limit):
+        # Which slots get a record, and why, decided first; the records are built after, in that order, in one
+        # compiled call when built (_build_all): a build touches only its own slot.
+        slots: list[int] = []
+        why = bytearray()
+        room = None if limit is None else limit - len(out)
+        while i < len(todo) and (room is None or len(slots) < room):
             s = todo[i]
             i += 1
             if keys[s] is None or self._pending[s] is not None or bits[s] & CLOSED:
@@ -50,16 +55,19 @@ class Shutdown(Ledger):
             r = self._reason[s]
             if r:
                 if bits[s] & FINAL_DUE:
-                    out.append(self._build(s, r, now))
+                    slots.append(s)
+                    why.append(r)
                 continue
             bits[s] |= CLOSED
             if self._dying(s) and self._seq[s] and self._totals_of(s) == self._base_of(s):
                 continue  # its end-of-flow record told it all (TIME_WAIT)
             self.queue.remove(s)
-            out.append(self._build(s, reason, now))
+            slots.append(s)
+            why.append(reason)
         self._closing_at = i
         if i >= len(todo):
             self._closing = None
+        self._build_all(slots, bytes(why), out, now)
         return out
 
     def unfinished(self) -> int:
