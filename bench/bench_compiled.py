@@ -39,6 +39,7 @@ GO_DIR = ROOT / "bench" / "go_conntrack"
 def _poll(store: Any, dumper: Any, compiled: bool) -> None:
     """One poll as Exporter.poll_once does it (the fused path when compiled)."""
     now, wall = time.monotonic(), time.time_ns()
+    store.reserve(min(dumper.count(), store.max_connections))  # as poll_once: room for the table in one step
     store.begin_poll(wall)
     if compiled:
         counts: dict[int, int] = {}

@@ -157,13 +157,24 @@ class Exporter:
         self.events = events
 
     # ------------------------------------------------------------------ poll
+    def _table_count(self) -> int:
+        try:
+            return self.source.count()
+        except OSError:
+            return 0
+
     def poll_once(self) -> int:
         """One dump and store update; returns the number of entries dumped."""
         t0 = time.perf_counter()
         zones = self.zones or None
         store = self.store
         lock = self.lock
+        # Room for the table as the kernel counts it, in one step (the last poll's count; before the first, read
+        # now): not when zones filter it, as the count is every zone's.
+        expected = 0 if zones else self.stats.table_count if self.stats.polls else self._table_count()
         with lock:
+            if expected:
+                store.reserve(min(expected, store.max_connections))
             store.begin_poll(self.wall_ns())
 
         zone_counts: Counter[int] = Counter()

@@ -111,9 +111,17 @@ class Columns:
         self._epochs = itertools.count(1)
 
     # ------------------------------------------------------------------- slots
-    def _grow(self) -> None:
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` slots in one step: the poll reserves the table's size (nf_conntrack_count) before a
+        dump. A first poll of 1M entries otherwise grew the columns 18 times, to 1.35M slots."""
+        if n > len(self._keys):
+            self._grow(n - len(self._keys))
+
+    def _grow(self, more: int = 0) -> None:
         n = len(self._keys)
-        more = max(_MIN_GROW, n // 2)  # the slack is touched memory: keep it small
+        # The slack is touched memory: keep it small. Growing costs only the new part (large arrays and lists
+        # are reallocated in place), so small steps are cheap.
+        more = more or max(_MIN_GROW, n // 8)
         for col in self._numeric:
             col.frombytes(bytes(col.itemsize * more))
         for b in (self._flags, self._reason, self._bits):

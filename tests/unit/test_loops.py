@@ -167,6 +167,19 @@ def test_backpressure_holds_due_connections_and_coalesces_them() -> None:
     assert sorted(r["sourcePort"] for r in records(broker)) == [41000 + i for i in range(5)]
 
 
+def test_the_poll_makes_room_for_the_table_in_one_step() -> None:
+    """The store's columns grow to the kernel's count before the dump (not in steps past it); not when zones
+    filter the table (the count is every zone's)."""
+    exp, table, broker, clock = rig(max_connections=5000)
+    table.entries = [tcp(1000 + i % 60000, orig_src=bytes([10, 1, i >> 8, i & 255])) for i in range(3000)]
+    step(exp, broker, clock)
+    assert len(exp.store) == 3000 and len(exp.store._keys) == 3000  # exactly: no slack past the table
+    zoned, table, broker, clock = rig(zones=frozenset({0}))
+    table.entries = [tcp(2000 + i) for i in range(100)]
+    step(zoned, broker, clock)
+    assert len(zoned.store) == 100 and len(zoned.store._keys) == 1024  # grown in the usual steps
+
+
 def test_shutdown_sends_every_final_record() -> None:
     exp, table, broker, clock = rig(grace=5.0)
     table.entries = [tcp(42000), udp(5400, packets=4)]
