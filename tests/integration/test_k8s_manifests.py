@@ -361,10 +361,10 @@ def test_daemonset_resources_fit_the_benchmarks(container: dict[str, Any], confi
         assert set(res[section]) >= {"cpu", "memory"}
     assert quantity(res["requests"]["memory"]) <= quantity(res["limits"]["memory"])
     assert quantity(res["requests"]["cpu"]) <= quantity(res["limits"]["cpu"])
-    # The store full at limits.maxConnections must fit, with every final record in flight at
-    # shutdown (~1.1 KB each, measured) on top.
+    # The store full at limits.maxConnections must fit, with limits.maxInFlight records in flight on top
+    # (~1.1 KB each, measured): also at shutdown, whose final records go out in rounds within that cap.
     store = config["limits.maxConnections"] * bytes_per_connection()
-    in_flight = config["limits.maxConnections"] * 1100
+    in_flight = config["limits.maxInFlight"] * 1100
     assert quantity(res["limits"]["memory"]) >= BASELINE_RSS + store + in_flight
     # A full poll at the cap must fit in a poll interval: ~0.3 s of one core per 100k entries with the
     # compiled paths the image always has (bench_compiled: 2.35 s at 1M; bench_node: 1.34 s at 500k).
