@@ -233,6 +233,20 @@ class Lockstep:
             self.live.pop(i, None)
         self.racing.clear()
 
+    def apply(self, op: str, i: int, arg: int) -> None:
+        """One step of a random walk (OPS): a poll (``arg`` twin rows, ``i`` picks the chunk size), a poll
+        missing entry ``i``, an expire, time passing, or a change to the kernel's table."""
+        if op == "poll":
+            self.poll(i % 4 + 1, arg)
+        elif op == "miss":
+            self.poll(2, 0, miss=i)
+        elif op == "expire":
+            self.expire(arg)
+        elif op == "tick":
+            self.now += arg / 2
+        else:
+            self.step(op, i, arg)
+
     def expire(self, ack: int, limit: int | None = None) -> None:
         got = []
         for store in (self.pure, self.fused):
@@ -332,22 +346,12 @@ OPS = st.sampled_from(["create", "create", "traffic", "reply", "tcp", "labels", 
 def test_fused_poll_keeps_the_same_store(ops: list[tuple[str, int, int]], cap: int, zones: Any) -> None:
     w = Lockstep(cap, zones)
     for op, i, arg in ops:
-        if op == "poll":
-            w.poll(i % 4 + 1, arg)
-        elif op == "miss":
-            w.poll(2, 0, miss=i)
-        elif op == "expire":
-            w.expire(arg)
-        elif op == "tick":
-            w.now += arg / 2
-        else:
-            w.step(op, i, arg)
+        w.apply(op, i, arg)
         assert state(w.fused) == state(w.pure), op
     w.poll(3, 0)
     w.now += 20
     w.expire(0)
     assert state(w.fused) == state(w.pure)
-
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -362,14 +366,7 @@ def test_shutdown_rounds_build_the_same_final_records(ops: list[tuple[str, int, 
     """export_all builds its final records with the compiled build when there is one: the same records, rounds alike."""
     w = Lockstep(12, None)
     for op, i, arg in ops:
-        if op in ("poll", "miss"):
-            w.poll(2, 0)
-        elif op == "expire":
-            w.expire(arg)
-        elif op == "tick":
-            w.now += arg / 2
-        else:
-            w.step(op, i, arg)
+        w.apply(op, i, arg)
     for _ in range(20):
         got = []
         for store in (w.pure, w.fused):
