@@ -26,6 +26,7 @@ from flow_exporter.metrics import _CHECKPOINT_FAMILIES, _FAMILIES, Metrics
 from flow_exporter.probes import readiness
 from flow_exporter.readings import CheckpointReadings, Readings
 from flow_exporter.record import load_schema
+from flow_exporter.sink.discard import DiscardSink
 from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.timeouts import Timeouts
 from tests.support.fakes import FakeBroker, FakeTable
@@ -202,6 +203,20 @@ def test_shutdown_sends_the_final_records_within_max_in_flight() -> None:
     assert sorted(r["sourcePort"] for r in recs) == sorted([42100 + i for i in range(8)] + [5500 + i for i in range(3)])
     assert {r["flowEndReason"] for r in recs} == {FORCED_END}
     assert dataclasses.astuple(exp.outcome) == (11, 0, 0)
+
+
+def test_shutdown_with_the_discarding_sink_goes_in_rounds_too() -> None:
+    """export.flows false: records are settled at once and nothing is ever in flight; the rounds still end."""
+    clock = Clock()
+    table = FakeTable()
+    sink = DiscardSink()
+    exp = Exporter(table, sink, ExporterOptions(timeouts=TIMEOUTS, node_name="n", max_in_flight=3, grace=5.0),
+                   clock=lambda: clock.now, wall_ns=clock.wall)  # fmt: skip
+    table.entries = [tcp(42200 + i) for i in range(11)]
+    clock.tick(1)
+    exp.poll_once()
+    assert exp.shutdown() == 0
+    assert (sink.discarded, exp.outcome.final_records, exp.store.unfinished()) == (11, 11, 0)
 
 
 def test_shutdown_with_the_broker_gone_reports_what_is_lost() -> None:
