@@ -126,20 +126,6 @@ static int64_t next_id(uint64_t *state) {
     return (int64_t)x;
 }
 
-/* expiry.py: the heap entry of a deadline, floor(deadline * 1000) << 32 | slot. */
-static PyObject *heap_entry(double deadline, Py_ssize_t s) {
-    double ms = floor(deadline * 1000.0);
-    if (ms >= 0 && ms < 2147483648.0) return PyLong_FromLongLong(((long long)ms << 32) | (long long)s);
-    PyObject *m = PyLong_FromDouble(ms), *shift = PyLong_FromLong(32), *slot = PyLong_FromSsize_t(s);
-    PyObject *hi = (m && shift) ? PyNumber_Lshift(m, shift) : NULL;
-    PyObject *res = (hi && slot) ? PyNumber_Or(hi, slot) : NULL;
-    Py_XDECREF(m);
-    Py_XDECREF(shift);
-    Py_XDECREF(slot);
-    Py_XDECREF(hi);
-    return res;
-}
-
 /* Whether the store keeps a tombstone for (key, ct_id): 1 yes (or an error is set), 0 no. */
 static int tombed(PyObject *tombs, PyObject *key, PyObject *ct_id) {
     if (!PyDict_GET_SIZE(tombs)) return 0;
@@ -148,23 +134,6 @@ static int tombed(PyObject *tombs, PyObject *key, PyObject *ct_id) {
     int found = PyDict_Contains(tombs, k);
     Py_DECREF(k);
     return found != 0;
-}
-
-/* heapq.heappush(heap, item), the same algorithm (so the same list): append, then move it up past larger parents. */
-static int heap_push(PyObject *heap, PyObject *item) {
-    if (PyList_Append(heap, item)) return -1;
-    Py_ssize_t pos = PyList_GET_SIZE(heap) - 1;
-    PyObject **h = ((PyListObject *)heap)->ob_item;
-    while (pos > 0) {
-        Py_ssize_t parent = (pos - 1) >> 1;
-        int lt = PyObject_RichCompareBool(item, h[parent], Py_LT);
-        if (lt < 0) return -1;
-        if (!lt) break;
-        h[pos] = h[parent];
-        pos = parent;
-    }
-    h[pos] = item; /* the list's one reference to item moved with it; the parents shifted down hold theirs */
-    return 0;
 }
 
 typedef struct {
@@ -219,7 +188,7 @@ PyObject *native_admit_rows(PyObject *self, PyObject *args) {
                           &PyDict_Type, &tombs, &max_conns, &readmit_before,
                           &PyList_Type, &keys, &PyList_Type, &stat, &PyDict_Type, &labels, &PyTuple_Type, &columns,
                           &PyList_Type, &freel, &PyDict_Type, &intern, &intern_max, &gen, &flags, &wall_ns, &active_at,
-                          &idle_at, &PyList_Type, &heap, &admitted, &PyList_Type, &state))
+                          &idle_at, &DeadlineHeapType, &heap, &admitted, &PyList_Type, &state))
         return NULL;
     if (PyTuple_GET_SIZE(columns) != A_N) {
         PyErr_Format(PyExc_TypeError, "expected %d columns", A_N);
@@ -289,8 +258,7 @@ PyObject *native_admit_rows(PyObject *self, PyObject *args) {
         Py_DECREF(key);
         PyObject *st = ikey ? static_of(&v) : NULL;
         PyObject *slot = st ? PyLong_FromSsize_t(s) : NULL;
-        PyObject *entry = slot ? heap_entry(deadline, s) : NULL;
-        if (entry == NULL) {
+        if (slot == NULL) {
             Py_XDECREF(ikey);
             Py_XDECREF(st);
             Py_XDECREF(slot);
@@ -334,8 +302,7 @@ PyObject *native_admit_rows(PyObject *self, PyObject *args) {
         ACOL(c, A_QACTIVE, double)[s] = active_at;
         ACOL(c, A_QIDLE, double)[s] = idle_at;
         ACOL(c, A_QUEUED, uint8_t)[s] = 1;
-        if (!rc) rc = heap_push(heap, entry);
-        Py_DECREF(entry);
+        if (!rc) rc = heap_push(heap, ms_of(deadline), (uint32_t)s);
         Py_DECREF(slot);
         if (rc) {
             i++;

@@ -815,7 +815,7 @@ static PyMethodDef methods[] = {
      "journal_acked(exports): a batch's ACKED journal rows, or None (see flow_exporter.checkpoint and _records.c)."},
     {"due_slots", native_due_slots, METH_VARARGS,
      "due_slots(heap, columns, now, active_timeout, limit, todo, why, retry, taken, pending, keys, idle_order, "
-     "heappop, heappush, push, constants): what is due, sorted (see flow_exporter.store.ledger and _records.c)."},
+     "push, constants): what is due, sorted (see flow_exporter.store.ledger and _records.c)."},
     {"journal_sent", native_journal_sent, METH_VARARGS,
      "journal_sent(exports, topics): a batch's journal rows, or None (see flow_exporter.checkpoint and _records.c)."},
     {"produce_run", native_produce_run, METH_VARARGS,
@@ -848,6 +848,6 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && delivery_add_types(m) < 0) Py_CLEAR(m);
+    if (m != NULL && (delivery_add_types(m) < 0 || heap_add_type(m) < 0)) Py_CLEAR(m);
     return m;
 }

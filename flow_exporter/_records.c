@@ -755,7 +755,6 @@ PyObject *native_journal_acked(PyObject *self, PyObject *args) {
 
 /* ------------------------------------------------------------------ what is due */
 
-static inline int64_t ms_of(double deadline) { return (int64_t)floor(deadline * 1000.0); }
 
 enum { D_REASON, D_BITS, D_TCP, D_STATUS, D_QUEUED, D_ACTIVE, D_IDLE, D_N };
 static const Py_ssize_t D_SIZE[D_N] = {1, 1, 1, 4, 1, 8, 8};
@@ -764,38 +763,26 @@ enum {
     E_IPS_DYING, E_N
 };
 
-/* heappush(heap, ms << 32 | slot); 0 or -1. */
-static int push_entry(PyObject *heappush, PyObject *heap, double deadline, Py_ssize_t s) {
-    PyObject *entry = PyLong_FromLongLong((long long)((uint64_t)ms_of(deadline) << 32 | (uint64_t)s));
-    if (entry == NULL) return -1;
-    PyObject *r = PyObject_CallFunctionObjArgs(heappush, heap, entry, NULL);
-    Py_DECREF(entry);
-    if (r == NULL) return -1;
-    Py_DECREF(r);
-    return 0;
-}
-
 /*
  * due_slots(heap, columns, now, active_timeout, limit, todo, why, retry, taken, pending, keys, idle_order,
- *           heappop, heappush, push, constants) -> change in the queue's live count
+ *           push, constants) -> change in the queue's live count
  *
  * ExpiryQueue.pop_due and the decision loop of Ledger.expire, fused: every slot due at `now`, earliest
  * first, is popped and sorted into a record to build (`todo`, `why`), a retry (its record is in flight) or
  * nothing (ended, nothing owed); an active connection is queued again for its next active timeout. The
- * heap is the queue's list of `ms << 32 | slot`, popped and pushed with heapq's own functions in the same
- * order as the Python code, so the queue ends up the same, entry for entry. At the limit the slot goes
+ * heap is the queue's DeadlineHeap (_heap.c), popped and pushed in the same order as the Python code pops and
+ * pushes its list with heapq, so the queue ends up the same, entry for entry. At the limit the slot goes
  * back through `push(slot, active, idle)` (the queue's method) and the loop stops.
  * columns: (reason, bits, tcp state, status, queued, active deadline, idle deadline).
  */
 PyObject *native_due_slots(PyObject *self, PyObject *args) {
-    PyObject *heap, *columns, *todo, *why, *retry, *taken, *pending, *keys, *idle_order, *heappop, *heappush, *push,
-        *consts;
+    PyObject *heap, *columns, *todo, *why, *retry, *taken, *pending, *keys, *idle_order, *push, *consts;
     double now, active_timeout;
     Py_ssize_t limit;
-    if (!PyArg_ParseTuple(args, "O!O!ddnO!O!O!O!O!O!O!OOOO!", &PyList_Type, &heap, &PyTuple_Type, &columns, &now,
+    if (!PyArg_ParseTuple(args, "O!O!ddnO!O!O!O!O!O!O!OO!", &DeadlineHeapType, &heap, &PyTuple_Type, &columns, &now,
                           &active_timeout, &limit, &PyList_Type, &todo, &PyByteArray_Type, &why, &PyList_Type, &retry,
                           &PySet_Type, &taken, &PyList_Type, &pending, &PyList_Type, &keys, &PyDict_Type, &idle_order,
-                          &heappop, &heappush, &push, &PyTuple_Type, &consts))
+                          &push, &PyTuple_Type, &consts))
         return NULL;
     if (PyTuple_GET_SIZE(consts) != E_N) {
         PyErr_SetString(PyExc_ValueError, "due_slots: constants of the wrong length");
@@ -816,44 +803,35 @@ PyObject *native_due_slots(PyObject *self, PyObject *args) {
     int8_t *tcp = b[D_TCP].buf;
     uint32_t *status = b[D_STATUS].buf;
     double *active = b[D_ACTIVE].buf, *idle = b[D_IDLE].buf;
-    int64_t limit_entry = (int64_t)((uint64_t)(ms_of(now) + 1) << 32);
+    int64_t now_ms = ms_of(now); /* due: entries up to now's millisecond (pop_due's limit) */
     Py_ssize_t live = 0;
-    PyObject *early = PyList_New(0);
-    if (early == NULL) goto fail;
+    DeadlineHeap *h = (DeadlineHeap *)heap;
+    HeapEntry *early = NULL; /* entries of now's millisecond whose exact deadline is later than now */
+    Py_ssize_t n_early = 0, early_cap = 0;
     int has_taken = PySet_GET_SIZE(taken) > 0;
-    while (PyList_GET_SIZE(heap) > 0) {
-        long long top = PyLong_AsLongLong(PyList_GET_ITEM(heap, 0));
-        if (top == -1 && PyErr_Occurred()) goto fail_early;
-        if (top >= limit_entry) break;
-        PyObject *entry = PyObject_CallOneArg(heappop, heap);
-        if (entry == NULL) goto fail_early;
-        long long ev = PyLong_AsLongLong(entry);
-        Py_ssize_t s = (Py_ssize_t)(ev & 0xFFFFFFFFLL);
-        if (ev == -1 && PyErr_Occurred()) {
-            Py_DECREF(entry);
-            goto fail_early;
-        }
+    while (h->n > 0 && h->v[0].ms <= now_ms) {
+        HeapEntry ev = heap_pop(heap);
+        Py_ssize_t s = (Py_ssize_t)ev.slot;
         if (s >= n_slots) {
-            Py_DECREF(entry);
             PyErr_Format(PyExc_IndexError, "due_slots: slot %zd out of range", s);
             goto fail_early;
         }
-        if (!queued[s]) {
-            Py_DECREF(entry);
-            continue;
-        }
+        if (!queued[s]) continue;
         double deadline = active[s] < idle[s] ? active[s] : idle[s];
-        if (ms_of(deadline) != (ev >> 32)) { /* stale: the slot's deadline moved */
-            Py_DECREF(entry);
-            continue;
-        }
+        if (ms_of(deadline) != ev.ms) continue; /* stale: the slot's deadline moved */
         if (deadline > now) {
-            int r = PyList_Append(early, entry);
-            Py_DECREF(entry);
-            if (r) goto fail_early;
+            if (n_early == early_cap) {
+                early_cap = early_cap ? 2 * early_cap : 16;
+                HeapEntry *grown = PyMem_Realloc(early, (size_t)early_cap * sizeof(HeapEntry));
+                if (grown == NULL) {
+                    PyErr_NoMemory();
+                    goto fail_early;
+                }
+                early = grown;
+            }
+            early[n_early++] = ev;
             continue;
         }
-        Py_DECREF(entry);
         queued[s] = 0;
         live--;
         /* the slot is due: what the ledger does with it */
@@ -906,7 +884,7 @@ PyObject *native_due_slots(PyObject *self, PyObject *args) {
                     active[s] = now + active_timeout;
                     queued[s] = 1;
                     live++;
-                    rc = push_entry(heappush, heap, active[s] < idle[s] ? active[s] : idle[s], s);
+                    rc = heap_push(heap, ms_of(active[s] < idle[s] ? active[s] : idle[s]), (uint32_t)s);
                 }
             }
             if (!rc) rc = PyByteArray_Resize(why, PyByteArray_GET_SIZE(why) + 1);
@@ -916,17 +894,15 @@ PyObject *native_due_slots(PyObject *self, PyObject *args) {
         if (rc) goto fail_early;
     }
     /* the entries of now's millisecond whose exact deadline is later go back, as pop_due's finally does */
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(early); i++) {
-        PyObject *r = PyObject_CallFunctionObjArgs(heappush, heap, PyList_GET_ITEM(early, i), NULL);
-        if (r == NULL) goto fail_early;
-        Py_DECREF(r);
-    }
-    Py_DECREF(early);
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < n_early && !rc; i++) rc = heap_push(heap, early[i].ms, early[i].slot);
+    PyMem_Free(early);
     release_views(b, held);
-    return PyLong_FromSsize_t(live);
+    return rc ? NULL : PyLong_FromSsize_t(live);
 fail_early:
-    Py_DECREF(early);
-fail:
+    for (Py_ssize_t i = 0; i < n_early; i++) /* pop_due's finally: back even when the loop failed */
+        if (heap_push(heap, early[i].ms, early[i].slot)) break;
+    PyMem_Free(early);
     release_views(b, held);
     return NULL;
 }

@@ -3,6 +3,7 @@
 #define FLOW_EXPORTER_RECORDS_H
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
 
 /* Avro long (int64): zigzag, then base-128 little-endian, at p (room for 10 bytes); returns its length. */
@@ -100,5 +101,22 @@ PyObject *native_admit_rows(PyObject *self, PyObject *args);
 /* flow_exporter/_snapshot.c */
 PyObject *native_pack_rows(PyObject *self, PyObject *args);
 PyObject *native_pack_records(PyObject *self, PyObject *args);
+/* flow_exporter/_heap.c: the expiry queue's heap, (deadline millisecond, slot) pairs ordered as the pure
+ * queue's ints `ms << 32 | slot` are */
+typedef struct {
+    int64_t ms;
+    uint32_t slot;
+} HeapEntry;
+typedef struct {
+    PyObject_HEAD
+    HeapEntry *v;
+    Py_ssize_t n, cap;
+} DeadlineHeap;
+extern PyTypeObject DeadlineHeapType;
+int heap_add_type(PyObject *module);
+int heap_push(PyObject *heap, int64_t ms, uint32_t slot); /* 0, or -1 with MemoryError */
+HeapEntry heap_pop(PyObject *heap);                        /* the heap must not be empty */
+/* expiry.py _ms: a deadline's millisecond, the heap's first key */
+static inline int64_t ms_of(double deadline) { return (int64_t)floor(deadline * 1000.0); }
 
 #endif

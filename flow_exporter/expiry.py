@@ -12,14 +12,20 @@ deadline's, and a slot is yielded only once its exact float deadline has passed.
 Updates are lazy (a new heap entry, the old one skipped when popped) because most
 updates only move the idle deadline, which rarely changes the minimum; the heap is
 rebuilt when stale entries outnumber live ones.
+
+The heap is a list ordered by :mod:`heapq`, or, for the compiled paths, the extension's
+``DeadlineHeap`` (``_heap.c``): the same entries in the same places, kept as (millisecond, slot)
+pairs in one C array, so its comparisons cost no objects and a millisecond past 31 bits (a node up
+more than 24.8 days) still fits.
 """
 
 from __future__ import annotations
 
 import heapq
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from math import floor
+from typing import Any
 
 _SLOT_BITS = 32
 _SLOT_MASK = (1 << _SLOT_BITS) - 1
@@ -29,14 +35,24 @@ def _ms(deadline: float) -> int:
     return floor(deadline * 1000.0)
 
 
+def _heapified(entries: list[int]) -> list[int]:
+    heapq.heapify(entries)
+    return entries
+
+
 class ExpiryQueue:
     """Deadlines of queued slots plus a lazy min-heap over them."""
 
-    def __init__(self) -> None:
+    def __init__(self, heap_type: Any = None) -> None:
+        """``heap_type``: the compiled ``DeadlineHeap`` (built from a list of entries, with ``push`` and ``pop``);
+        None for a list and :mod:`heapq`."""
         self.active = array("d")  # per slot: active-timeout deadline (monotonic seconds)
         self.idle = array("d")  # per slot: idle-timeout deadline
         self._queued = bytearray()  # per slot: 1 while queued
-        self._heap: list[int] = []
+        self._heapify: Callable[[list[int]], Sequence[int]] = _heapified if heap_type is None else heap_type
+        self._heappush: Callable[[Any, int], None] = heapq.heappush if heap_type is None else heap_type.push
+        self._heappop: Callable[[Any], int] = heapq.heappop if heap_type is None else heap_type.pop
+        self._heap: Sequence[int] = self._heapify([])
         self._live = 0
 
     def grow(self, size: int) -> None:
@@ -62,7 +78,7 @@ class ExpiryQueue:
             self._queued[slot] = 1
             self._live += 1
         deadline = active_expire if active_expire < idle_expire else idle_expire
-        heapq.heappush(self._heap, _ms(deadline) << _SLOT_BITS | slot)
+        self._heappush(self._heap, _ms(deadline) << _SLOT_BITS | slot)
         if replaced:  # only a replaced slot leaves a stale heap entry (a new one is the first poll's hot path)
             self._maybe_compact()
 
@@ -73,7 +89,7 @@ class ExpiryQueue:
         self._queued[slot] = 1
         self._live += 1
         deadline = active_expire if active_expire < idle_expire else idle_expire
-        heapq.heappush(self._heap, _ms(deadline) << _SLOT_BITS | slot)
+        self._heappush(self._heap, _ms(deadline) << _SLOT_BITS | slot)
 
     def update(self, slot: int, *, active_expire: float | None = None, idle_expire: float | None = None) -> None:
         """Move a queued slot's deadlines; a new heap entry only when its minimum moves to another millisecond."""
@@ -86,7 +102,7 @@ class ExpiryQueue:
             self.idle[slot] = i = idle_expire
         new = _ms(a if a < i else i)
         if new != old:
-            heapq.heappush(self._heap, new << _SLOT_BITS | slot)
+            self._heappush(self._heap, new << _SLOT_BITS | slot)
             self._maybe_compact()
 
     def remove(self, slot: int) -> None:
@@ -109,7 +125,7 @@ class ExpiryQueue:
         while heap:
             if self._is_live(heap[0]):
                 return self.deadline(heap[0] & _SLOT_MASK)
-            heapq.heappop(heap)
+            self._heappop(heap)
         return None
 
     def pop_due(self, now: float) -> Iterator[int]:
@@ -126,7 +142,7 @@ class ExpiryQueue:
         early: list[int] = []  # live entries of now's millisecond whose exact deadline is later than now
         try:
             while heap and heap[0] < limit:
-                entry = heapq.heappop(heap)
+                entry = self._heappop(heap)
                 slot = entry & _SLOT_MASK
                 if not queued[slot]:
                     continue
@@ -143,9 +159,9 @@ class ExpiryQueue:
                 yield slot
         finally:
             for entry in early:
-                heapq.heappush(heap, entry)
+                self._heappush(heap, entry)
 
-    def parts(self) -> tuple[list[int], bytearray, array[float], array[float]]:
+    def parts(self) -> tuple[Any, bytearray, array[float], array[float]]:
         """The heap, queued flags and deadlines, for the compiled loop over what is due (store.ledger).
 
         It pops and pushes entries exactly as :meth:`pop_due` and :meth:`requeue` do, and reports
@@ -161,7 +177,6 @@ class ExpiryQueue:
         heap = self._heap
         if len(heap) > 64 and len(heap) > 2 * self._live:
             queued = self._queued
-            self._heap = [
-                _ms(self.deadline(s)) << _SLOT_BITS | s for s in range(len(queued)) if queued[s]
-            ]
-            heapq.heapify(self._heap)
+            self._heap = self._heapify(
+                [_ms(self.deadline(s)) << _SLOT_BITS | s for s in range(len(queued)) if queued[s]]
+            )

@@ -20,6 +20,8 @@ NativeResult = tuple[int, int, int, bool, int, bool, int]
 class Native(Protocol):
     """What ``flow_exporter._native`` offers (its docstring and ``_native.c`` say what each does)."""
 
+    DeadlineHeap: Any  # the expiry queue's heap (_heap.c): DeadlineHeap(entries), .push(entry), .pop()
+
     def decode(
         self, buf: Any, out: list[Any], zones: Container[int] | None, destroyed: list[Any] | None, connection: type
     ) -> NativeResult: ...
@@ -97,7 +99,7 @@ class Native(Protocol):
         wall_ns: int,
         active_at: float,
         idle_at: float,
-        heap: list[int],
+        heap: Any,  # DeadlineHeap
         admitted: list[Any] | None,
         state: list[int],
     ) -> int: ...  # the index of the first row it left to the caller
@@ -116,7 +118,7 @@ class Native(Protocol):
 
     def due_slots(
         self,
-        heap: list[int],
+        heap: Any,  # DeadlineHeap
         columns: tuple[Any, ...],
         now: float,
         active_timeout: float,
@@ -128,8 +130,6 @@ class Native(Protocol):
         pending: list[Any],
         keys: list[Any],
         idle_order: dict[int, None],
-        heappop: Callable[[list[int]], int],
-        heappush: Callable[[list[int], int], None],
         push: Callable[[int, float, float], None],
         constants: tuple[int, ...],
     ) -> int: ...

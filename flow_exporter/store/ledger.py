@@ -220,7 +220,7 @@ class Ledger(Table):
         moved = self._native.due_slots(
             heap, (self._reason, self._bits, self._tcp, self._status, queued, active, idle), now,
             self.timeouts.active, -1 if limit is None else limit, todo, why, retry, taken, self._pending, self._keys,
-            self._idle, heapq.heappop, heapq.heappush, queue.push, self._due_constants,
+            self._idle, queue.push, self._due_constants,
         )  # fmt: skip
         queue.counted(moved)
 

@@ -231,7 +231,8 @@ def test_sdist_builds_without_a_compiler(dists: Dists, tmp_path: Path) -> None:
     unpacked = tmp_path / "from-sdist"
     with tarfile.open(dists.sdist) as tar:
         tar.extractall(unpacked, filter="data")
-        for source in ("_native.c", "_records.c", "_prefix.c", "_delivery.c", "_admit.c", "_snapshot.c", "_records.h"):
+        for source in ("_native.c", "_records.c", "_prefix.c", "_delivery.c", "_admit.c", "_snapshot.c", "_heap.c",
+                       "_records.h"):
             assert f"{NAME}/flow_exporter/{source}" in tar.getnames()
     out = tmp_path / "dist"
     env = {**os.environ, "CC": "false"}  # a compiler that always fails

@@ -142,8 +142,8 @@ def base(kind: int, port: int) -> Connection:
 
 
 class Lockstep:
-    def __init__(self, cap: int, zones: frozenset[int] | None) -> None:
-        self.now = 1000.0
+    def __init__(self, cap: int, zones: frozenset[int] | None, start: float = 1000.0) -> None:
+        self.now = start
         self.zones = zones
         self.pure = ConnectionStore(TIMEOUTS, max_connections=cap, id_seed=b"S" * 8, compiled=False)
         self.fused = ConnectionStore(TIMEOUTS, max_connections=cap, id_seed=b"S" * 8, compiled=True)
@@ -286,6 +286,7 @@ def record(e: Export) -> tuple[Any, ...]:
     return tuple(getattr(e, f.name) for f in fields(e) if f.name not in ("value", "topic", "key"))
 
 
+HEAP: Any = getattr(native.compiled(), "DeadlineHeap", ())  # the compiled queue's heap type
 SKIP = {"_native", "_fused_columns", "on_new", "compiled", "_dump_order", "_dump_rows"}  # the fused path's own
 
 
@@ -295,6 +296,8 @@ def state(obj: Any) -> Any:
         return obj
     if isinstance(obj, array):
         return (obj.typecode, obj.tolist())
+    if isinstance(obj, HEAP):  # the compiled queue's heap: the entries the pure queue's list holds, in its order
+        return ("list", obj.tolist())
     if isinstance(obj, bytearray):
         return bytes(obj)
     if isinstance(obj, dict):
@@ -344,7 +347,10 @@ OPS = st.sampled_from(["create", "create", "traffic", "reply", "tcp", "labels", 
     [("create", 0, 0), ("create", 1, 0), ("poll", 3, 0), ("tick", 0, 15), ("tick", 0, 15), ("expire", 0, 1),
      ("tick", 0, 15), ("expire", 0, 1), ("create", 0, 0), ("poll", 3, 0), ("expire", 0, 1)], 2, None)
 def test_fused_poll_keeps_the_same_store(ops: list[tuple[str, int, int]], cap: int, zones: Any) -> None:
-    w = Lockstep(cap, zones)
+    walk_in_lockstep(Lockstep(cap, zones), ops)
+
+
+def walk_in_lockstep(w: Lockstep, ops: list[tuple[str, int, int]]) -> None:
     for op, i, arg in ops:
         w.apply(op, i, arg)
         assert state(w.fused) == state(w.pure), op
@@ -352,6 +358,19 @@ def test_fused_poll_keeps_the_same_store(ops: list[tuple[str, int, int]], cap: i
     w.now += 20
     w.expire(0)
     assert state(w.fused) == state(w.pure)
+
+
+UP_24_8_DAYS = 2**31 / 1000  # seconds: CLOCK_MONOTONIC's millisecond no longer fits in 31 bits
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(st.tuples(OPS, st.integers(0, 5), st.integers(0, 15)), min_size=5, max_size=60), st.integers(2, 12))
+@example([("create", 0, 0), ("create", 1, 0), ("poll", 1, 0), ("tick", 0, 15), ("expire", 0, 0)], 8)
+def test_a_node_up_more_than_24_8_days_keeps_the_same_store(ops: list[tuple[str, int, int]], cap: int) -> None:
+    """The queue's deadlines are CLOCK_MONOTONIC, counted from boot. Past 2^31 ms a heap entry ``ms << 32 | slot``
+    no longer fits in 64 bits: the compiled expire loop raised OverflowError there, on every node up longer than
+    24.8 days. Each walk starts 20 s before that millisecond and ends past it, deadlines on both sides."""
+    walk_in_lockstep(Lockstep(cap, None, start=UP_24_8_DAYS - 20), ops)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
