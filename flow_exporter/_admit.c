@@ -39,33 +39,32 @@ static const Py_ssize_t A_SIZE[A_N] = {8, 8, 8, 4, 1, 1, 8, 8, 8, 8, 1, 4, 8, 4,
 #define PROTO_ICMPV6 58
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 
-/* One row's values, checked: everything the columns take, before anything is written. */
+/* A Connection's values, checked: its objects, and what the admission takes of them (AdmitVals). */
 typedef struct {
     PyObject *o[K_N];
-    uint64_t opk, oby, rpk, rby, ct, mark, status, odport, rsport, rdport;
-    int64_t start, stop, tcp;
-    int counted;
+    AdmitVals a;
 } Vals;
 
 static int vals_of(PyObject *conn, Vals *v) {
+    AdmitVals *a = &v->a;
     for (int i = 0; i < K_N; i++) v->o[i] = SLOT_AT(conn_slots, conn, i);
     for (int i = 0; i < K_N; i++)
         if (v->o[i] == NULL) return 0;
-    if (as_u64(v->o[K_OPK], &v->opk) || as_u64(v->o[K_OBY], &v->oby) || as_u64(v->o[K_RPK], &v->rpk) ||
-        as_u64(v->o[K_RBY], &v->rby) || as_u64(v->o[K_CT], &v->ct) || as_u64(v->o[K_MARK], &v->mark) ||
-        as_u64(v->o[K_STATUS], &v->status) || as_u64(v->o[K_ODPORT], &v->odport) ||
-        as_u64(v->o[K_RSPORT], &v->rsport) || as_u64(v->o[K_RDPORT], &v->rdport) || as_i64(v->o[K_START], &v->start) ||
-        as_i64(v->o[K_STOP], &v->stop))
+    if (as_u64(v->o[K_OPK], &a->opk) || as_u64(v->o[K_OBY], &a->oby) || as_u64(v->o[K_RPK], &a->rpk) ||
+        as_u64(v->o[K_RBY], &a->rby) || as_u64(v->o[K_CT], &a->ct) || as_u64(v->o[K_MARK], &a->mark) ||
+        as_u64(v->o[K_STATUS], &a->status) || as_u64(v->o[K_ODPORT], &a->odport) ||
+        as_u64(v->o[K_RSPORT], &a->rsport) || as_u64(v->o[K_RDPORT], &a->rdport) || as_i64(v->o[K_START], &a->start) ||
+        as_i64(v->o[K_STOP], &a->stop))
         return 0;
-    if (v->ct > UINT32_MAX || v->mark > UINT32_MAX || v->status > UINT32_MAX || v->odport > 0xFFFF ||
-        v->rsport > 0xFFFF || v->rdport > 0xFFFF)
-        return 0;
-    if (v->o[K_TCP] == Py_None) v->tcp = -1;
-    else if (as_i64(v->o[K_TCP], &v->tcp) || v->tcp < -128 || v->tcp > 127) return 0;
-    if (!PyBytes_CheckExact(v->o[K_ODST]) || !PyBytes_CheckExact(v->o[K_RDST])) return 0;
-    if (v->o[K_LABELS] != Py_None && !PyBytes_CheckExact(v->o[K_LABELS])) return 0;
+    if (v->o[K_TCP] == Py_None) a->tcp = -1;
+    else if (as_i64(v->o[K_TCP], &a->tcp)) return 0;
     if (!PyBool_Check(v->o[K_COUNTED])) return 0;
-    v->counted = v->o[K_COUNTED] == Py_True;
+    a->counted = v->o[K_COUNTED] == Py_True;
+    a->odst = v->o[K_ODST];
+    a->rdst = v->o[K_RDST];
+    a->labels = v->o[K_LABELS];
+    a->icmp = (uint8_t)((v->o[K_ITYPE] != Py_None ? 1 : 0) | (v->o[K_ICODE] != Py_None ? 2 : 0) |
+                        (v->o[K_IID] != Py_None ? 4 : 0));
     return 1;
 }
 
@@ -99,21 +98,20 @@ static PyObject *interned_key(PyObject *key, PyObject *intern, Py_ssize_t intern
 }
 
 /* columns.py _static: orig_dst + reply_dst + struct "!HHHB" (orig_dport, reply_sport, reply_dport, ICMP bits). */
-static PyObject *static_of(const Vals *v) {
-    Py_ssize_t a = PyBytes_GET_SIZE(v->o[K_ODST]), b = PyBytes_GET_SIZE(v->o[K_RDST]);
+static PyObject *static_of(const AdmitVals *v) {
+    Py_ssize_t a = PyBytes_GET_SIZE(v->odst), b = PyBytes_GET_SIZE(v->rdst);
     PyObject *out = PyBytes_FromStringAndSize(NULL, a + b + 7);
     if (out == NULL) return NULL;
     uint8_t *p = (uint8_t *)PyBytes_AS_STRING(out);
-    memcpy(p, PyBytes_AS_STRING(v->o[K_ODST]), (size_t)a);
-    memcpy(p + a, PyBytes_AS_STRING(v->o[K_RDST]), (size_t)b);
+    memcpy(p, PyBytes_AS_STRING(v->odst), (size_t)a);
+    memcpy(p + a, PyBytes_AS_STRING(v->rdst), (size_t)b);
     p += a + b;
     uint64_t ports[3] = {v->odport, v->rsport, v->rdport};
     for (int i = 0; i < 3; i++) {
         p[2 * i] = (uint8_t)(ports[i] >> 8);
         p[2 * i + 1] = (uint8_t)ports[i];
     }
-    p[6] = (uint8_t)((v->o[K_ITYPE] != Py_None ? 1 : 0) | (v->o[K_ICODE] != Py_None ? 2 : 0) |
-                     (v->o[K_IID] != Py_None ? 4 : 0));
+    p[6] = v->icmp;
     return out;
 }
 
@@ -127,9 +125,11 @@ static int64_t next_id(uint64_t *state) {
 }
 
 /* Whether the store keeps a tombstone for (key, ct_id): 1 yes (or an error is set), 0 no. */
-static int tombed(PyObject *tombs, PyObject *key, PyObject *ct_id) {
+static int tombed(PyObject *tombs, PyObject *key, uint64_t ct_id) {
     if (!PyDict_GET_SIZE(tombs)) return 0;
-    PyObject *k = PyTuple_Pack(2, key, ct_id);
+    PyObject *ct = PyLong_FromUnsignedLongLong(ct_id);
+    PyObject *k = ct ? PyTuple_Pack(2, key, ct) : NULL;
+    Py_XDECREF(ct);
     if (k == NULL) return 1;
     int found = PyDict_Contains(tombs, k);
     Py_DECREF(k);
@@ -174,36 +174,200 @@ static int state_put(PyObject *state, Py_ssize_t next_slot, uint64_t ids, int64_
     return rc;
 }
 
-PyObject *native_admit_rows(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *rows, *ctype, *conns, *orphans, *restored, *given_up, *tombs, *keys, *stat, *labels, *columns, *freel, *intern, *heap,
-        *admitted, *state;
-    Py_ssize_t i, max_conns, intern_max;
+/* A run of admissions: the store's tables and columns, read from the context list Table._admission_context
+ * builds (the same values admit_rows took one by one), and the counters the run advances. */
+struct Admission {
+    PyObject *ctx;  /* the context list (Python may refresh it while paused) */
+    PyObject *args; /* a tuple of it, holding the borrowed references below */
+    PyObject *conns, *orphans, *restored, *given_up, *tombs, *keys, *stat, *labels, *columns, *freel, *intern,
+        *heap, *admitted, *state;
+    Py_ssize_t max_conns, intern_max;
     long long readmit_before, wall_ns;
     unsigned long long gen;
     int flags;
     double active_at, idle_at;
-    if (!PyArg_ParseTuple(args, "O!nOO!O!O!O!O!nLO!O!O!O!O!O!nKiLddO!OO!", &PyList_Type, &rows, &i, &ctype, &PyDict_Type,
-                          &conns, &PyDict_Type, &orphans, &PyDict_Type, &restored, &PyDict_Type, &given_up,
-                          &PyDict_Type, &tombs, &max_conns, &readmit_before,
-                          &PyList_Type, &keys, &PyList_Type, &stat, &PyDict_Type, &labels, &PyTuple_Type, &columns,
-                          &PyList_Type, &freel, &PyDict_Type, &intern, &intern_max, &gen, &flags, &wall_ns, &active_at,
-                          &idle_at, &DeadlineHeapType, &heap, &admitted, &PyList_Type, &state))
-        return NULL;
-    if (PyTuple_GET_SIZE(columns) != A_N) {
-        PyErr_Format(PyExc_TypeError, "expected %d columns", A_N);
-        return NULL;
-    }
-    if (!PyType_Check(ctype) || !slot_cache(&conn_slots, ctype, NAMES, K_N)) return PyLong_FromSsize_t(i);
-    Py_ssize_t next_slot;
+    ACols c;
+    int open;                       /* the context read and the columns held: admission_one may write */
+    Py_ssize_t next_slot, count;   /* count: admitted since the context was read */
     uint64_t ids;
     int64_t stamp;
-    if (state_get(state, &next_slot, &ids, &stamp)) return NULL;
-    ACols c = {0};
-    if (acols_acquire(&c, columns)) return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(rows), count = 0;
+};
+
+/* Read the context, acquire the columns, take the counters from its state list. */
+int admission_resume(Admission *a) {
+    if (a->open) return 0;
+    PyObject *args = PyList_AsTuple(a->ctx);
+    if (args == NULL) return -1;
+    Py_XSETREF(a->args, args);
+    if (!PyArg_ParseTuple(args, "O!O!O!O!nLO!O!O!O!O!O!nKiLddO!OO!:admission context", &PyDict_Type, &a->orphans,
+                          &PyDict_Type, &a->restored, &PyDict_Type, &a->given_up, &PyDict_Type, &a->tombs,
+                          &a->max_conns, &a->readmit_before, &PyList_Type, &a->keys, &PyList_Type, &a->stat,
+                          &PyDict_Type, &a->labels, &PyTuple_Type, &a->columns, &PyList_Type, &a->freel, &PyDict_Type,
+                          &a->intern, &a->intern_max, &a->gen, &a->flags, &a->wall_ns, &a->active_at, &a->idle_at,
+                          &DeadlineHeapType, &a->heap, &a->admitted, &PyList_Type, &a->state))
+        return -1;
+    if (PyTuple_GET_SIZE(a->columns) != A_N) {
+        PyErr_Format(PyExc_TypeError, "expected %d columns", A_N);
+        return -1;
+    }
+    if (state_get(a->state, &a->next_slot, &a->ids, &a->stamp)) return -1;
+    if (acols_acquire(&a->c, a->columns)) return -1;
+    a->count = 0;
+    a->open = 1;
+    return 0;
+}
+
+/* The counters written back to the state list and the columns released: before Python runs (it may grow the
+ * columns, admit rows itself, compact the heap); admission_resume reads everything again. */
+int admission_pause(Admission *a) {
+    if (!a->open) return 0;
+    a->open = 0;
+    columns_release(a->c.b, A_N);
+    return state_put(a->state, a->next_slot, a->ids, a->stamp, a->count);
+}
+
+Admission *admission_open(PyObject *conns, PyObject *ctx) {
+    if (!PyList_Check(ctx)) {
+        PyErr_SetString(PyExc_TypeError, "admission context: expected a list");
+        return NULL;
+    }
+    Admission *a = PyMem_Calloc(1, sizeof(Admission));
+    if (a == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    a->conns = conns;
+    a->ctx = Py_NewRef(ctx);
+    if (admission_resume(a)) {
+        admission_close(a);
+        return NULL;
+    }
+    return a;
+}
+
+int admission_close(Admission *a) {
+    if (a == NULL) return 0;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb); /* an error being raised stays the one raised */
+    int rc = admission_pause(a);
+    if (type != NULL) PyErr_Restore(type, value, tb);
+    Py_XDECREF(a->args);
+    Py_XDECREF(a->ctx);
+    PyMem_Free(a);
+    return rc;
+}
+
+/* Admit one new connection with `key` (a Connection.key tuple) and values `v`, as Table._admit would: 1
+ * admitted (*slot_out its slot), 2 a duplicate of a row this dump already showed (nothing to do), 0 stopped
+ * (nothing written: the row is Python's), -1 an error. `lookup`: whether the keyed table may hold the key
+ * (the fused poll has just looked it up). `conn` is what the hook for new connections gets (NULL: no hook
+ * may be set). */
+int admission_one(Admission *a, PyObject *key, const AdmitVals *v, int lookup, PyObject *conn, Py_ssize_t *slot_out) {
+    if (!a->open) return 0;
+    if (a->admitted != Py_None && conn == NULL) return 0;
+    if (v->ct > UINT32_MAX || v->mark > UINT32_MAX || v->status > UINT32_MAX || v->odport > 0xFFFF ||
+        v->rsport > 0xFFFF || v->rdport > 0xFFFF || v->tcp < -128 || v->tcp > 127)
+        return 0; /* a value a column cannot hold */
+    if (!PyBytes_CheckExact(v->odst) || !PyBytes_CheckExact(v->rdst)) return 0;
+    if (v->labels != Py_None && !PyBytes_CheckExact(v->labels)) return 0;
+    ACols *c = &a->c;
+    if (lookup) {
+        PyObject *held = PyDict_GetItemWithError(a->conns, key);
+        if (held != NULL) {
+            Py_ssize_t hs = PyLong_AsSsize_t(held);
+            if (hs == -1 && PyErr_Occurred()) return -1;
+            return hs >= 0 && hs < c->slots && (uint64_t)ACOL(*c, A_SEEN, uint32_t)[hs] == a->gen ? 2 : 0;
+        }
+        if (PyErr_Occurred()) return -1;
+    }
+    /* Table._admit_row's cases: a restored row, a given-up tuple, a tombstone of this incarnation */
+    if (PyDict_GET_SIZE(a->restored)) {
+        int r = PyDict_Contains(a->restored, key);
+        if (r) return r < 0 ? -1 : 0;
+    }
+    if (PyDict_GET_SIZE(a->given_up)) {
+        int r = PyDict_Contains(a->given_up, key);
+        if (r) return r < 0 ? -1 : 0;
+    }
+    if (tombed(a->tombs, key, v->ct)) return PyErr_Occurred() ? -1 : 0;
+    if (PyDict_GET_SIZE(a->conns) + PyDict_GET_SIZE(a->orphans) >= a->max_conns ||
+        (v->start && v->start <= a->readmit_before) || a->gen > UINT32_MAX)
+        return 0;
+    Py_ssize_t nfree = PyList_GET_SIZE(a->freel), s;
+    if (nfree) {
+        s = PyLong_AsSsize_t(PyList_GET_ITEM(a->freel, nfree - 1));
+        if (s == -1 && PyErr_Occurred()) return -1;
+    } else {
+        s = a->next_slot;
+    }
+    if (s < 0 || s >= c->slots || s >= PyList_GET_SIZE(a->keys) || s >= PyList_GET_SIZE(a->stat) ||
+        ACOL(*c, A_QUEUED, uint8_t)[s])
+        return 0; /* the columns must grow first, or a slot in an unexpected state: Python's path */
+    /* -- admitted: the objects first (an error here leaves the slot unused), then the columns */
+    PyObject *ikey = interned_key(key, a->intern, a->intern_max);
+    PyObject *st = ikey ? static_of(v) : NULL;
+    PyObject *slot = st ? PyLong_FromSsize_t(s) : NULL;
+    if (slot == NULL) {
+        Py_XDECREF(ikey);
+        Py_XDECREF(st);
+        return -1;
+    }
+    int64_t start = v->start, stop = v->stop, first = start;
+    if (!first) first = a->stamp = a->wall_ns > a->stamp + 1 ? a->wall_ns : a->stamp + 1; /* Table._stamp */
+    int64_t fid = next_id(&a->ids);
+    if (nfree) PyList_SetSlice(a->freel, nfree - 1, nfree, NULL);
+    else a->next_slot = s + 1;
+    PyList_SetItem(a->keys, s, Py_NewRef(ikey));
+    PyList_SetItem(a->stat, s, st);
+    ACOL(*c, A_FID, int64_t)[s] = fid;
+    ACOL(*c, A_FIRST, int64_t)[s] = first;
+    ACOL(*c, A_LAST_ACTIVE, int64_t)[s] = stop ? stop : a->wall_ns;
+    ACOL(*c, A_SEEN, uint32_t)[s] = (uint32_t)a->gen;
+    ACOL(*c, A_BITS, uint8_t)[s] = v->counted ? PRESENT_ACTIVE : PRESENT_ACTIVE | UNCOUNTED;
+    if (a->flags) ACOL(*c, A_FLAGS, uint8_t)[s] = (uint8_t)a->flags;
+    ACOL(*c, A_OP, uint64_t)[s] = v->opk;
+    ACOL(*c, A_OB, uint64_t)[s] = v->oby;
+    ACOL(*c, A_RP, uint64_t)[s] = v->rpk;
+    ACOL(*c, A_RB, uint64_t)[s] = v->rby;
+    ACOL(*c, A_TCP, int8_t)[s] = (int8_t)v->tcp;
+    ACOL(*c, A_STATUS, uint32_t)[s] = (uint32_t)v->status;
+    ACOL(*c, A_START, int64_t)[s] = start;
+    ACOL(*c, A_CT, uint32_t)[s] = (uint32_t)v->ct;
+    ACOL(*c, A_MARK, uint32_t)[s] = (uint32_t)v->mark;
+    a->count++;
+    int rc = v->labels != Py_None ? PyDict_SetItem(a->labels, slot, v->labels) : 0;
+    if (!rc) rc = PyDict_SetItem(a->conns, ikey, slot);
+    if (!rc && a->admitted != Py_None) {
+        PyObject *fido = PyLong_FromLongLong(fid);
+        PyObject *t = fido ? PyTuple_Pack(3, slot, fido, conn) : NULL;
+        Py_XDECREF(fido);
+        rc = t ? PyList_Append(a->admitted, t) : -1;
+        Py_XDECREF(t);
+    }
+    Py_DECREF(ikey);
+    Py_DECREF(slot);
+    /* ExpiryQueue.push of a slot not queued: both deadlines, the queued flag, one heap entry */
+    double deadline = a->active_at < a->idle_at ? a->active_at : a->idle_at;
+    ACOL(*c, A_QACTIVE, double)[s] = a->active_at;
+    ACOL(*c, A_QIDLE, double)[s] = a->idle_at;
+    ACOL(*c, A_QUEUED, uint8_t)[s] = 1;
+    if (!rc) rc = heap_push(a->heap, ms_of(deadline), (uint32_t)s);
+    if (rc) return -1;
+    *slot_out = s;
+    return 1;
+}
+
+PyObject *native_admit_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *rows, *ctype, *conns, *ctx;
+    Py_ssize_t i;
+    if (!PyArg_ParseTuple(args, "O!nOO!O!", &PyList_Type, &rows, &i, &ctype, &PyDict_Type, &conns, &PyList_Type, &ctx))
+        return NULL;
+    if (!PyType_Check(ctype) || !slot_cache(&conn_slots, ctype, NAMES, K_N)) return PyLong_FromSsize_t(i);
+    Admission *a = admission_open(conns, ctx);
+    if (a == NULL) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(rows);
     int failed = 0;
-    double deadline = active_at < idle_at ? active_at : idle_at;
     for (; i < n; i++) {
         PyObject *conn = PyList_GET_ITEM(rows, i);
         Vals v;
@@ -213,104 +377,12 @@ PyObject *native_admit_rows(PyObject *self, PyObject *args) {
             if (PyErr_Occurred()) PyErr_Clear();
             break;
         }
-        /* -- every check first: a row that stops here has had nothing written */
-        PyObject *held = PyDict_GetItemWithError(conns, key);
-        if (held != NULL) {
-            Py_ssize_t hs = PyLong_AsSsize_t(held);
-            Py_DECREF(key);
-            if (hs == -1 && PyErr_Occurred()) {
-                failed = 1;
-                break;
-            }
-            if (hs >= 0 && hs < c.slots && (uint64_t)ACOL(c, A_SEEN, uint32_t)[hs] == gen) continue; /* a duplicate */
-            break;
-        }
-        if (PyErr_Occurred() || (PyDict_GET_SIZE(restored) && PyDict_Contains(restored, key)) ||
-            (PyDict_GET_SIZE(given_up) && PyDict_Contains(given_up, key)) || tombed(tombs, key, v.o[K_CT])) {
-            Py_DECREF(key); /* Table._admit_row's cases: a given-up tuple, a tombstone of this incarnation */
-            failed = PyErr_Occurred() != NULL;
-            break;
-        }
-        int64_t start = v.start, stop = v.stop;
-        if (PyDict_GET_SIZE(conns) + PyDict_GET_SIZE(orphans) >= max_conns || (start && start <= readmit_before) ||
-            gen > UINT32_MAX) {
-            Py_DECREF(key);
-            break;
-        }
-        Py_ssize_t nfree = PyList_GET_SIZE(freel), s;
-        if (nfree) {
-            s = PyLong_AsSsize_t(PyList_GET_ITEM(freel, nfree - 1));
-            if (s == -1 && PyErr_Occurred()) {
-                Py_DECREF(key);
-                failed = 1;
-                break;
-            }
-        } else {
-            s = next_slot;
-        }
-        if (s < 0 || s >= c.slots || s >= PyList_GET_SIZE(keys) || s >= PyList_GET_SIZE(stat) ||
-            ACOL(c, A_QUEUED, uint8_t)[s]) {
-            Py_DECREF(key); /* the columns must grow first, or a slot in an unexpected state: Python's path */
-            break;
-        }
-        /* -- admitted: the objects first (an error here leaves the slot unused), then the columns */
-        PyObject *ikey = interned_key(key, intern, intern_max);
+        Py_ssize_t s;
+        int got = admission_one(a, key, &v.a, 1, conn, &s);
         Py_DECREF(key);
-        PyObject *st = ikey ? static_of(&v) : NULL;
-        PyObject *slot = st ? PyLong_FromSsize_t(s) : NULL;
-        if (slot == NULL) {
-            Py_XDECREF(ikey);
-            Py_XDECREF(st);
-            Py_XDECREF(slot);
-            failed = 1;
-            break;
-        }
-        int64_t first = start;
-        if (!first) first = stamp = wall_ns > stamp + 1 ? wall_ns : stamp + 1; /* Table._stamp */
-        int64_t fid = next_id(&ids);
-        if (nfree) PyList_SetSlice(freel, nfree - 1, nfree, NULL);
-        else next_slot = s + 1;
-        PyList_SetItem(keys, s, Py_NewRef(ikey));
-        PyList_SetItem(stat, s, st);
-        ACOL(c, A_FID, int64_t)[s] = fid;
-        ACOL(c, A_FIRST, int64_t)[s] = first;
-        ACOL(c, A_LAST_ACTIVE, int64_t)[s] = stop ? stop : wall_ns;
-        ACOL(c, A_SEEN, uint32_t)[s] = (uint32_t)gen;
-        ACOL(c, A_BITS, uint8_t)[s] = v.counted ? PRESENT_ACTIVE : PRESENT_ACTIVE | UNCOUNTED;
-        if (flags) ACOL(c, A_FLAGS, uint8_t)[s] = (uint8_t)flags;
-        ACOL(c, A_OP, uint64_t)[s] = v.opk;
-        ACOL(c, A_OB, uint64_t)[s] = v.oby;
-        ACOL(c, A_RP, uint64_t)[s] = v.rpk;
-        ACOL(c, A_RB, uint64_t)[s] = v.rby;
-        ACOL(c, A_TCP, int8_t)[s] = (int8_t)v.tcp;
-        ACOL(c, A_STATUS, uint32_t)[s] = (uint32_t)v.status;
-        ACOL(c, A_START, int64_t)[s] = start;
-        ACOL(c, A_CT, uint32_t)[s] = (uint32_t)v.ct;
-        ACOL(c, A_MARK, uint32_t)[s] = (uint32_t)v.mark;
-        count++;
-        int rc = v.o[K_LABELS] != Py_None ? PyDict_SetItem(labels, slot, v.o[K_LABELS]) : 0;
-        if (!rc) rc = PyDict_SetItem(conns, ikey, slot);
-        if (!rc && admitted != Py_None) {
-            PyObject *fido = PyLong_FromLongLong(fid);
-            PyObject *t = fido ? PyTuple_Pack(3, slot, fido, conn) : NULL;
-            Py_XDECREF(fido);
-            rc = t ? PyList_Append(admitted, t) : -1;
-            Py_XDECREF(t);
-        }
-        Py_DECREF(ikey);
-        /* ExpiryQueue.push of a slot not queued: both deadlines, the queued flag, one heap entry */
-        ACOL(c, A_QACTIVE, double)[s] = active_at;
-        ACOL(c, A_QIDLE, double)[s] = idle_at;
-        ACOL(c, A_QUEUED, uint8_t)[s] = 1;
-        if (!rc) rc = heap_push(heap, ms_of(deadline), (uint32_t)s);
-        Py_DECREF(slot);
-        if (rc) {
-            i++;
-            failed = 1;
-            break;
-        }
+        if (got < 0) failed = 1;
+        if (got <= 0) break;
     }
-    columns_release(c.b, A_N);
-    if (state_put(state, next_slot, ids, stamp, count) || failed) return NULL;
+    if (admission_close(a) || failed) return NULL;
     return PyLong_FromSsize_t(i);
 }

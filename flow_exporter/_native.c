@@ -18,7 +18,7 @@
  *     one by one). Events use it.
  *
  *   apply_dump(buf, zones, Connection, connections, keys, labels, columns, generation, ordinal, slow,
- *              zone_counts) -> the same tuple
+ *              zone_counts, admission=None) -> the same tuple
  *     The steady poll, fused: each dump row is decoded and looked up in the store's key index
  *     without making a Connection; a row whose connection is known and did not move (the common
  *     case) updates the store's columns in place, exactly as Table.update_batch would. Every other
@@ -27,6 +27,9 @@
  *     row is looked at, so the store sees the rows in the order a pure poll would. A row is first
  *     matched against the slot its position in the dump held last poll (the kernel lists its table in
  *     the same order every time), which needs no key object; only a miss builds the key for the index.
+ *     With `admission` (the store's admission context, _admit.c; the store passes it when no hook
+ *     wants new connections), a new row no earlier row waits for is admitted in place too, without a
+ *     Connection: the first poll of a large table is mostly such rows.
  *
  * Nothing here raises on garbage: a malformed message is skipped and counted.
  */
@@ -613,10 +616,12 @@ static int fast_update(Cols *c, Py_ssize_t s, const Row *r, uint64_t gen, int la
     return 1;
 }
 
-/* Hand the pending slow rows to `slow` (the columns are released meanwhile: it may grow them). */
-static int flush(PyObject *slow, PyObject **pending, Cols *c, PyObject *columns) {
+/* Hand the pending slow rows to `slow` (the columns are released meanwhile: it may grow them, and the
+ * admission reads its context again after it). */
+static int flush(PyObject *slow, PyObject **pending, Cols *c, PyObject *columns, Admission *adm) {
     if (PyList_GET_SIZE(*pending) == 0) return 0;
     cols_release(c);
+    if (adm != NULL && admission_pause(adm)) return -1;
     PyObject *rows = *pending;
     *pending = PyList_New(0);
     if (*pending == NULL) {
@@ -627,7 +632,52 @@ static int flush(PyObject *slow, PyObject **pending, Cols *c, PyObject *columns)
     Py_DECREF(rows);
     if (r == NULL) return -1;
     Py_DECREF(r);
+    if (adm != NULL && admission_resume(adm)) return -1;
     return cols_acquire(c, columns);
+}
+
+/* A new row's values for the admission (new references to its addresses and labels); -1 on error, 0 when a
+ * value does not fit the admission's types (the row goes the Connection's way). */
+static int row_vals(const Entry *e, const Row *r, AdmitVals *v) {
+    if (r->start > INT64_MAX || r->stop > INT64_MAX) return 0;
+    v->odst = addr(e, O_ + T_DST);
+    v->rdst = addr(e, R_ + T_DST);
+    v->labels = r->labelled ? addr(e, F_LABELS) : Py_NewRef(Py_None);
+    if (v->odst == NULL || v->rdst == NULL || v->labels == NULL) {
+        Py_XDECREF(v->odst);
+        Py_XDECREF(v->rdst);
+        Py_XDECREF(v->labels);
+        return -1;
+    }
+    v->opk = r->opk;
+    v->oby = r->oby;
+    v->rpk = r->rpk;
+    v->rby = r->rby;
+    v->ct = r->ct_id;
+    v->mark = r->mark;
+    v->status = r->status;
+    v->odport = r->dport;
+    v->rsport = r->rsport;
+    v->rdport = r->rdport;
+    v->start = (int64_t)r->start;
+    v->stop = (int64_t)r->stop;
+    v->tcp = r->tcp;
+    v->counted = r->counted;
+    v->icmp = r->icmp ? 7 : 0; /* make_connection: type, code and id, or none of them */
+    return 1;
+}
+
+/* A row the store does not hold, admitted straight from the dump (no Connection made): 1 admitted, 0 not (the
+ * row goes the Connection's way), -1 an error. */
+static int admit_row(Admission *adm, PyObject *key, const Entry *e, const Row *r, Py_ssize_t *slot) {
+    AdmitVals v;
+    int got = row_vals(e, r, &v);
+    if (got <= 0) return got;
+    got = admission_one(adm, key, &v, 0, NULL, slot);
+    Py_DECREF(v.odst);
+    Py_DECREF(v.rdst);
+    Py_DECREF(v.labels);
+    return got < 0 ? -1 : got == 1;
 }
 
 static int count_zone(PyObject *zone_counts, uint64_t zone, Py_ssize_t count) {
@@ -667,12 +717,12 @@ static Py_ssize_t find_slot(PyObject *conns, const Entry *e, const Row *r, PyObj
 static PyObject *native_apply_dump(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer view;
-    PyObject *zones, *ctype, *conns, *keys, *labels, *columns, *slow, *zone_counts;
+    PyObject *zones, *ctype, *conns, *keys, *labels, *columns, *slow, *zone_counts, *admission = Py_None;
     unsigned long long gen;
     Py_ssize_t ordinal;
-    if (!PyArg_ParseTuple(args, "y*OOO!O!O!O!KnOO!", &view, &zones, &ctype, &PyDict_Type, &conns, &PyList_Type, &keys,
-                          &PyDict_Type, &labels, &PyTuple_Type, &columns, &gen, &ordinal, &slow, &PyDict_Type,
-                          &zone_counts))
+    if (!PyArg_ParseTuple(args, "y*OOO!O!O!O!KnOO!|O", &view, &zones, &ctype, &PyDict_Type, &conns, &PyList_Type,
+                          &keys, &PyDict_Type, &labels, &PyTuple_Type, &columns, &gen, &ordinal, &slow, &PyDict_Type,
+                          &zone_counts, &admission))
         return NULL;
     if (PyTuple_GET_SIZE(columns) != C_N) {
         PyBuffer_Release(&view);
@@ -680,9 +730,16 @@ static PyObject *native_apply_dump(PyObject *self, PyObject *args) {
         return NULL;
     }
     Cols c = {0};
+    Admission *adm = NULL; /* new rows admitted in place, when the store passed its admission's context */
     PyObject *pending = PyList_New(0);
     if (pending == NULL || cols_acquire(&c, columns)) {
         Py_XDECREF(pending);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    if (admission != Py_None && (adm = admission_open(conns, admission)) == NULL) {
+        cols_release(&c);
+        Py_DECREF(pending);
         PyBuffer_Release(&view);
         return NULL;
     }
@@ -712,9 +769,18 @@ static PyObject *native_apply_dump(PyObject *self, PyObject *args) {
         else if ((s = find_slot(conns, &e, &r, &key)) == -2) goto fail;
         if (s >= 0 && PyList_GET_SIZE(pending)) {
             /* earlier rows first: they may change what this one finds */
-            if (flush(slow, &pending, &c, columns)) goto fail;
+            if (flush(slow, &pending, &c, columns, adm)) goto fail;
             if ((s = find_slot(conns, &e, &r, &key)) == -2) goto fail;
             order = COL(&c, C_ORDER, int64_t);
+        }
+        if (s == -1 && adm != NULL && PyList_GET_SIZE(pending) == 0) { /* new, and no earlier row waits */
+            Py_ssize_t slot;
+            int got = admit_row(adm, key, &e, &r, &slot);
+            if (got < 0) goto fail;
+            if (got) {
+                if (pos < c.orders) order[pos] = slot;
+                continue;
+            }
         }
         int done = 0;
         if (s >= 0 && s < c.slots) {
@@ -740,12 +806,14 @@ static PyObject *native_apply_dump(PyObject *self, PyObject *args) {
     Py_CLEAR(key);
     if (got < 0) goto fail;
     if (count_zone(zone_counts, run_zone, run)) goto fail;
-    if (flush(slow, &pending, &c, columns)) goto fail;
+    if (flush(slow, &pending, &c, columns, adm)) goto fail;
     cols_release(&c);
     Py_DECREF(pending);
     PyBuffer_Release(&view);
+    if (admission_close(adm)) return NULL;
     return result_tuple(&res);
 fail:
+    admission_close(adm);
     cols_release(&c);
     Py_XDECREF(key);
     Py_XDECREF(pending);
@@ -800,7 +868,8 @@ static PyMethodDef methods[] = {
     {"decode", native_decode, METH_VARARGS,
      "decode(buf, out, zones, destroyed, Connection): the ctnetlink decoder (see flow_exporter.conntrack.decode)."},
     {"apply_dump", native_apply_dump, METH_VARARGS,
-     "apply_dump(buf, zones, Connection, connections, keys, labels, columns, generation, ordinal, slow, zone_counts): "
+     "apply_dump(buf, zones, Connection, connections, keys, labels, columns, generation, ordinal, slow, zone_counts, "
+     "admission=None): "
      "one dump buffer decoded and applied to the store (see flow_exporter.store.table)."},
     {"prepare_records", native_prepare_records, METH_VARARGS,
      "prepare_records(exports, export_ms, static, encode, key_of, tcp_states, topic, framing): a batch's values, "

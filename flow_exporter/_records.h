@@ -96,8 +96,22 @@ PyObject *native_encode_prefix(PyObject *self, PyObject *args);
 /* flow_exporter/_delivery.c: the Deliveries type, added to the module, and produce_run */
 int delivery_add_types(PyObject *module);
 PyObject *native_produce_run(PyObject *self, PyObject *args);
-/* flow_exporter/_admit.c */
+/* flow_exporter/_admit.c: admit_rows, and the admission it runs, which the fused poll (_native.c) runs too */
 PyObject *native_admit_rows(PyObject *self, PyObject *args);
+/* A new connection's values as the admission takes them, from a Connection or straight from a dump row. */
+typedef struct {
+    PyObject *odst, *rdst, *labels; /* borrowed: bytes, bytes, bytes or None */
+    uint64_t opk, oby, rpk, rby, ct, mark, status, odport, rsport, rdport;
+    int64_t start, stop, tcp; /* tcp: -1 for none */
+    int counted;
+    uint8_t icmp; /* columns.py _static's bits: 1 ICMP type, 2 code, 4 id present */
+} AdmitVals;
+typedef struct Admission Admission;
+Admission *admission_open(PyObject *connections, PyObject *context); /* NULL with an error set */
+int admission_one(Admission *a, PyObject *key, const AdmitVals *v, int lookup, PyObject *conn, Py_ssize_t *slot);
+int admission_pause(Admission *a);  /* before Python runs; 0 or -1 */
+int admission_resume(Admission *a); /* after it; 0 or -1 */
+int admission_close(Admission *a);  /* pause and free; 0 or -1 */
 /* flow_exporter/_snapshot.c */
 PyObject *native_pack_rows(PyObject *self, PyObject *args);
 PyObject *native_pack_records(PyObject *self, PyObject *args);

@@ -39,6 +39,7 @@ class Native(Protocol):
         ordinal: int,
         slow: Callable[[list[Any]], None],
         zone_counts: dict[int, int],
+        admission: list[Any] | None = None,
     ) -> NativeResult: ...
 
     def prepare_records(
@@ -76,32 +77,7 @@ class Native(Protocol):
     ) -> list[int]: ...
 
     def admit_rows(
-        self,
-        rows: list[Any],
-        start: int,
-        connection: type,
-        connections: dict[Any, int],
-        orphans: dict[int, int],
-        restored: dict[Any, Any],
-        given_up: dict[Any, Any],
-        tombs: dict[Any, Any],
-        max_connections: int,
-        readmit_before: int,
-        keys: list[Any],
-        static: list[Any],
-        labels: dict[int, bytes],
-        columns: tuple[Any, ...],
-        free: list[int],
-        intern: dict[Any, Any],
-        intern_max: int,
-        generation: int,
-        flags: int,
-        wall_ns: int,
-        active_at: float,
-        idle_at: float,
-        heap: Any,  # DeadlineHeap
-        admitted: list[Any] | None,
-        state: list[int],
+        self, rows: list[Any], start: int, connection: type, connections: dict[Any, int], admission: list[Any]
     ) -> int: ...  # the index of the first row it left to the caller
 
     def acknowledge_delivered(

@@ -372,12 +372,26 @@ class Table(Columns):
         nat = self._native
         if nat is None:
             raise RuntimeError("the compiled poll path is not available (see .fused)")
-        res = DecodeResult(
-            *nat.apply_dump(
-                buf, zones, Connection, self.connections, self._keys, self._labels, self._fused_columns,
-                self._generation, self._dump_rows, lambda rows: self.update_batch(rows, now, wall_ns), zone_counts,
-            )
-        )  # fmt: skip
+        # New rows are admitted in place unless the hook for new connections wants a Connection for each.
+        context = self._admission_context(now, wall_ns, None) if self.on_new is None else None
+
+        def slow(rows: list[Connection]) -> None:
+            if context is not None:  # what was admitted in place so far, then the context as Python leaves it
+                self._admitted(context[-1])
+            self.update_batch(rows, now, wall_ns)
+            if context is not None:
+                context[:] = self._admission_context(now, wall_ns, None)
+
+        try:
+            res = DecodeResult(
+                *nat.apply_dump(
+                    buf, zones, Connection, self.connections, self._keys, self._labels, self._fused_columns,
+                    self._generation, self._dump_rows, slow, zone_counts, context,
+                )
+            )  # fmt: skip
+        finally:
+            if context is not None:
+                self._admitted(context[-1])
         self._dump_rows += res.kept
         return res
 
@@ -409,29 +423,40 @@ class Table(Columns):
         connections runs after the call, in row order.
         """
         assert self._native is not None
-        t = self.timeouts
-        dumps = self._dumps
-        heap = self.queue.parts()[0]
         admitted: list[tuple[int, int, Connection]] | None = [] if self.on_new is not None else None
-        state = [self._next_slot, self._new_id.sequence, self._last_stamp, 0]
+        context = self._admission_context(now, wall_ns, admitted)
         try:
-            i = self._native.admit_rows(
-                rows, i, Connection, self.connections, self._orphans, self._restored, self._given_up, self._tombs,
-                self.max_connections,
-                dumps[-1][0] - _DUMP_MARGIN_NS if dumps else _NO_DUMP, self._keys, self._static, self._labels,
-                self._admit_columns, self._free, self._intern, _INTERN_MAX, self._generation,
-                ADOPTED if self.adopt else 0, wall_ns, now + t.active, now + t.idle, heap, admitted, state,
-            )  # fmt: skip
+            i = self._native.admit_rows(rows, i, Connection, self.connections, context)
         finally:
-            self._next_slot, sequence, self._last_stamp, count = state
-            self._new_id.advanced(sequence, count)
-            self.stats.added += count
-            self.queue.counted(count)
+            self._admitted(context[-1])
         if admitted:
             assert self.on_new is not None
             for s, flow_id, conn in admitted:
                 self.on_new(_Newcomer(self, s, flow_id, conn))
         return i
+
+    def _admission_context(self, now: float, wall_ns: int, admitted: list[Any] | None) -> list[Any]:
+        """What the compiled admission (_admit.c) reads: the store's tables, the columns it writes, the new
+        deadlines, and last a state list of the counters it advances (:meth:`_admitted` takes them back)."""
+        t = self.timeouts
+        dumps = self._dumps
+        return [
+            self._orphans, self._restored, self._given_up, self._tombs, self.max_connections,
+            dumps[-1][0] - _DUMP_MARGIN_NS if dumps else _NO_DUMP, self._keys, self._static, self._labels,
+            self._admit_columns, self._free, self._intern, _INTERN_MAX, self._generation,
+            ADOPTED if self.adopt else 0, wall_ns, now + t.active, now + t.idle, self.queue.parts()[0], admitted,
+            [self._next_slot, self._new_id.sequence, self._last_stamp, 0],
+        ]  # fmt: skip
+
+    def _admitted(self, state: list[int]) -> None:
+        """The counters of the connections a compiled admission admitted since ``state`` was last taken back."""
+        next_slot, sequence, last_stamp, count = state
+        if count:  # nothing admitted: nothing moved (and Python may have moved them since)
+            self._next_slot, self._last_stamp = next_slot, last_stamp
+            self._new_id.advanced(sequence, count)
+            self.stats.added += count
+            self.queue.counted(count)
+            state[3] = 0
 
     def _update_rows(
         self, dumped: Iterable[Connection], i: int, now: float, wall_ns: int, *, stop_at_new: bool

@@ -21,9 +21,11 @@ from hypothesis import strategies as st
 
 from flow_exporter import native
 from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, Connection
+from flow_exporter.conntrack.decode import Decoder
 from flow_exporter.flow import ADOPTED, NewConnection, Restored
 from flow_exporter.store import ConnectionStore
 from flow_exporter.timeouts import Timeouts
+from tests.support.netlink_messages import encode_connection
 from tests.unit.test_native import state
 
 pytestmark = pytest.mark.skipif(native.compiled(True) is None, reason="the compiled module is not built")
@@ -78,7 +80,12 @@ def timed(conn: Connection, wall: int) -> Connection:
 
 
 class Pair:
-    def __init__(self, cap: int, restored: list[Restored], hook: bool) -> None:
+    """A pure store and a compiled one fed the same dumps. ``fused``: the compiled store reads each batch as a
+    netlink dump buffer (apply_dump_buffer: new rows admitted in place, without a Connection, unless the hook
+    wants one), the pure store the rows decoded from it."""
+
+    def __init__(self, cap: int, restored: list[Restored], hook: bool, fused: bool = False) -> None:
+        self.fused = fused
         self.now = 1000.0
         self.wall = START_WALL
         self.calls: dict[str, list[tuple[Any, ...]]] = {"pure": [], "compiled": []}
@@ -107,7 +114,16 @@ class Pair:
             store.begin_poll(self.wall)
             try:
                 for batch in batches:
-                    store.update_batch(list(batch), self.now, self.wall)
+                    if not self.fused:
+                        store.update_batch(list(batch), self.now, self.wall)
+                        continue
+                    buf = b"".join(encode_connection(c) for c in batch)
+                    if store.fused:
+                        store.apply_dump_buffer(memoryview(buf), None, self.now, self.wall, {})
+                    else:
+                        decoded: list[Connection] = []
+                        Decoder().decode_batch(buf, decoded, None)
+                        store.update_batch(decoded, self.now, self.wall)
                 outcome[name] = None
             except Exception as exc:  # the two must fail alike
                 outcome[name] = type(exc)
@@ -140,22 +156,30 @@ def restored_rows(conns: list[Connection], picks: list[int]) -> list[Restored]:
     st.integers(1, 50),
     st.lists(st.integers(0, 39), max_size=4),
     st.booleans(),
+    st.booleans(),
 )
 @example(  # the same tuple twice in one batch, and a row the cap refuses
     [Connection(2, PROTO_TCP, ADDRS[0], ADDRS[1], 1, 80, ADDRS[1], ADDRS[0], 80, 1, ct_id=1)] * 2
     + [Connection(2, PROTO_UDP, ADDRS[0], ADDRS[1], 2, 53, ADDRS[1], ADDRS[0], 53, 2, ct_id=2)],
-    [[[0, 1, 2]]], 1, [], True,
+    [[[0, 1, 2]]], 1, [], True, False,
 )
 @example(  # a tuple given up at the cap, shown again once there is room: still given up, not admitted
     [Connection(2, PROTO_TCP, ADDRS[0], ADDRS[1], 1, 80, ADDRS[1], ADDRS[0], 80, 1, ct_id=1),
      Connection(2, PROTO_UDP, ADDRS[0], ADDRS[1], 2, 53, ADDRS[1], ADDRS[0], 53, 2, ct_id=2)],
-    [[[0, 1]], [[1]], [], [[1]]], 1, [], False,
+    [[[0, 1]], [[1]], [], [[1]]], 1, [], False, False,
+)
+@example(  # read from dump buffers: restored rows, a duplicate, the cap, among rows admitted in place
+    [Connection(2, PROTO_TCP, ADDRS[0], ADDRS[1], 1, 80, ADDRS[1], ADDRS[0], 80, 1, ct_id=1, start_ns=1),
+     Connection(2, PROTO_UDP, ADDRS[0], ADDRS[1], 2, 53, ADDRS[1], ADDRS[0], 53, 2, ct_id=2, start_ns=2),
+     Connection(2, PROTO_UDP, ADDRS[1], ADDRS[0], 3, 53, ADDRS[0], ADDRS[1], 53, 3, ct_id=3)],
+    [[[1, 0, 1, 2]], [[2, 1, 0]], [], [[0, 2]]], 2, [0], False, True,
 )
 def test_compiled_admission_keeps_the_same_store(
-    pool: list[Connection], dumps: list[list[list[int]]], cap: int, restore: list[int], hook: bool
+    pool: list[Connection], dumps: list[list[list[int]]], cap: int, restore: list[int], hook: bool, fused: bool
 ) -> None:
     first_dump = START_WALL  # the rows' times as the first dump sees them, for the checkpoint's rows
-    pair = Pair(cap, restored_rows([timed(c, first_dump) for c in pool], restore) if restore else [], hook)
+    restored = restored_rows([timed(c, first_dump) for c in pool], restore) if restore else []
+    pair = Pair(cap, restored, hook, fused)
     for batches in dumps:
         # every dump: the rows it shows, in batches; rows a dump no longer shows end, and once their records
         # are delivered their slots are free for the next dump's new rows (an empty dump: all records go out)
@@ -165,9 +189,10 @@ def test_compiled_admission_keeps_the_same_store(
         pair.dump([[pair.times(pool[k % len(pool)]) for k in batch] for batch in batches])
 
 
-def test_new_rows_in_freed_slots_order_the_heap_as_pure() -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["rows", "dump buffers"])
+def test_new_rows_in_freed_slots_order_the_heap_as_pure(fused: bool) -> None:
     """Slots freed in one order and taken back in another: heap entries that must move up past their parents."""
-    pair = Pair(100, [], False)
+    pair = Pair(100, [], False, fused)
     conns = [
         Connection(2, PROTO_UDP, ADDRS[0], ADDRS[1], 10 + k, 53, ADDRS[1], ADDRS[0], 53, 10 + k, ct_id=k + 1)
         for k in range(60)
@@ -179,9 +204,11 @@ def test_new_rows_in_freed_slots_order_the_heap_as_pure() -> None:
     pair.dump([conns[0:40:4] + conns[40:]])
 
 
-def test_more_rows_than_the_columns_hold_grow_them_as_pure() -> None:
-    """Past the columns' first chunk the compiled run stops, the pure path grows them, the run goes on."""
-    pair = Pair(10_000, [], True)
+@pytest.mark.parametrize("fused", [False, True], ids=["rows", "dump buffers"])
+def test_more_rows_than_the_columns_hold_grow_them_as_pure(fused: bool) -> None:
+    """Past the columns' first chunk the compiled run stops, the pure path grows them, the run goes on (read
+    from dump buffers: the admission in place pauses for Python and reads the store's counters again)."""
+    pair = Pair(10_000, [], not fused, fused)
     conns = [
         Connection(2, PROTO_TCP, ADDRS[k % 4], ADDRS[(k + 1) % 4], 1024 + k, 80, ADDRS[(k + 1) % 4], ADDRS[k % 4], 80,
                    1024 + k, ct_id=k + 1, start_ns=pair.wall - NS, tcp_state=3)
@@ -189,6 +216,33 @@ def test_more_rows_than_the_columns_hold_grow_them_as_pure() -> None:
     ]  # fmt: skip
     pair.dump([conns[:1500], conns[1500:]])
     assert len(pair.stores["compiled"].connections) == 3000
+
+
+def test_rows_admitted_in_place_after_python_ran_mid_buffer_as_pure() -> None:
+    """In one dump buffer: new rows past the columns' first chunk (the admission in place stops; they wait),
+    a known row (the waiting rows go to Python first, which grows the columns and admits them), then more new
+    rows, admitted in place again with the counters Python left: the next free slot, the id sequence."""
+    pair = Pair(10_000, [], False, True)
+    conns = [
+        Connection(2, PROTO_UDP, ADDRS[k % 4], ADDRS[(k + 1) % 4], 1024 + k, 53, ADDRS[(k + 1) % 4], ADDRS[k % 4], 53,
+                   1024 + k, ct_id=k + 1)
+        for k in range(1200)
+    ]  # fmt: skip
+    pair.dump([conns[:10]])
+    compiled = pair.stores["compiled"]
+    handed: list[int] = []  # rows the fused poll handed to Python
+    update_batch = compiled.update_batch
+
+    def counted(rows: list[Connection], now: float, wall_ns: int) -> None:
+        handed.append(len(rows))
+        update_batch(rows, now, wall_ns)
+
+    compiled.update_batch = counted  # type: ignore[method-assign]
+    pair.dump([[*conns[10:1100], conns[3], *conns[1100:]]])
+    assert len(compiled.connections) == 1200
+    # 1,014 rows fill the first chunk's 1,024 slots in place; the next 76 wait for the known row and go to
+    # Python; the last 100 are admitted in place again
+    assert handed == [1100 - 1024]
 
 
 @pytest.mark.parametrize(
