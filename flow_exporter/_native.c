@@ -27,9 +27,10 @@
  *     row is looked at, so the store sees the rows in the order a pure poll would. A row is first
  *     matched against the slot its position in the dump held last poll (the kernel lists its table in
  *     the same order every time), which needs no key object; only a miss builds the key for the index.
- *     With `admission` (the store's admission context, _admit.c; the store passes it when no hook
- *     wants new connections), a new row no earlier row waits for is admitted in place too, without a
- *     Connection: the first poll of a large table is mostly such rows.
+ *     With `admission` (a callable that returns the store's admission context, _admit.c, called at the
+ *     buffer's first new row; the store passes it when no hook wants new connections), a new row no
+ *     earlier row waits for is admitted in place too, without a Connection: the first poll of a large
+ *     table is mostly such rows.
  *
  * Nothing here raises on garbage: a malformed message is skipped and counted.
  */
@@ -730,19 +731,14 @@ static PyObject *native_apply_dump(PyObject *self, PyObject *args) {
         return NULL;
     }
     Cols c = {0};
-    Admission *adm = NULL; /* new rows admitted in place, when the store passed its admission's context */
+    Admission *adm = NULL; /* new rows admitted in place: opened at the first, when the store passed its context */
     PyObject *pending = PyList_New(0);
     if (pending == NULL || cols_acquire(&c, columns)) {
         Py_XDECREF(pending);
         PyBuffer_Release(&view);
         return NULL;
     }
-    if (admission != Py_None && (adm = admission_open(conns, admission)) == NULL) {
-        cols_release(&c);
-        Py_DECREF(pending);
-        PyBuffer_Release(&view);
-        return NULL;
-    }
+
     const uint8_t *buf = view.buf;
     Py_ssize_t n = view.len, off = 0;
     Result res = {0};
@@ -773,7 +769,13 @@ static PyObject *native_apply_dump(PyObject *self, PyObject *args) {
             if ((s = find_slot(conns, &e, &r, &key)) == -2) goto fail;
             order = COL(&c, C_ORDER, int64_t);
         }
-        if (s == -1 && adm != NULL && PyList_GET_SIZE(pending) == 0) { /* new, and no earlier row waits */
+        if (s == -1 && admission != Py_None && PyList_GET_SIZE(pending) == 0) { /* new; no earlier row waits */
+            if (adm == NULL) { /* the first new row of this buffer: a steady poll's buffers have none */
+                PyObject *context = PyObject_CallNoArgs(admission);
+                adm = context != NULL ? admission_open(conns, context) : NULL;
+                Py_XDECREF(context);
+                if (adm == NULL) goto fail;
+            }
             Py_ssize_t slot;
             int got = admit_row(adm, key, &e, &r, &slot);
             if (got < 0) goto fail;
@@ -894,11 +896,8 @@ static PyMethodDef methods[] = {
      "swept(connections, seen, bits, generation, present, destroyed): the slots a dump did not show (see "
      "flow_exporter.store.table)."},
     {"admit_rows", native_admit_rows, METH_VARARGS,
-     "admit_rows(rows, start, Connection, connections, orphans, restored, given_up, tombs, max_connections, "
-     "readmit_before, keys, "
-     "static, labels, columns, free, intern, intern_max, generation, flags, wall_ns, active_at, idle_at, heap, "
-     "admitted, state): a run of new connections admitted; the index it stopped at (see "
-     "flow_exporter.store.table and _admit.c)."},
+     "admit_rows(rows, start, Connection, connections, context): a run of new connections admitted; the index "
+     "it stopped at (see flow_exporter.store.table and _admit.c)."},
     {"pack_rows", native_pack_rows, METH_VARARGS,
      "pack_rows(slots, keys, columns, out): a snapshot's rows from the store's columns, appended to out; their "
      "count, or None (see flow_exporter.checkpoint and _snapshot.c)."},

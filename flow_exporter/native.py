@@ -39,7 +39,7 @@ class Native(Protocol):
         ordinal: int,
         slow: Callable[[list[Any]], None],
         zone_counts: dict[int, int],
-        admission: list[Any] | None = None,
+        admission: Callable[[], list[Any]] | None = None,
     ) -> NativeResult: ...
 
     def prepare_records(

@@ -372,26 +372,31 @@ class Table(Columns):
         nat = self._native
         if nat is None:
             raise RuntimeError("the compiled poll path is not available (see .fused)")
-        # New rows are admitted in place unless the hook for new connections wants a Connection for each.
-        context = self._admission_context(now, wall_ns, None) if self.on_new is None else None
+        # New rows are admitted in place unless the hook for new connections wants a Connection for each. The
+        # admission's context is built at the buffer's first new row (a steady poll's buffers have none).
+        opened: list[list[Any]] = []
+
+        def admission() -> list[Any]:
+            opened.append(self._admission_context(now, wall_ns, None))
+            return opened[0]
 
         def slow(rows: list[Connection]) -> None:
-            if context is not None:  # what was admitted in place so far, then the context as Python leaves it
-                self._admitted(context[-1])
+            if opened:  # what was admitted in place so far, then the context as Python leaves it
+                self._admitted(opened[0][-1])
             self.update_batch(rows, now, wall_ns)
-            if context is not None:
-                context[:] = self._admission_context(now, wall_ns, None)
+            if opened:
+                opened[0][:] = self._admission_context(now, wall_ns, None)
 
         try:
             res = DecodeResult(
                 *nat.apply_dump(
                     buf, zones, Connection, self.connections, self._keys, self._labels, self._fused_columns,
-                    self._generation, self._dump_rows, slow, zone_counts, context,
+                    self._generation, self._dump_rows, slow, zone_counts, admission if self.on_new is None else None,
                 )
             )  # fmt: skip
         finally:
-            if context is not None:
-                self._admitted(context[-1])
+            if opened:
+                self._admitted(opened[0][-1])
         self._dump_rows += res.kept
         return res
 
