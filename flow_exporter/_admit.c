@@ -60,8 +60,11 @@ static int vals_of(PyObject *conn, Vals *v) {
     else if (as_i64(v->o[K_TCP], &a->tcp)) return 0;
     if (!PyBool_Check(v->o[K_COUNTED])) return 0;
     a->counted = v->o[K_COUNTED] == Py_True;
-    a->odst = v->o[K_ODST];
-    a->rdst = v->o[K_RDST];
+    if (!PyBytes_CheckExact(v->o[K_ODST]) || !PyBytes_CheckExact(v->o[K_RDST])) return 0;
+    a->odst = (const uint8_t *)PyBytes_AS_STRING(v->o[K_ODST]);
+    a->odst_len = PyBytes_GET_SIZE(v->o[K_ODST]);
+    a->rdst = (const uint8_t *)PyBytes_AS_STRING(v->o[K_RDST]);
+    a->rdst_len = PyBytes_GET_SIZE(v->o[K_RDST]);
     a->labels = v->o[K_LABELS];
     a->icmp = (uint8_t)((v->o[K_ITYPE] != Py_None ? 1 : 0) | (v->o[K_ICODE] != Py_None ? 2 : 0) |
                         (v->o[K_IID] != Py_None ? 4 : 0));
@@ -99,12 +102,12 @@ static PyObject *interned_key(PyObject *key, PyObject *intern, Py_ssize_t intern
 
 /* columns.py _static: orig_dst + reply_dst + struct "!HHHB" (orig_dport, reply_sport, reply_dport, ICMP bits). */
 static PyObject *static_of(const AdmitVals *v) {
-    Py_ssize_t a = PyBytes_GET_SIZE(v->odst), b = PyBytes_GET_SIZE(v->rdst);
+    Py_ssize_t a = v->odst_len, b = v->rdst_len;
     PyObject *out = PyBytes_FromStringAndSize(NULL, a + b + 7);
     if (out == NULL) return NULL;
     uint8_t *p = (uint8_t *)PyBytes_AS_STRING(out);
-    memcpy(p, PyBytes_AS_STRING(v->odst), (size_t)a);
-    memcpy(p + a, PyBytes_AS_STRING(v->rdst), (size_t)b);
+    if (a) memcpy(p, v->odst, (size_t)a);
+    if (b) memcpy(p + a, v->rdst, (size_t)b);
     p += a + b;
     uint64_t ports[3] = {v->odport, v->rsport, v->rdport};
     for (int i = 0; i < 3; i++) {
@@ -268,7 +271,6 @@ int admission_one(Admission *a, PyObject *key, const AdmitVals *v, int lookup, P
     if (v->ct > UINT32_MAX || v->mark > UINT32_MAX || v->status > UINT32_MAX || v->odport > 0xFFFF ||
         v->rsport > 0xFFFF || v->rdport > 0xFFFF || v->tcp < -128 || v->tcp > 127)
         return 0; /* a value a column cannot hold */
-    if (!PyBytes_CheckExact(v->odst) || !PyBytes_CheckExact(v->rdst)) return 0;
     if (v->labels != Py_None && !PyBytes_CheckExact(v->labels)) return 0;
     ACols *c = &a->c;
     if (lookup) {

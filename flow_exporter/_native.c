@@ -637,19 +637,17 @@ static int flush(PyObject *slow, PyObject **pending, Cols *c, PyObject *columns,
     return cols_acquire(c, columns);
 }
 
-/* A new row's values for the admission (new references to its addresses and labels); -1 on error, 0 when a
+/* A new row's values for the admission: its addresses where they lie in the buffer (the admission copies them
+ * into the row's static bytes, no object of their own), a new reference to its labels; -1 on error, 0 when a
  * value does not fit the admission's types (the row goes the Connection's way). */
 static int row_vals(const Entry *e, const Row *r, AdmitVals *v) {
     if (r->start > INT64_MAX || r->stop > INT64_MAX) return 0;
-    v->odst = addr(e, O_ + T_DST);
-    v->rdst = addr(e, R_ + T_DST);
+    v->odst = e->p[O_ + T_DST];
+    v->odst_len = e->plen[O_ + T_DST];
+    v->rdst = e->p[R_ + T_DST];
+    v->rdst_len = e->plen[R_ + T_DST];
     v->labels = r->labelled ? addr(e, F_LABELS) : Py_NewRef(Py_None);
-    if (v->odst == NULL || v->rdst == NULL || v->labels == NULL) {
-        Py_XDECREF(v->odst);
-        Py_XDECREF(v->rdst);
-        Py_XDECREF(v->labels);
-        return -1;
-    }
+    if (v->labels == NULL) return -1;
     v->opk = r->opk;
     v->oby = r->oby;
     v->rpk = r->rpk;
@@ -675,8 +673,6 @@ static int admit_row(Admission *adm, PyObject *key, const Entry *e, const Row *r
     int got = row_vals(e, r, &v);
     if (got <= 0) return got;
     got = admission_one(adm, key, &v, 0, NULL, slot);
-    Py_DECREF(v.odst);
-    Py_DECREF(v.rdst);
     Py_DECREF(v.labels);
     return got < 0 ? -1 : got == 1;
 }
@@ -738,7 +734,6 @@ static PyObject *native_apply_dump(PyObject *self, PyObject *args) {
         PyBuffer_Release(&view);
         return NULL;
     }
-
     const uint8_t *buf = view.buf;
     Py_ssize_t n = view.len, off = 0;
     Result res = {0};

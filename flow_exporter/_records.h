@@ -100,7 +100,9 @@ PyObject *native_produce_run(PyObject *self, PyObject *args);
 PyObject *native_admit_rows(PyObject *self, PyObject *args);
 /* A new connection's values as the admission takes them, from a Connection or straight from a dump row. */
 typedef struct {
-    PyObject *odst, *rdst, *labels; /* borrowed: bytes, bytes, bytes or None */
+    const uint8_t *odst, *rdst; /* the destination addresses' bytes (the Connection's, or the dump buffer's) */
+    Py_ssize_t odst_len, rdst_len;
+    PyObject *labels; /* borrowed: bytes or None */
     uint64_t opk, oby, rpk, rby, ct, mark, status, odport, rsport, rdport;
     int64_t start, stop, tcp; /* tcp: -1 for none */
     int counted;
