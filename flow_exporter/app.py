@@ -147,10 +147,10 @@ class Exporter:
         """Ask the loops to stop; ``run`` then shuts down (final records within the grace period)."""
         self.stop_event.set()
 
-    def restore(self, rows: list[Restored], resends: list[Export]) -> None:
+    def restore(self, rows: list[Restored], resends: list[Export], *, adopting: bool = False) -> None:
         """Continue from a previous process's checkpoint (call before ``run``)."""
         with self.lock:
-            self.store.restore(rows, resends)
+            self.store.restore(rows, resends, adopting=adopting)
 
     def attach_events(self, events: EventSource) -> None:
         """The event listener: its ``caught_up`` lets the sweep wait for DESTROY events queued until then."""

@@ -69,7 +69,11 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"FXCK"
 JOURNAL_MAGIC = b"FXJL"
-VERSION = 1
+# Version 2: a flags byte after the table's name (ADOPTING), and journal entries whose header (type, length,
+# payload CRC) has a CRC of its own. Version 1 files (no flags, headers without a CRC) still load.
+VERSION = 2
+READABLE = (1, 2)
+ADOPTING = 0x01  # snapshot flag: written before a first complete poll after a state loss (see Loaded.adopting)
 CHECKPOINT = "checkpoint"
 JOURNAL = "journal"
 LOCK = "lock"
@@ -91,7 +95,10 @@ _ROW = {4: struct.Struct("!" + _ROW_FIELDS.format(4)), 16: struct.Struct("!" + _
 _SENT_ROW = {n: struct.Struct(r.format + "BHHI") for n, r in _ROW.items()}
 # A record in a snapshot: flow id, sequence, totals x4, topic, key and value lengths; then the bytes.
 _REC = struct.Struct("!qQQQQQHHI")
-_ENTRY = struct.Struct("!BII")  # type, payload length, crc32(payload)
+_ENTRY_V1 = struct.Struct("!BII")  # type, payload length, crc32(payload)
+# type, payload length, crc32(payload), crc32 of those nine bytes: a damaged length is told from a torn tail
+_ENTRY = struct.Struct("!BIII")
+_ENTRY_HEAD = struct.Struct("!BII")
 _ACK = struct.Struct("!qQ")
 _SENT, _ACKED = 1, 2
 
@@ -109,6 +116,10 @@ class Loaded:
     resends: list[Export] = field(default_factory=list)
     valid: bool = False  # False: nothing usable, start a new lineage and flag live connections ADOPTED
     why: str = ""
+    # Valid, but written before the first complete poll after a state loss: the connections found live that
+    # no row names must still be flagged ADOPTED (a process that died before their first records left no
+    # trace of them, and an earlier lineage may have reported their counts).
+    adopting: bool = False
 
 
 @dataclass
@@ -138,6 +149,8 @@ def _pack_row(row: Restored) -> bytes:
 
 
 def _row_struct(buf: memoryview, off: int, table: dict[int, struct.Struct]) -> struct.Struct:
+    if off >= len(buf):
+        raise ValueError("a row announced past the end")
     s = table.get(buf[off])
     if s is None:
         raise ValueError(f"address length {buf[off]}")
@@ -267,11 +280,14 @@ class Checkpoint:
             return Loaded(b"", why="no checkpoint yet (first start with this state directory)")
         except OSError as exc:
             return Loaded(b"", why=f"checkpoint unreadable: {exc.strerror}")
+        # Parsing is pure code over bytes: whatever it raises (also an error of ours that a CRC-valid but
+        # inconsistent file reaches) means the state cannot be read. Raising instead would repeat at every
+        # start: a crash loop (README, "The state directory").
         try:
             snap_id, meta, rows, records = self._parse_snapshot(data)
-        except (ValueError, struct.error, UnicodeDecodeError) as exc:
-            return Loaded(b"", why=f"checkpoint damaged ({exc}); ignored")
-        boot, lineage, _written, _nrows, _nrecs, table = meta
+        except Exception as exc:
+            return Loaded(b"", why=f"checkpoint damaged ({exc!r}); ignored")
+        boot, lineage, _written, _nrows, _nrecs, table, flags = meta
         if boot != self.boot:
             return Loaded(b"", why="checkpoint from an earlier boot (the conntrack table is new too)")
         if table != self.table:
@@ -280,35 +296,42 @@ class Checkpoint:
         pending: dict[tuple[int, int], Any] = {(r[2], r[3]): r for r in records}
         try:
             replayed, torn = self._replay(snap_id, by_id, pending)
-        except (ValueError, struct.error, UnicodeDecodeError) as exc:
-            return Loaded(b"", why=f"journal damaged ({exc}); the state is not used")
-        # Rows and records stay raw (unpacked fields, offsets) until here: many are superseded.
-        restored = [_restored(f) for f in by_id.values()]
-        resends = [_record(*r) for r in pending.values()]
+            # Rows and records stay raw (unpacked fields, offsets) until here: many are superseded.
+            restored = [_restored(f) for f in by_id.values()]
+            resends = [_record(*r) for r in pending.values()]
+        except Exception as exc:  # as above: never an exception at every start
+            return Loaded(b"", why=f"journal damaged ({exc!r}); the state is not used")
         why = f"checkpoint: {len(restored):,} connections, {len(resends):,} records awaiting delivery"
         if replayed:
             why += f"; journal: {replayed:,} entries replayed"
         if torn:
             why += f" ({torn})"
-        return Loaded(lineage, restored, resends, True, why)
+        adopting = bool(flags & ADOPTING)
+        if adopting:
+            why += "; still adopting (no complete poll since the state was lost): connections found live are flagged"
+        return Loaded(lineage, restored, resends, True, why, adopting)
 
     def _parse_snapshot(
         self, data: memoryview
-    ) -> tuple[int, tuple[bytes, bytes, int, int, int, str], list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    ) -> tuple[int, tuple[bytes, bytes, int, int, int, str, int], list[tuple[Any, ...]], list[tuple[Any, ...]]]:
         if len(data) < _HEAD.size + _META.size + 6:
             raise ValueError("too short")
         body, crc = data[:-4], struct.unpack_from("!I", data, len(data) - 4)[0]
         if zlib.crc32(body) != crc:
             raise ValueError("checksum mismatch")
         magic, version, snap_id = _HEAD.unpack_from(data, 0)
-        if magic != MAGIC or version != VERSION:
-            raise ValueError(f"not a version {VERSION} checkpoint")
+        if magic != MAGIC or version not in READABLE:
+            raise ValueError(f"not a checkpoint of version {' or '.join(map(str, READABLE))}")
         off = _HEAD.size
         boot, lineage, written, nrows, nrecs = _META.unpack_from(data, off)
         off += _META.size
         (tlen,) = struct.unpack_from("!H", data, off)
         table = bytes(data[off + 2 : off + 2 + tlen]).decode()
         off += 2 + tlen
+        flags = 0
+        if version >= 2:
+            (flags,) = struct.unpack_from("!B", body, off)
+            off += 1
         rows = []  # unpacked fields, made Restored once the journal has had its say
         for _ in range(nrows):
             st = _row_struct(body, off, _ROW)
@@ -324,7 +347,7 @@ class Checkpoint:
             off += tlen + klen + vlen
         if off != len(body):
             raise ValueError("trailing bytes")
-        return snap_id, (boot, lineage, written, nrows, nrecs, table), rows, records
+        return snap_id, (boot, lineage, written, nrows, nrecs, table, flags), rows, records
 
     def _replay(self, snap_id: int, rows: dict[int, Any], pending: dict[tuple[int, int], Any]) -> tuple[int, str]:
         """Apply the journal written after snapshot ``snap_id``; returns (entries applied, note on a torn tail).
@@ -340,15 +363,23 @@ class Checkpoint:
         if len(data) < _HEAD.size:
             return 0, ""
         magic, version, jid = _HEAD.unpack_from(data, 0)
-        if magic != JOURNAL_MAGIC or version != VERSION or jid != snap_id:
+        if magic != JOURNAL_MAGIC or version not in READABLE or jid != snap_id:
             return 0, "journal of another snapshot ignored"
+        entry = _ENTRY if version >= 2 else _ENTRY_V1
         off = _HEAD.size
         applied = 0
         while off < len(data):
-            end = off + _ENTRY.size
+            end = off + entry.size
             if end > len(data):
                 return applied, "torn journal tail ignored"
-            kind, length, crc = _ENTRY.unpack_from(data, off)
+            if version >= 2:
+                kind, length, crc, head_crc = _ENTRY.unpack_from(data, off)
+                if zlib.crc32(data[off : off + _ENTRY_HEAD.size]) != head_crc:
+                    # A write is cut, never garbled: a whole header that fails its CRC is damage, and its
+                    # length cannot be trusted to say where the entry (or the file) ends.
+                    raise ValueError(f"entry {applied + 1}: header checksum mismatch")
+            else:  # version 1: a damaged length reads as a torn tail (the reason for version 2)
+                kind, length, crc = _ENTRY_V1.unpack_from(data, off)
             if end + length > len(data):
                 return applied, "torn journal tail ignored"
             payload = data[end : end + length]
@@ -387,6 +418,8 @@ class Checkpoint:
             off += tlen + klen + vlen
             if off > len(payload):
                 raise ValueError("record past the end")
+        if off != len(payload):
+            raise ValueError(f"{len(payload) - off} bytes after the {count} rows the entry announced")
 
     keeps = True  # the Journal port: a state directory keeps the state
 
@@ -455,7 +488,8 @@ class Checkpoint:
 
     def _append(self, kind: int, payload: bytes) -> None:
         assert self._journal is not None
-        entry = _ENTRY.pack(kind, len(payload), zlib.crc32(payload)) + payload
+        head = _ENTRY_HEAD.pack(kind, len(payload), zlib.crc32(payload))
+        entry = head + struct.pack("!I", zlib.crc32(head)) + payload
         try:
             self._write_all(self._journal, entry)
         except OSError as exc:
@@ -491,24 +525,35 @@ class Checkpoint:
         return st.journal_bytes >= max(MIN_JOURNAL_BYTES, 2 * st.last_snapshot_bytes)
 
     def begin(self, loaded: Loaded) -> None:
-        """Start this process's journal on a snapshot of what was loaded (so every entry follows a snapshot)."""
-        self.snapshot(loaded.rows, loaded.resends)
+        """Start this process's journal on a snapshot of what was loaded (so every entry follows a snapshot).
 
-    def snapshot(self, reported: Iterable[Restored], in_flight: Iterable[Export]) -> None:
+        After a state loss the snapshot says so (adopting) until the store's first complete poll is behind a
+        later one: a process that dies before then must leave the next one flagging what it finds live.
+        """
+        self.snapshot(loaded.rows, loaded.resends, adopting=loaded.adopting or not loaded.valid)
+
+    def snapshot(
+        self, reported: Iterable[Restored], in_flight: Iterable[Export], *, adopting: bool | None = None
+    ) -> None:
         """Write a new snapshot and start an empty journal after it.
 
         Callers pass the store's reported connections and records in flight as of one
         moment, from the thread that journals (so no entry falls between the two).
         """
-        self.write(self.pack(reported, in_flight))
+        self.write(self.pack(reported, in_flight, adopting=adopting))
 
-    def pack(self, reported: Iterable[Restored], in_flight: Iterable[Export]) -> PackedState:
+    def pack(
+        self, reported: Iterable[Restored], in_flight: Iterable[Export], *, adopting: bool | None = None
+    ) -> PackedState:
         """The snapshot's rows and records, packed one at a time into one buffer after room for its header.
 
         The loops call this under their lock (the state of one moment) and :meth:`write` after it.
+        ``adopting`` None: the store's word (:attr:`ReportedRows.adopting`), else False.
         """
+        if adopting is None:
+            adopting = isinstance(reported, ReportedRows) and reported.adopting
         t0 = time.perf_counter()
-        data = bytearray(_HEAD.size + _META.size + 2 + len(self.table.encode()))  # the header, filled in by write
+        data = bytearray(_HEAD.size + _META.size + 3 + len(self.table.encode()))  # the header, filled in by write
         rows = records = 0
         native = self._native
         with gc_policy.paused():  # see load(): no cycles here, and the collector would rescan the heap repeatedly
@@ -527,7 +572,7 @@ class Checkpoint:
             for e in in_flight:
                 data += _pack_record(e)
                 records += 1
-        return PackedState(rows, records, data, time.perf_counter() - t0)
+        return PackedState(rows, records, data, time.perf_counter() - t0, adopting)
 
     def write(self, packed: PackedState) -> None:
         """Write a packed state as the new snapshot (its header and checksum filled in here) and start the journal.
@@ -538,13 +583,14 @@ class Checkpoint:
         snap_id = time.time_ns()
         table = self.table.encode()
         data = packed.data
-        start = _HEAD.size + _META.size + 2  # the table's name after the header, then rows and records
-        if len(data) < start + len(table):
+        start = _HEAD.size + _META.size + 2  # the table's name after the header, its flags, then rows and records
+        if len(data) < start + len(table) + 1:
             raise ValueError("a packed state without room for its header")
         _HEAD.pack_into(data, 0, MAGIC, VERSION, snap_id)
         _META.pack_into(data, _HEAD.size, self.boot, self.lineage, snap_id, packed.rows, packed.records)
         struct.pack_into("!H", data, _HEAD.size + _META.size, len(table))
         data[start : start + len(table)] = table
+        data[start + len(table)] = ADOPTING if packed.adopting else 0
         data += struct.pack("!I", zlib.crc32(data))
         tmp = self.dir / (CHECKPOINT + ".tmp")
         try:

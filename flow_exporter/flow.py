@@ -222,6 +222,7 @@ class ReportedRows:
     # ct_id, start, first seen, flow id, next sequence, base totals x4, flags: indexed by slot
     columns: tuple[Sequence[int], ...]
     rest: Iterable[Restored]  # given-up, restored and ended rows, made as they are
+    adopting: bool = False  # connections found live are still flagged ADOPTED (checkpoint.Loaded.adopting)
 
     def __iter__(self) -> Iterator[Restored]:
         new = tuple.__new__  # a NamedTuple without its __new__ overhead

@@ -195,6 +195,7 @@ class PackedState(NamedTuple):
     records: int
     data: bytearray
     seconds: float  # spent packing
+    adopting: bool = False  # the store still flags connections found live (checkpoint.Loaded.adopting)
 
 
 class Journal(Protocol):

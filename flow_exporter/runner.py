@@ -310,7 +310,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         exporter = Exporter(
             source,
             sink,
-            options_from(cfg, adopt=not (loaded and loaded.valid)),
+            options_from(cfg, adopt=not (loaded and loaded.valid) or loaded.adopting),
             is_fatal=is_fatal,
             on_new=enricher,
             checkpoint=checkpoint,
@@ -319,7 +319,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
             completeness=completeness,
         )
         if loaded is not None and loaded.valid:
-            exporter.restore(loaded.rows, loaded.resends)
+            exporter.restore(loaded.rows, loaded.resends, adopting=loaded.adopting)
         for start in (
             partial(start_listener, cfg, metrics, exporter, enricher),
             partial(start_events, cfg, exporter),

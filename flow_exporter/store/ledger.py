@@ -26,6 +26,7 @@ from flow_exporter.connection import (
 )
 from flow_exporter.flow import (
     ACTIVE_TIMEOUT,
+    ADOPTED,
     COUNTERS_RESET,
     END_OF_FLOW,
     FORCED_END,
@@ -33,6 +34,7 @@ from flow_exporter.flow import (
     LACK_OF_RESOURCES,
     NO_COUNTERS,
     OFFLOADED,
+    RECORD_FLAGS,
     ROW_ENDED,
     ROW_GIVEN_UP,
     ROW_RESET,
@@ -86,15 +88,17 @@ class Ledger(Table):
         self._resend: list[tuple[float, int, Export]] = []  # heap of failed records waiting to go again
         self._resend_seq = itertools.count()
 
-    def restore(self, rows: Iterable[Restored], resends: Iterable[Export]) -> None:
+    def restore(self, rows: Iterable[Restored], resends: Iterable[Export], *, adopting: bool = False) -> None:
         """Continue from a previous process's checkpoint (before the first poll).
 
         Rows are matched to the table by tuple and incarnation as the first dump (or an
         event) shows them; the ones no dump shows ended while no exporter ran. Resends are
         records the previous process built but could not see delivered: they go out
-        again as they were, and their totals are already in the rows' bases.
+        again as they were, and their totals are already in the rows' bases. ``adopting``:
+        the checkpoint was written before a first complete poll after a state loss, so what
+        the first dump finds that no row names is flagged adopted (checkpoint.Loaded.adopting).
         """
-        self.adopt = False
+        self.adopt = adopting
         for row in rows:
             if row.flags & ROW_GIVEN_UP:
                 self._given_up[row.key] = GivenUp(row.ct_id, row.start_ns, row.first_seen_ns, row.flow_id, None)
@@ -358,20 +362,37 @@ class Ledger(Table):
         """
         seq = self._seq
         fl = self._flags
-        # Reset successors before their first record too: their ended predecessor no longer says so.
-        slots = [s for s in self.connections.values() if seq[s] or fl[s] & COUNTERS_RESET]
+        # Reset successors before their first record too: their ended predecessor no longer says so; and adopted
+        # connections: a restart that met them as new would report counts an earlier lineage may have, unflagged.
+        keep = COUNTERS_RESET | ADOPTED
+        slots = [s for s in self.connections.values() if seq[s] or fl[s] & keep]
         columns = (self._ct, self._start, self._first, self._fid, seq, self._bp, self._bb, self._brp, self._brb, fl)
-        return ReportedRows(slots, self._keys, columns, self._untracked_rows())
+        return ReportedRows(slots, self._keys, columns, self._untracked_rows(), self.adopt)
 
     def _untracked_rows(self) -> Iterator[Restored]:
         for rows in self._restored.values():
             yield from rows
+        orphans = self._orphans
         for key, g in self._given_up.items():
+            s = orphans.get(g.flow_id)
+            if s is not None and self._owes_give_up(s):
+                # Never "given up" without the record it owes: a restart would take the row's word for it and
+                # never report the connection. Until that record is built it is kept as what it was before.
+                if self._seq[s] or self._flags[s] & (ADOPTED | COUNTERS_RESET):
+                    yield Restored(
+                        key, self._ct[s], self._start[s], self._first[s], g.flow_id, self._seq[s], self._base_of(s),
+                        self._flags[s] & RECORD_FLAGS,
+                    )  # fmt: skip
+                continue  # nothing reported yet: a restart meets it as new, as this process first did
             yield Restored(key, g.ct_id, g.start_ns, g.first_seen_ns, g.flow_id, 1, ZERO, ROW_GIVEN_UP)
         for (key, _), t in self._tombs.items():
             if not t.destroyed:  # a destroyed entry cannot be met again by a later process
                 kind = ROW_ENDED | (ROW_RESET if t.reset else 0)
                 yield Restored(key, t.ct_id, t.start_ns, t.first_seen_ns, t.flow_id, t.next_seq, t.base, t.flags | kind)
+
+    def _owes_give_up(self, s: int) -> bool:
+        """Whether orphan ``s`` was given up at the cap and its lack-of-resources record is not built yet."""
+        return self._reason[s] == LACK_OF_RESOURCES and self._pending[s] is None and bool(self._bits[s] & FINAL_DUE)
 
     def in_flight(self) -> Iterator[Export]:
         """Every record built and not known to be delivered (in flight or waiting to be resent)."""

@@ -791,8 +791,8 @@ class Table(Columns):
                     adopted = True  # only start-less rows with records match: a new id, flagged
                 if match:
                     row = rows[min(match)[1]]
-                    for _, i in sorted(match, reverse=True):
-                        del rows[i]  # every row of this incarnation is answered by this one
+                    answered = {i for _, i in match}  # every row of this incarnation is answered by this one
+                    rows[:] = [r for i, r in enumerate(rows) if i not in answered]
                     if not rows:
                         del self._restored[key]
                     self.stats.restored += 1

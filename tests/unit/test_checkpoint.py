@@ -13,6 +13,7 @@ import os
 import struct
 import threading
 import time
+import zlib
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import pytest
 
 from flow_exporter.app import Exporter, ExporterOptions
 from flow_exporter.checkpoint import CHECKPOINT, JOURNAL, Checkpoint, CheckpointError, Loaded
-from flow_exporter.flow import Export, Restored
+from flow_exporter.flow import ADOPTED, Export, Restored
 from flow_exporter.probes import readiness
 from flow_exporter.record import load_schema
 from flow_exporter.sink.encoder import RecordEncoder
@@ -304,14 +305,27 @@ def test_a_checkpoint_that_cannot_be_deleted_keeps_its_journal(tmp_path: Path) -
 
 
 def journal_entries(path: Path) -> tuple[bytes, list[bytes]]:
-    """The journal's header and its entries, as written."""
+    """The journal's header and its entries, as written (version 2: a 13-byte entry header)."""
     data = (path / JOURNAL).read_bytes()
     off, entries = 14, []  # magic, version, snapshot id
     while off < len(data):
         (length,) = struct.unpack_from("!I", data, off + 1)
-        entries.append(data[off : off + 9 + length])
-        off += 9 + length
+        entries.append(data[off : off + 13 + length])
+        off += 13 + length
     return data[:14], entries
+
+
+def as_version_1(path: Path) -> None:
+    """Rewrite a state directory as the previous release wrote it: no flags byte in the snapshot, and
+    journal entries whose header (type, length, payload CRC) has no CRC of its own."""
+    snap = bytearray((path / CHECKPOINT).read_bytes()[:-4])
+    (tlen,) = struct.unpack_from("!H", snap, 14 + 40)
+    del snap[14 + 40 + 2 + tlen]  # the flags byte after the table's name
+    struct.pack_into("!H", snap, 4, 1)
+    (path / CHECKPOINT).write_bytes(bytes(snap) + struct.pack("!I", zlib.crc32(snap)))
+    head, entries = journal_entries(path)
+    head = head[:4] + struct.pack("!H", 1) + head[6:]
+    (path / JOURNAL).write_bytes(head + b"".join(e[:9] + e[13:] for e in entries))
 
 
 @pytest.mark.parametrize(
@@ -323,6 +337,9 @@ def journal_entries(path: Path) -> tuple[bytes, list[bytes]]:
         ("last entry whole, bad checksum", False),
         ("middle entry, bad checksum", False),
         ("unknown entry type in the middle", False),
+        ("middle entry, damaged length", False),  # read as a torn tail before version 2: e3 silently dropped
+        ("last entry, damaged length", False),
+        ("middle entry, damaged header checksum", False),
     ],
 )
 def test_only_a_torn_tail_is_ignored_any_other_bad_entry_drops_the_state(
@@ -343,6 +360,9 @@ def test_only_a_torn_tail_is_ignored_any_other_bad_entry_drops_the_state(
         "last entry whole, bad checksum": e1 + e2 + flip(e3, 40),
         "middle entry, bad checksum": e1 + flip(e2, 40) + e3,
         "unknown entry type in the middle": e1 + bytes([9]) + e2[1:] + e3,
+        "middle entry, damaged length": e1 + flip(e2, 2) + e3,
+        "last entry, damaged length": e1 + e2 + flip(e3, 2),
+        "middle entry, damaged header checksum": e1 + flip(e2, 11) + e3,
     }[damage]
     (tmp_path / JOURNAL).write_bytes(head + body)
     got = Checkpoint(tmp_path, boot=BOOT).load()
@@ -482,3 +502,133 @@ def test_shutdown_while_stale_produces_nothing_and_the_old_state_continues(tmp_p
     assert len(broker.accepted) == before  # no final record either: the old state would no longer be true
     assert dataclasses.astuple(exp.outcome) == (0, 3, 0)  # three records held back, none lost
     continues_exactly(tmp_path, broker)
+
+
+def loaded_view(got: Loaded) -> tuple[Any, ...]:
+    return (
+        got.valid, got.adopting, got.lineage, sorted(got.rows),
+        sorted((e.flow_id, e.sequence, e.value, e.topic, e.key, e.totals) for e in got.resends),
+    )  # fmt: skip
+
+
+def test_a_version_1_state_directory_still_loads(tmp_path: Path) -> None:
+    """A state directory the previous release wrote (snapshot and journal of version 1) loads as it did."""
+    clock = Clock()
+    cp, _ = opened(tmp_path)
+    store, out = store_with_records(clock, cp.lineage)
+    cp.snapshot(store.reported(), [])
+    cp.sent(out)
+    cp.delivered(out[:1])
+    want = Checkpoint(tmp_path, boot=BOOT).load()
+    assert want.valid and len(want.rows) == 3 and len(want.resends) == 2
+    as_version_1(tmp_path)
+    assert (tmp_path / JOURNAL).read_bytes()[4:6] == b"\0\1"
+    got = Checkpoint(tmp_path, boot=BOOT).load()
+    assert "journal: 2 entries replayed" in got.why
+    assert loaded_view(got) == loaded_view(want)
+
+
+def test_a_damaged_length_in_a_version_1_journal_still_reads_as_a_torn_tail(tmp_path: Path) -> None:
+    """What version 2 closes: in version 1 a length is outside the CRC, so nothing can tell it from a cut."""
+    clock = Clock()
+    cp, _ = opened(tmp_path)
+    _, out = store_with_records(clock, cp.lineage)
+    for e in out:
+        cp.sent([e])
+    as_version_1(tmp_path)
+    data = bytearray((tmp_path / JOURNAL).read_bytes())
+    (first,) = struct.unpack_from("!I", data, 14 + 1)
+    data[14 + 9 + first + 2] ^= 0x40  # the second entry's length
+    (tmp_path / JOURNAL).write_bytes(bytes(data))
+    got = Checkpoint(tmp_path, boot=BOOT).load()
+    assert got.valid and "torn" in got.why and len(got.resends) == 1
+
+
+def rewrite_snapshot(path: Path, change: Any) -> None:
+    """Change a snapshot's body and give it a valid CRC again: damage no checksum can see."""
+    snap = bytearray((path / CHECKPOINT).read_bytes()[:-4])
+    change(snap)
+    (path / CHECKPOINT).write_bytes(bytes(snap) + struct.pack("!I", zlib.crc32(snap)))
+
+
+def rewrite_entry(path: Path, i: int, change: Any) -> None:
+    """Change journal entry ``i``'s payload and give it a valid header and CRCs again."""
+    head, entries = journal_entries(path)
+    e = entries[i]
+    payload = bytearray(e[13:])
+    change(payload)
+    h = struct.pack("!BII", e[0], len(payload), zlib.crc32(payload))
+    entries[i] = h + struct.pack("!I", zlib.crc32(h)) + bytes(payload)
+    (path / JOURNAL).write_bytes(head + b"".join(entries))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "journal entry announces more rows than it holds",
+        "journal entry holds more than it announces",
+        "journal row with an address length of 7",
+        "snapshot announces more rows than it holds",
+        "snapshot announces more records than it holds",
+        "snapshot with an unknown version",
+    ],
+)
+def test_a_crc_valid_but_inconsistent_state_is_dropped_never_raised(tmp_path: Path, damage: str) -> None:
+    """Files whose checksums hold but whose contents contradict themselves: a new lineage, not an exception at
+    every start (load() raised IndexError for the first: a crash loop)."""
+    clock = Clock()
+    cp, _ = opened(tmp_path)
+    store, out = store_with_records(clock, cp.lineage)
+    cp.snapshot(store.reported(), out[:1])
+    cp.sent(out[1:])
+    assert Checkpoint(tmp_path, boot=BOOT).load().valid
+    rows_at = 14 + 40 - 8  # the snapshot header's row count (after boot id, lineage, written at)
+    change = {
+        "journal entry announces more rows than it holds": lambda: rewrite_entry(
+            tmp_path, 0, lambda p: struct.pack_into("!I", p, 0, 3)
+        ),
+        "journal entry holds more than it announces": lambda: rewrite_entry(
+            tmp_path, 0, lambda p: struct.pack_into("!I", p, 0, 1)
+        ),
+        "journal row with an address length of 7": lambda: rewrite_entry(tmp_path, 0, lambda p: p.__setitem__(4, 7)),
+        "snapshot announces more rows than it holds": lambda: rewrite_snapshot(
+            tmp_path, lambda b: struct.pack_into("!I", b, rows_at, 4)
+        ),
+        "snapshot announces more records than it holds": lambda: rewrite_snapshot(
+            tmp_path, lambda b: struct.pack_into("!I", b, rows_at + 4, 2)
+        ),
+        "snapshot with an unknown version": lambda: rewrite_snapshot(
+            tmp_path, lambda b: struct.pack_into("!H", b, 4, 3)
+        ),
+    }[damage]
+    change()
+    got = Checkpoint(tmp_path, boot=BOOT).load()
+    assert not got.valid and "damaged" in got.why, got.why
+    assert got.rows == [] and got.resends == [] and got.lineage != cp.lineage
+
+
+def test_a_state_loss_is_carried_until_a_snapshot_after_the_first_complete_poll(tmp_path: Path) -> None:
+    """After a lost state, begin() writes a valid empty checkpoint before the first poll: it must say that
+    connections found live are still to be flagged adopted, or a process dying before their first records
+    leaves the next one reporting them from sequence 0, unflagged (the consumer rule would double-count)."""
+    clock = Clock()
+    cp, loaded = opened(tmp_path)
+    assert not loaded.valid  # type: ignore[attr-defined]
+    cp.close()
+    again = Checkpoint(tmp_path, boot=BOOT)
+    got = again.load()
+    assert got.valid and got.adopting and got.rows == []
+    again.begin(got)  # a second process that also dies before its first poll: still adopting
+    again.close()
+    third = Checkpoint(tmp_path, boot=BOOT)
+    got = third.load()
+    assert got.valid and got.adopting
+    third.begin(got)
+    store = ConnectionStore(Timeouts(), adopt=True)
+    store.restore(got.rows, got.resends, adopting=got.adopting)
+    poll(store, clock, tcp(1000, packets=2))
+    [row] = store.reported()  # adopted, no record yet: kept, flagged
+    assert row.next_seq == 0 and row.flags & ADOPTED
+    third.snapshot(store.reported(), store.in_flight())
+    got = Checkpoint(tmp_path, boot=BOOT).load()
+    assert got.valid and not got.adopting and [r.flags & ADOPTED for r in got.rows] == [ADOPTED]

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(native.compiled(True) is None, reason="the compi
 
 U64 = 2**64 - 1
 ADDRS = [bytes([10, 0, 0, 1]), bytes([10, 0, 0, 2]), b"\xfd" + b"\0" * 14 + b"\x01", b"\x0a\0\0", b"\x0a\0\0\0\0"]
-HEADER = 4 + 2 + 8 + 16 + 8 + 8 + 4 + 4 + 2  # magic, version, id; boot, lineage, time, rows, records; table
+HEADER = 4 + 2 + 8 + 16 + 8 + 8 + 4 + 4 + 2 + 1  # magic, version, id; boot, lineage, time, rows, records; table; flags
 COLUMN_TYPES = ("I", "q", "q", "q", "I", "Q", "Q", "Q", "Q")
 
 

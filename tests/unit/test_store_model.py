@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -110,9 +111,9 @@ class World:
         cp = Checkpoint(self.dir, boot=BOOT, write=disk.write, unlink=disk.unlink, clock=lambda: self.clock.now)
         assert cp.lock()
         loaded = cp.load()
-        store = ConnectionStore(TIMEOUTS, max_connections=self.cap, adopt=not loaded.valid)
+        store = ConnectionStore(TIMEOUTS, max_connections=self.cap, adopt=not loaded.valid or loaded.adopting)
         if loaded.valid:
-            store.restore(loaded.rows, loaded.resends)
+            store.restore(loaded.rows, loaded.resends, adopting=loaded.adopting)
         cp.begin(loaded)
         self.store, self.cp = store, cp
         self.poll()  # the exporter's first poll comes at once: it adopts only what lived before it
@@ -458,3 +459,36 @@ def test_model_restarts_cap_late_events_and_a_failing_disk(ops: list[tuple[str, 
         run_model(ops, cap, d)
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+# The audit's sequences (issue 38), each a test of its own: each failed before its fix.
+AUDIT = {
+    # Table._admit deleted the matched restored rows in (ended, index) order, not by index: the ended
+    # predecessor before its reset successor raised IndexError at the first poll, every start (a crash loop).
+    "reset_then_sigkill_then_restart": (
+        [("create", 1, 1), ("traffic", 1, 3), ("poll", 0, 0), ("tick", 5, 0), ("poll", 0, 0), ("export", "ok", 0),
+         ("zero", 1, 0), ("traffic", 1, 2), ("tick", 5, 0), ("poll", 0, 0), ("export", "ok", 0), ("kill", True, 0),
+         ("start", 0, 0), ("poll", 0, 0)],
+        3,
+    ),
+    # A snapshot between a give-up and its reason-5 record saved the tuple as given up: after SIGKILL it was
+    # never reported, and no lack-of-resources record said so.
+    "given_up_snapshot_before_its_record": (
+        [("create", 2, 1), ("create", 1, 1), ("create", 3, 1), ("kill", False, 0), ("traffic", 3, 1),
+         ("start", 0, 0), ("snapshot", 0, 0), ("kill", False, 0)],
+        2,
+    ),
+    # After a state loss, the empty checkpoint begin() writes looked like a valid state: a process that died
+    # before its adopted connections' first records left the next one reporting them unflagged.
+    "state_loss_then_death_before_the_first_records": (
+        [("disk", "full", 0), ("create", 1, 1), ("traffic", 1, 1), ("poll", 0, 0), ("term", 0, 0),
+         ("disk", "ok", 0), ("start", 0, 0), ("kill", False, 0)],
+        3,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(AUDIT))
+def test_the_audit_sequences_keep_the_contract(name: str, tmp_path: Path) -> None:
+    ops, cap = AUDIT[name]
+    run_model(ops, cap, str(tmp_path))
