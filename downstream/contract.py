@@ -8,7 +8,8 @@ The rules (README "Downstream", "Counting: the contract"), in the order the jobs
 
 1. drop the destination node's copy of an inter-node pod-to-pod connection
    (``flowType`` = :data:`INTER_NODE` and ``reporter`` = :data:`REPORTER_DESTINATION`);
-2. drop duplicate :data:`DEDUP_KEY` pairs (a resent record is the same bytes);
+2. drop duplicate :data:`DEDUP_KEY` triples (a resent record is the same bytes); per-connection
+   state and groups are keyed by :data:`CONNECTION_KEY`, never by ``connectionId`` alone;
 3. sum the :data:`DELTAS` into the :data:`COUNTERS` columns.
 
 Groups (:data:`SOURCE_GROUP`, :data:`DESTINATION_GROUP`) name each end by its workload, the one
@@ -30,7 +31,8 @@ TOTALS = ("packetTotalCount", "octetTotalCount", "reversePacketTotalCount", "rev
 # Output counter columns, in the order of DELTAS / TOTALS (forward = original direction).
 COUNTERS = ("forward_packets", "forward_bytes", "reverse_packets", "reverse_bytes")
 
-# The fields that identify a connection in connection_totals (and lead its columns).
+# The fields that identify a connection in connection_totals (and lead its columns): CONNECTION_KEY
+# and the tuple, which is the same in every record of a connection.
 CONNECTION_FIELDS = (
     "connectionId",
     "exporterNode",
@@ -84,7 +86,11 @@ EVENT_TIMES = ("exportTime", "flowEnd")  # --event-time choices; the first is th
 
 INTER_NODE = 2  # flowType: pod to pod across nodes
 REPORTER_DESTINATION = 2  # reporter: the exporter on the destination pod's node
-DEDUP_KEY = ("connectionId", "sequence")
+# connectionIds are allocated per exporter process, from a random start: two exporters' ids collide
+# only by chance, and then for a run of ids at once. With exporterNode in every key such a
+# collision cannot merge two nodes' connections (README, "Counting: the contract").
+CONNECTION_KEY = ("exporterNode", "connectionId")
+DEDUP_KEY = (*CONNECTION_KEY, "sequence")
 COUNTERS_RESET = 2  # record flag: this connectionId continues an entry whose counters went down
 
 # A completeness marker's loss counts: a round is lossy when their sum is above 0.

@@ -46,17 +46,19 @@ Records of an inter-node pod-to-pod connection come from both nodes' exporters; 
 destination's node (flowType 2, reporter 2) is dropped first, so each connection counts once
 (README: One connection, two nodes), before everything else, in all three tables.
 
-Counting is the README's consumer rule: drop duplicate (connectionId, sequence) pairs (a resent
-record is the same bytes, so the same event time and window), then sum the four ``*DeltaCount``
-fields. Event time is ``--event-time`` (exportTime by default) with a watermark ``--watermark``
+Counting is the README's consumer rule: drop duplicate (exporterNode, connectionId, sequence)
+triples (``contract.DEDUP_KEY``; a resent record is the same bytes, so the same event time and
+window), then sum the four ``*DeltaCount`` fields. A connection is (exporterNode, connectionId),
+never the connectionId alone: ids colliding by chance between two nodes' exporters stay two
+connections. Event time is ``--event-time`` (exportTime by default) with a watermark ``--watermark``
 seconds behind the newest; the session time zone is UTC, so window bounds and timestamps are UTC.
 
 Tables (one StatementSet, so each topic is read once; the planner merges the scans):
 
 * ``flows_by_window``: window_start, window_end, source, destination, packets, bytes,
   forward_packets, forward_bytes, reverse_packets, reverse_bytes. A tumbling-window aggregation
-  by (window, connectionId, sequence) drops the duplicates, a cascading window aggregation by
-  (window, source, destination) sums; rows with no packets and no bytes are left out.
+  by (window, exporterNode, connectionId, sequence) drops the duplicates, a cascading window
+  aggregation by (window, source, destination) sums; rows with no packets and no bytes are left out.
 * ``top_talkers``: window_start, window_end, rank, source, destination, packets, bytes: Window
   Top-N (ROW_NUMBER per window) over ``flows_by_window``, by bytes descending (ties: source,
   then destination, as the Spark job).
@@ -331,7 +333,8 @@ def view_statements(window_seconds: int, top: int) -> dict[str, str]:
     packets = f"{_sum('forward_packets')} + {_sum('reverse_packets')}"
     octets = f"{_sum('forward_bytes')} + {_sum('reverse_bytes')}"
     counters = ", ".join(f"{_sum(c)} AS {c}" for c in COUNTERS)
-    ids = "connectionId, exporterNode, protocol, sourceAddress, sourcePort, destinationAddress, destinationPort"
+    ids = ", ".join(contract.CONNECTION_FIELDS)  # the connection (contract.CONNECTION_KEY) and its tuple
+    dedup = ", ".join(quote_ident(c) for c in contract.DEDUP_KEY)  # one record content
     # A record's groups: the same in every copy of it, so grouping by them keeps one copy.
     groups = "source, destination, source_zone, destination_zone"
     return {
@@ -344,12 +347,12 @@ SELECT {ids}, `sequence`, event_time,
 FROM {SOURCE_TABLE}
 WHERE NOT (flowType = {INTER_NODE} AND reporter = {REPORTER_DESTINATION})""",
         # A resent record is the same bytes: same window, same groups, same counts, so one row
-        # per (window, connectionId, sequence) keeps exactly one copy of each.
+        # per (window, exporterNode, connectionId, sequence) keeps exactly one copy of each.
         "records_by_window": f"""
-SELECT window_start, window_end, connectionId, `sequence`, {groups},
+SELECT window_start, window_end, {dedup}, {groups},
   {", ".join(f"MAX({c}) AS {c}" for c in COUNTERS)}
 FROM TABLE(TUMBLE(TABLE flows, DESCRIPTOR(event_time), INTERVAL '{window_seconds}' SECOND))
-GROUP BY window_start, window_end, connectionId, `sequence`, {groups}""",
+GROUP BY window_start, window_end, {dedup}, {groups}""",
         "flows_by_window": f"""
 SELECT window_start, window_end, source, destination,
   {packets} AS packets, {octets} AS `bytes`, {counters}

@@ -29,11 +29,13 @@ Records of an inter-node pod-to-pod connection come from both nodes' exporters; 
 destination's node (flowType 2, reporter 2) is dropped first, so each connection counts once.
 
 Counting (``--mode deltas``, the default) is the README's consumer rule ("Counting: the
-contract"): drop duplicate (connectionId, sequence) pairs within the watermark, keeping any copy
-(the exporter resends a record only as the same bytes), then sum the ``*DeltaCount`` fields. It
-is exact across exporter restarts, resends and races as long as the exporter keeps its
-``state.dir``; a record that arrives later than the watermark (an outage longer than it) is
-dropped, so set ``--watermark`` above the longest outage to be counted.
+contract"): drop duplicate (exporterNode, connectionId, sequence) triples within the watermark,
+keeping any copy (the exporter resends a record only as the same bytes), then sum the
+``*DeltaCount`` fields. A connection is (exporterNode, connectionId), never the connectionId
+alone: ids colliding by chance between two nodes' exporters stay two connections. It is exact
+across exporter restarts, resends and races as long as the exporter keeps its ``state.dir``; a
+record that arrives later than the watermark (an outage longer than it) is dropped, so set
+``--watermark`` above the longest outage to be counted.
 
 ``--mode totals`` is the rule for exporters without state (or a state that was lost): their
 records of connections found live are flagged adopted and restart under new connectionIds, so
@@ -97,6 +99,7 @@ CONNECTION_FIELDS = contract.CONNECTION_FIELDS
 USED_FIELDS = contract.USED_FIELDS | contract.TOTALS_MODE_FIELDS
 INTER_NODE, REPORTER_DESTINATION = contract.INTER_NODE, contract.REPORTER_DESTINATION
 COUNTERS_RESET = contract.COUNTERS_RESET
+DEDUP_KEY = contract.DEDUP_KEY
 
 # The groups carried through totals mode's Python step, beside the event time.
 GROUPS = ("source", "destination", "source_zone", "destination_zone")
@@ -556,11 +559,11 @@ def _increments_fn(state_ttl_ms: int) -> Any:
 
 
 def counted_records(flows: DataFrame, *, event_time: str, watermark: str) -> DataFrame:
-    """Records with groups and event time, duplicates of (connectionId, sequence) dropped (deltas mode)."""
+    """Records with groups and event time, duplicate :data:`DEDUP_KEY` triples dropped (deltas mode)."""
     from pyspark.sql import functions as F
 
     df = group_columns(flows).withColumn("eventTime", F.col(event_time)).withWatermark("eventTime", watermark)
-    return df.dropDuplicatesWithinWatermark(["connectionId", "sequence"])
+    return df.dropDuplicatesWithinWatermark(list(DEDUP_KEY))
 
 
 def aggregate(
@@ -644,7 +647,7 @@ def bytes_by_zone_pair(groups: DataFrame) -> DataFrame:
 def connection_totals(flows: DataFrame, *, mode: str, event_time: str, watermark: str) -> DataFrame:
     """``connection_totals``: one row per connection, its counts so far.
 
-    deltas mode: per connectionId, the deduplicated deltas summed (the consumer rule). totals
+    deltas mode: per (exporterNode, connectionId), the deduplicated deltas summed (the consumer rule). totals
     mode: per kernel identity (:func:`flow_key`), the highest cumulative totals seen, which is
     right whatever the exporters' restarts did (``connectionId`` is then the highest seen).
     ``source`` and ``destination`` are the greatest seen (they change only when enrichment

@@ -5,6 +5,9 @@ After an exporter upgrade the topic still holds records written before a field w
 read). With the registry, each value names its writer schema, and the jobs' reader schemas (the
 current file's fields, with their defaults) must resolve them all: an older record is grouped by
 its pod and counted in the null zone pair, a current one by its workload and its zones.
+
+Also on synthetic records: two exporters whose connectionIds collide (by chance, README "Counting:
+the contract") are two connections in both jobs, even in the same window and group.
 """
 
 from __future__ import annotations
@@ -92,3 +95,39 @@ def test_older_writer_versions_resolve(kafka_broker: KafkaBroker, tmp_path: Path
     zones.pop((CLOCK_ZONE, CLOCK_ZONE), None)  # its window closes in Flink only
     older = (expected[40100][0] + expected[40102][0], expected[40100][1] + expected[40102][1])
     assert dict(zones) == {(None, None): older, ("zone-a", "zone-b"): expected[40101]}
+
+
+@pytest.mark.parametrize("job", ["spark", "flink"])
+def test_connection_ids_colliding_across_nodes_are_two_connections(
+    kafka_broker: KafkaBroker, tmp_path: Path, job: str
+) -> None:
+    """The same (connectionId, sequence) from two nodes, different contents, same window and group:
+    both count, each its own row of connection_totals; a resent copy of one counts once."""
+    topic = f"collide-{uuid.uuid4().hex[:8]}"
+    kafka_broker.create_topic(topic)
+    schema = fastavro.parse_schema(json.loads(schema_path().read_text()))
+    now_ms = time.time_ns() // 1_000_000
+    cid = uuid.uuid4().int >> 65
+    pods = (("ns", "a"), ("ns", "b"), None, now_ms)
+    a = synthetic_record(40201, *pods, (3, 300, 2, 20), exporterNode="node-a", connectionId=cid)
+    b = synthetic_record(40202, *pods, (5, 500, 1, 10), exporterNode="node-b", connectionId=cid)
+    # Spark emits a window once a later record moves the watermark past it: one an hour ahead.
+    clock = synthetic_record(40299, ("t", "c"), ("t", "c"), None, now_ms + 3_600_000, (1, 1, 0, 0))
+    clock.update(sourceZone=CLOCK_ZONE, destinationZone=CLOCK_ZONE)
+    producer = Producer({"bootstrap.servers": kafka_broker.bootstrap})
+    for rec in (a, b, a, clock):
+        buf = io.BytesIO()
+        fastavro.schemaless_writer(buf, schema, rec)
+        producer.produce(topic, buf.getvalue())
+    assert producer.flush(30) == 0
+    if job == "spark":
+        run = run_spark(kafka_broker.bootstrap, topic, tmp_path, min_batches=1)
+    else:
+        run = run_flink(kafka_broker.bootstrap, topic, tmp_path)
+    got = {
+        (r["exporterNode"], r["connectionId"]): (r["records"], r["packets"], r["bytes"])
+        for r in run.connections
+        if r["connectionId"] == cid
+    }
+    assert got == {("node-a", cid): (1, 3 + 2, 300 + 20), ("node-b", cid): (1, 5 + 1, 500 + 10)}
+    assert run.group_totals().get(("ns/a", "ns/b")) == (3 + 2 + 5 + 1, 300 + 20 + 500 + 10)

@@ -16,24 +16,32 @@ Counts = tuple[int, int, int, int]
 
 
 def dedup(records: Iterable[dict[str, Any]]) -> tuple[dict[int, list[dict[str, Any]]], int]:
-    """Records per connectionId with duplicate (connectionId, sequence) pairs dropped; and how many were.
+    """Records per connectionId, duplicate (exporterNode, connectionId, sequence) triples dropped; and how many.
 
-    Asserts the contract's first half: a pair seen twice has the same content both times
-    (keys starting with ``_`` are test annotations, not content).
+    Asserts the contract's first half: a triple seen twice has the same content both times
+    (keys starting with ``_`` are test annotations, not content). A record without exporterNode
+    (built from an export by a unit test) is one exporter's. The groups are keyed by connectionId
+    alone, for callers checking one exporter's stream: a connectionId of two nodes fails here.
     """
-    seen: dict[tuple[int, int], dict[str, Any]] = {}
+    seen: dict[tuple[str | None, int, int], dict[str, Any]] = {}
     dups = 0
     for r in records:
-        k = (r["connectionId"], r["sequence"])
+        k = (r.get("exporterNode"), r["connectionId"], r["sequence"])
         first = seen.get(k)
         if first is not None:
-            assert _content(first) == _content(r), f"(connectionId, sequence) {k} carries two contents:\n{first}\n{r}"
+            assert _content(first) == _content(r), (
+                f"(exporterNode, connectionId, sequence) {k} carries two contents:\n{first}\n{r}"
+            )
             dups += 1
             continue
         seen[k] = r
     groups: dict[int, list[dict[str, Any]]] = {}
     for r in seen.values():
-        groups.setdefault(r["connectionId"], []).append(r)
+        rs = groups.setdefault(r["connectionId"], [])
+        assert not rs or rs[0].get("exporterNode") == r.get("exporterNode"), (
+            f"connectionId {r['connectionId']} of two exporterNodes: two connections, not one stream's"
+        )
+        rs.append(r)
     for rs in groups.values():
         rs.sort(key=lambda r: r["sequence"])
     return groups, dups

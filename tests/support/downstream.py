@@ -137,13 +137,14 @@ def record_group(r: dict[str, Any]) -> Group:
 
 def readme_rule(records: list[dict[str, Any]]) -> dict[Group, Counts]:
     """The README's consumer rule: drop the destination node's copy of an inter-node pod-to-pod connection,
-    drop duplicates by (connectionId, sequence), sum the deltas."""
-    seen: set[tuple[int, int]] = set()
+    drop duplicates by (exporterNode, connectionId, sequence), sum the deltas."""
+    seen: set[tuple[str, int, int]] = set()
     out: dict[Group, Counts] = defaultdict(lambda: (0, 0))
     for r in records:
-        if (r["connectionId"], r["sequence"]) in seen or (r.get("flowType"), r.get("reporter")) == (2, 2):
+        key = (r["exporterNode"], r["connectionId"], r["sequence"])
+        if key in seen or (r.get("flowType"), r.get("reporter")) == (2, 2):
             continue
-        seen.add((r["connectionId"], r["sequence"]))
+        seen.add(key)
         p, b = out[record_group(r)]
         out[record_group(r)] = (
             p + r["packetDeltaCount"] + r["reversePacketDeltaCount"],

@@ -3,7 +3,8 @@
 No JVM and no broker: the jobs import pyspark and pyflink only once their arguments are checked,
 so the project's interpreter runs both copies up to that point. The copies run from a temporary
 directory with a clean environment; the end-to-end run of such copies is in
-tests/integration/test_downstream_e2e.py.
+tests/integration/test_downstream_e2e.py. The rule they share (``contract.py``) is checked here
+too, in its pure-Python form (``readme_rule``, what the end-to-end tests hold the jobs to).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from downstream import contract
-from tests.support.downstream import FLINK_JOB, JOB, clean_environment, standalone_copy
+from tests.support import contract as consumer
+from tests.support.downstream import FLINK_JOB, JOB, clean_environment, readme_rule, standalone_copy, synthetic_record
 from tests.support.paths import REPO
 
 JOBS = {"spark": JOB, "flink": FLINK_JOB}
@@ -74,3 +76,18 @@ def test_jar_paths(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"no \*\.jar in directory"):
         contract.jar_paths(str(tmp_path / "empty"))
+
+
+def test_connection_ids_colliding_across_nodes_are_two_connections() -> None:
+    """Two exporters' connectionId runs may overlap (by chance, about (n1 + n2) / 2**64): the same
+    (connectionId, sequence) from two nodes is two records, both counted; a resent copy is not."""
+    assert contract.DEDUP_KEY == ("exporterNode", "connectionId", "sequence")
+    assert set(contract.CONNECTION_KEY) <= set(contract.CONNECTION_FIELDS)  # connection_totals' grouping
+    pods = (("shop", "web-0"), ("shop", "db-0"), None, 1_700_000_000_000)
+    a = synthetic_record(40001, *pods, (3, 300, 2, 200), exporterNode="node-a", connectionId=7, sequence=4)
+    b = synthetic_record(40002, *pods, (5, 500, 1, 100), exporterNode="node-b", connectionId=7, sequence=4)
+    assert readme_rule([a, b, dict(a)]) == {("shop/web-0", "shop/db-0"): (3 + 2 + 5 + 1, 300 + 200 + 500 + 100)}
+    # The tests' contract check dedups alike, and will not take the two for one connection's stream.
+    assert consumer.dedup([a, dict(a)])[1] == 1
+    with pytest.raises(AssertionError, match="of two exporterNodes"):
+        consumer.dedup([a, b])

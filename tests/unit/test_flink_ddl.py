@@ -163,10 +163,23 @@ def test_views_apply_the_contract() -> None:
     views = ff.view_statements(60, 5)
     assert list(views)[-1] == "connection_totals"
     assert "WHERE NOT (flowType = 2 AND reporter = 2)" in views["flows"]
-    assert "GROUP BY window_start, window_end, connectionId, `sequence`" in views["records_by_window"]
+    assert "GROUP BY window_start, window_end, `exporterNode`, `connectionId`, `sequence`" in views["records_by_window"]
     assert "INTERVAL '60' SECOND" in views["records_by_window"]
     assert "`rank` <= 5" in views["top_talkers"]
-    assert "GROUP BY connectionId" in views["connection_totals"]
+    assert "GROUP BY connectionId, exporterNode," in views["connection_totals"]
+    assert "GROUP BY connectionId, exporterNode," in views["distinct_records"]
+
+
+def test_a_connection_id_of_two_nodes_is_two_connections() -> None:
+    """Two exporters' connectionIds may collide (by chance, a run of them at once): every per-record
+    and per-connection key carries exporterNode, so the same (connectionId, sequence) from two nodes
+    is two records, even with the same window and groups."""
+    views = ff.view_statements(60, 5)
+    dedup = views["records_by_window"].split("GROUP BY ", 1)[1].split(", ")
+    assert {"`exporterNode`", "`connectionId`", "`sequence`"} <= set(dedup)
+    for view in ("distinct_records", "connection_totals"):
+        keys = views[view].split("GROUP BY ", 1)[1].split(", ")
+        assert {"exporterNode", "connectionId"} <= set(keys), view
 
 
 def test_result_tables_have_the_contracts_columns() -> None:
@@ -190,8 +203,11 @@ def test_result_tables_have_the_contracts_columns() -> None:
 
 def test_zone_pairs_and_groups_come_from_the_deduplicated_records() -> None:
     views = ff.view_statements(60, 5)
-    # One copy per (window, connectionId, sequence): the zones ride along like the groups.
-    keys = "window_start, window_end, connectionId, `sequence`, source, destination, source_zone, destination_zone"
+    # One copy per (window, exporterNode, connectionId, sequence): the zones ride along like the groups.
+    keys = (
+        "window_start, window_end, `exporterNode`, `connectionId`, `sequence`, "
+        "source, destination, source_zone, destination_zone"
+    )
     assert f"GROUP BY {keys}" in views["records_by_window"]
     zones = views["bytes_by_zone_pair"]
     assert "FROM records_by_window" in zones
