@@ -52,6 +52,7 @@ class LoopStats:
     resyncs: int = 0
     barrier_timeouts: int = 0  # polls whose sweep ran before the event listener caught up
     expire_errors: int = 0  # turns of the expire loop that raised (logged, retried after a backoff)
+    states_dropped: int = 0  # restored states that raised while applied: dropped for a new lineage
     zone_entries: dict[int, int] = field(default_factory=dict)  # entries per zone in the last full dump
     kernel: dict[str, int] = field(default_factory=dict)  # conntrack's own statistics (conntrack -S)
     last_poll_seconds: float = 0.0
@@ -120,14 +121,12 @@ class Exporter:
         self.grace = options.grace
         self.clock = clock
         self.wall_ns = wall_ns
-        self.store = ConnectionStore(
-            options.timeouts,
-            on_new=on_new,
-            max_connections=options.max_connections,
-            adopt=options.adopt,
-            compiled=options.compiled,
-            cache_prefixes=options.cache_prefixes,
-        )
+        self._on_new = on_new
+        self.store = self._new_store(options.adopt)
+        # A restored state until the first poll after it is complete (see _drop_state), and a dropped one whose
+        # new lineage the expire thread, the journal's only writer, has still to start.
+        self._restoring = False
+        self._lineage_due = False
         self.checkpoint: Journal = checkpoint if checkpoint is not None else NoJournal()
         self.events: EventSource | None = None
         self._given_up_logged_at = float("-inf")
@@ -147,10 +146,54 @@ class Exporter:
         """Ask the loops to stop; ``run`` then shuts down (final records within the grace period)."""
         self.stop_event.set()
 
+    def _new_store(self, adopt: bool) -> ConnectionStore:
+        o = self.options
+        return ConnectionStore(
+            o.timeouts,
+            on_new=self._on_new,
+            max_connections=o.max_connections,
+            adopt=adopt,
+            compiled=o.compiled,
+            cache_prefixes=o.cache_prefixes,
+        )
+
     def restore(self, rows: list[Restored], resends: list[Export], *, adopting: bool = False) -> None:
         """Continue from a previous process's checkpoint (call before ``run``)."""
         with self.lock:
-            self.store.restore(rows, resends, adopting=adopting)
+            try:
+                self.store.restore(rows, resends, adopting=adopting)
+            except Exception as exc:
+                self._drop_state(exc)
+                return
+            self._restoring = True
+
+    def _drop_state(self, exc: Exception) -> None:
+        """Applying the restored state raised: drop it for a new lineage, never exit (call with the lock held).
+
+        Any exception of the store while it restores rows or meets them in the first poll after a
+        restart is one the next start would meet again, with the same state: exiting would be a crash
+        loop. So the state goes, as a damaged one does: a fresh store flags what it finds live as
+        adopted (README, "Counting: the contract"). Records already built keep their bytes and go out.
+        Bugs elsewhere stay fatal.
+        """
+        keep = [e for e in self.store.in_flight() if e.value is not None]
+        self.store = self._new_store(adopt=True)
+        self.store.restore([], keep, adopting=True)
+        self._restoring = False
+        self._lineage_due = True
+        self.stats.states_dropped += 1
+        log.error(
+            "the restored state could not be applied (%r): dropped; new lineage, live connections flagged adopted "
+            "(flow_exporter_states_dropped_total; please report this with the log)",
+            exc,
+        )
+
+    def _start_lineage(self) -> None:
+        """A dropped state's new lineage: an empty snapshot that still adopts, then the journal after it."""
+        if self._lineage_due:
+            self._lineage_due = False
+            self.checkpoint.new_lineage()
+            self.snapshot()
 
     def attach_events(self, events: EventSource) -> None:
         """The event listener: its ``caught_up`` lets the sweep wait for DESTROY events queued until then."""
@@ -164,7 +207,25 @@ class Exporter:
             return 0
 
     def poll_once(self) -> int:
-        """One dump and store update; returns the number of entries dumped."""
+        """One dump and store update; returns the number of entries dumped.
+
+        The first one after a restore is guarded: what the restored state makes it raise drops that state
+        (:meth:`_drop_state`) and the poll starts over on the fresh store.
+        """
+        if not self._restoring:
+            return self._poll()
+        try:
+            n = self._poll()
+        except OSError:
+            raise
+        except Exception as exc:
+            with self.lock:
+                self._drop_state(exc)
+            return self._poll()
+        self._restoring = False
+        return n
+
+    def _poll(self) -> int:
         t0 = time.perf_counter()
         zones = self.zones or None
         store = self.store
@@ -266,9 +327,16 @@ class Exporter:
                     break
 
     def apply_events(self, new: list[Connection], destroyed: list[Connection]) -> None:
-        """Conntrack NEW/DESTROY events, from the event listener's thread."""
+        """Conntrack NEW/DESTROY events, from the event listener's thread (guarded as the first poll is)."""
         with self.lock:
-            self.store.apply_events(new, destroyed, self.clock(), self.wall_ns())
+            if not self._restoring:
+                self.store.apply_events(new, destroyed, self.clock(), self.wall_ns())
+                return
+            try:
+                self.store.apply_events(new, destroyed, self.clock(), self.wall_ns())
+            except Exception as exc:
+                self._drop_state(exc)
+                self.store.apply_events(new, destroyed, self.clock(), self.wall_ns())
 
     def request_resync(self) -> None:
         """Events were lost: dump the whole table now rather than at the next tick."""
@@ -371,6 +439,7 @@ class Exporter:
 
     def expire_once(self) -> int:
         """Export everything that is due; returns the number of records produced."""
+        self._start_lineage()
         self._apply_reports()
         if self.held_back():
             return 0  # as when Kafka is behind: due connections wait, coalescing, until a snapshot succeeds
@@ -434,6 +503,7 @@ class Exporter:
             polls=s.polls,
             poll_errors=s.poll_errors,
             expire_errors=s.expire_errors,
+            states_dropped=s.states_dropped,
             resyncs=s.resyncs,
             barrier_timeouts=s.barrier_timeouts,
             decode_skipped=self.source.skipped + (ev.skipped if ev is not None else 0),
@@ -484,6 +554,7 @@ class Exporter:
         deadline = time.monotonic() + max(self.grace - 1.0, self.grace / 2)
         for t in threads:
             t.join()
+        self._start_lineage()
         if self.fatal is not None:
             log.error("%s", self.fatal)
             self.sink.flush(min(5.0, max(deadline - time.monotonic(), 0)))

@@ -620,6 +620,10 @@ class Checkpoint:
                 f"{packed.records:,}",
             )
 
+    def new_lineage(self) -> None:
+        """The loaded state was dropped (it could not be applied): the next snapshot starts a new lineage."""
+        self.lineage = os.urandom(8)
+
     def _open_journal(self, snap_id: int) -> None:
         if self._journal is not None:
             os.close(self._journal)

@@ -43,6 +43,12 @@ _FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     ("polls", "polls", "Conntrack polls completed.", "counter"),
     ("poll_errors", "poll_errors", "Conntrack dumps that failed and were retried.", "counter"),
     ("expire_errors", "expire_errors", "Expire-loop turns that raised (logged, retried after a backoff).", "counter"),
+    (
+        "states_dropped",
+        "states_dropped",
+        "Restored states dropped because applying them raised: a new lineage, live connections flagged adopted.",
+        "counter",
+    ),
     ("resyncs", "conntrack_resyncs", "Full dumps run at once because events were lost.", "counter"),
     (
         "barrier_timeouts",

@@ -239,6 +239,10 @@ class Journal(Protocol):
         """Write a packed state as the snapshot; the journal starts over after it."""
         ...
 
+    def new_lineage(self) -> None:
+        """The state was dropped: what is written from now on belongs to a new lineage (a snapshot follows)."""
+        ...
+
     def readings(self) -> CheckpointReadings | None:
         """Its counters for the metrics endpoint (None: nothing kept)."""
         ...
@@ -270,6 +274,9 @@ class NoJournal:
         return PackedState(0, 0, bytearray(), 0.0)
 
     def write(self, packed: PackedState) -> None:
+        pass
+
+    def new_lineage(self) -> None:
         pass
 
     def readings(self) -> CheckpointReadings | None:

@@ -43,6 +43,7 @@ class Readings:
     polls: int
     poll_errors: int
     expire_errors: int
+    states_dropped: int  # restored states dropped because applying them raised (a new lineage)
     resyncs: int
     barrier_timeouts: int
     decode_skipped: int

@@ -632,3 +632,64 @@ def test_a_state_loss_is_carried_until_a_snapshot_after_the_first_complete_poll(
     third.snapshot(store.reported(), store.in_flight())
     got = Checkpoint(tmp_path, boot=BOOT).load()
     assert got.valid and not got.adopting and [r.flags & ADOPTED for r in got.rows] == [ADOPTED]
+
+
+@pytest.mark.parametrize("where", ["restore", "first poll", "events"])
+def test_a_restored_state_that_raises_is_dropped_for_a_new_lineage_not_a_crash_loop(
+    tmp_path: Path, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any exception of the store while it restores or first meets the restored rows would come back at every
+    start with the same state (before, the poll loop took it as fatal: CrashLoopBackOff, once per bad row).
+    The state is dropped instead: a new lineage, live connections flagged adopted, a metric, an error log.
+    The same exception outside that window stays fatal."""
+    clock, disk = Clock(), Disk()
+    exp, table, broker = exporter_on(tmp_path, disk, clock)
+    for packets in (3, 5, 7, 9, 11, 13):
+        turn(exp, broker, clock, table, packets)
+    exp.snapshot()
+    before = {(a.flow_id, a.sequence): a.value for a in broker.accepted}
+    old_lineage = exp.checkpoint.lineage  # type: ignore[attr-defined]
+    exp.checkpoint.close()  # type: ignore[attr-defined]
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise KeyError("a bug in the restart code")
+
+    exp2, table, broker2 = exporter_on(tmp_path, disk, clock)
+    got = Checkpoint(tmp_path, boot=BOOT).load()
+    assert got.valid and len(got.rows) == 3
+    table.entries = [tcp(46000 + i, packets=20 + i) for i in range(3)]
+    rows = got.rows
+    if where == "restore":  # a row the store cannot take (no flags)
+        rows = [rows[0]._replace(flags=None), *rows[1:]]
+    with monkeypatch.context() as m:  # only applying the restored state is broken: the fresh store works
+        if where != "restore":
+            m.setattr(ConnectionStore, "_continue", broken)
+        exp2.restore(rows, got.resends)
+        if where == "first poll":
+            exp2.poll_once()
+        elif where == "events":  # the DESTROY of a restored connection, read before the first poll
+            gone = table.entries.pop(0)
+            exp2.apply_events([], [replace(gone, stop_ns=clock.wall())])
+    assert exp2.stats.states_dropped == 1 and exp2.readings().states_dropped == 1
+    exp2.poll_once()
+    clock.tick(6)
+    exp2.poll_once()
+    exp2.expire_once()
+    broker2.poll(0)
+    assert exp2.checkpoint.lineage != old_lineage  # type: ignore[attr-defined]
+    new = [decode_record(a.value) for a in broker2.accepted if (a.flow_id, a.sequence) not in before]
+    resent = [a for a in broker2.accepted if (a.flow_id, a.sequence) in before]
+    assert all(before[(a.flow_id, a.sequence)] == a.value for a in resent)  # the old lineage's records: same bytes
+    assert len(new) == 3 and not {r["connectionId"] for r in new} & {f for f, _ in before}
+    assert all(r["flags"] & ADOPTED and r["sequence"] == 0 for r in new)  # flagged: counted before
+    assert sorted(r["packetTotalCount"] for r in new) == [20, 21, 22]
+    exp2.snapshot()
+    again = Checkpoint(tmp_path, boot=BOOT).load()
+    assert again.valid and not again.adopting and again.lineage == exp2.checkpoint.lineage  # type: ignore[attr-defined]
+    assert len(again.rows) == 3
+    # Past the first poll the same exception is a bug like any other: fatal, as before.
+    table.entries.append(tcp(47000, packets=1))
+    with monkeypatch.context() as m:
+        m.setattr(ConnectionStore, "_track", broken)
+        with pytest.raises(KeyError):
+            exp2.poll_once()
