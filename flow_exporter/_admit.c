@@ -365,7 +365,9 @@ PyObject *native_admit_rows(PyObject *self, PyObject *args) {
     Py_ssize_t i;
     if (!PyArg_ParseTuple(args, "O!nOO!O!", &PyList_Type, &rows, &i, &ctype, &PyDict_Type, &conns, &PyList_Type, &ctx))
         return NULL;
-    if (!PyType_Check(ctype) || !slot_cache(&conn_slots, ctype, NAMES, K_N)) return PyLong_FromSsize_t(i);
+    int direct = PyType_Check(ctype) ? slot_cache(&conn_slots, ctype, NAMES, K_N) : 0;
+    if (direct < 0) return NULL;
+    if (!direct) return PyLong_FromSsize_t(i);
     Admission *a = admission_open(conns, ctx);
     if (a == NULL) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(rows);

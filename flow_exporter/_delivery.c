@@ -151,9 +151,11 @@ static PyObject *deliveries_new(PyTypeObject *type, PyObject *args, PyObject *kw
         return NULL;
     Deliveries *d = (Deliveries *)type->tp_alloc(type, 0);
     if (d == NULL) return NULL;
-    if (!slot_offsets(report_type, RNAMES, R_N, d->off)) {
+    int direct = slot_offsets(report_type, RNAMES, R_N, d->off);
+    if (direct <= 0) {
         Py_DECREF(d);
-        PyErr_SetString(PyExc_TypeError, "Deliveries: the report type is not a slots dataclass of plain fields");
+        if (direct == 0) /* else the lookup's own error (a MemoryError) stands */
+            PyErr_SetString(PyExc_TypeError, "Deliveries: the report type is not a slots dataclass of plain fields");
         return NULL;
     }
     d->append = Py_NewRef(append);
@@ -226,6 +228,17 @@ enum { P_VALUE, P_TOPIC, P_KEY, P_N };
 static const char *const PNAMES[P_N] = {"value", "topic", "key"};
 static SlotCache p_slots;
 
+/* The exception raised, taken as produce_run's `error` (never NULL: None if none was set). */
+static PyObject *taken_error(void) {
+    PyObject *type, *error, *tb;
+    PyErr_Fetch(&type, &error, &tb);
+    PyErr_NormalizeException(&type, &error, &tb);
+    if (error != NULL && tb != NULL) PyException_SetTraceback(error, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return error != NULL ? error : Py_NewRef(Py_None);
+}
+
 PyObject *native_produce_run(PyObject *self, PyObject *args) {
     PyObject *exports, *produce, *for_record, *topics, *refused;
     Py_ssize_t i;
@@ -239,7 +252,12 @@ PyObject *native_produce_run(PyObject *self, PyObject *args) {
     int slow = 0;
     for (; i < PyList_GET_SIZE(exports); i++) {
         PyObject *e = PyList_GET_ITEM(exports, i);
-        if (!slot_cache(&p_slots, (PyObject *)Py_TYPE(e), PNAMES, P_N)) {
+        int direct = slot_cache(&p_slots, (PyObject *)Py_TYPE(e), PNAMES, P_N);
+        if (direct < 0) { /* the type's lookup failed: this record's error, after the run so far is counted */
+            error = taken_error();
+            break;
+        }
+        if (!direct) {
             slow = 1;
             break;
         }
@@ -277,13 +295,7 @@ PyObject *native_produce_run(PyObject *self, PyObject *args) {
                 slow = 1;
                 break;
             }
-            PyObject *type, *tb;
-            PyErr_Fetch(&type, &error, &tb);
-            PyErr_NormalizeException(&type, &error, &tb);
-            if (error != NULL && tb != NULL) PyException_SetTraceback(error, tb);
-            Py_XDECREF(type);
-            Py_XDECREF(tb);
-            if (error == NULL) error = Py_NewRef(Py_None);
+            error = taken_error();
             break;
         }
         Py_DECREF(res);

@@ -303,10 +303,7 @@ static const char *const FIELDS[26] = {
  * are not plain object slots is called instead. */
 static SlotCache bound;
 
-static int bind(PyObject *ctype) {
-    slot_cache(&bound, ctype, FIELDS, 26);
-    return 0;
-}
+static int bind(PyObject *ctype) { return slot_cache(&bound, ctype, FIELDS, 26) < 0 ? -1 : 0; }
 
 /* The item of `key` (a row_key tuple, or NULL) at i, as a new reference; else `made`, a new object. */
 #define FROM_KEY(key, i, made) ((key) != NULL ? Py_NewRef(PyTuple_GET_ITEM(key, i)) : (made))

@@ -61,7 +61,10 @@ static int room(Out *o, Py_ssize_t more) {
     Py_ssize_t cap = o->cap * 2;
     while (cap < o->len + more) cap *= 2;
     uint8_t *p = PyMem_Malloc(cap);
-    if (p == NULL) return -1;
+    if (p == NULL) {
+        PyErr_NoMemory(); /* ERR means an exception is set: without one the call ends in a SystemError */
+        return -1;
+    }
     memcpy(p, o->p, o->len);
     if (o->p != o->local) PyMem_Free(o->p);
     o->p = p;
@@ -284,9 +287,12 @@ static int encode(Out *o, PyObject *e, PyObject *ctx) {
     int64_t seed;
     TRY(int_in(PyTuple_GET_ITEM(ctx, 2), 0, 0xFFFF, &seed));
     if (!PyBytes_CheckExact(node_fields) || !PyUnicode_CheckExact(node) || !PyTuple_CheckExact(k8s)) return PURE;
-    if (!bound(&e_bound, e, ENAMES, E_N)) return PURE;
+    int r = bound(&e_bound, e, ENAMES, E_N);
+    if (r <= 0) return r < 0 ? ERR : PURE;
     PyObject *c = FIELD(e_bound, e, E_CONN);
-    if (c == NULL || c == Py_None || !bound(&c_bound, c, CNAMES, C_N)) return PURE;
+    if (c == NULL || c == Py_None) return PURE;
+    r = bound(&c_bound, c, CNAMES, C_N);
+    if (r <= 0) return r < 0 ? ERR : PURE;
     PyObject *f[C_N];
     for (int i = 0; i < C_N; i++) {
         f[i] = FIELD(c_bound, c, i);
@@ -422,8 +428,10 @@ PyObject *native_encode_prefix(PyObject *self, PyObject *args) {
     }
     Out o = {.len = 0, .cap = sizeof o.local};
     o.p = o.local;
+    int direct = bound(&e_bound, e, ENAMES, E_N);
+    if (direct < 0) return NULL;
     Py_INCREF(e); /* the hash calls Python code: keep the export and its fields alive */
-    PyObject *c = bound(&e_bound, e, ENAMES, E_N) ? FIELD(e_bound, e, E_CONN) : NULL;
+    PyObject *c = direct ? FIELD(e_bound, e, E_CONN) : NULL;
     Py_XINCREF(c);
     int r = encode(&o, e, ctx);
     Py_XDECREF(c);

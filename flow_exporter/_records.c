@@ -47,21 +47,35 @@ static const char *const XNAMES[X_N] = {
 static SlotCache x_slots;
 
 /* The offsets of `names` in `type` (a slots dataclass): 1 if every one is a plain, writable object slot whose
- * instances can be made by tp_alloc and filled directly, else 0 (the caller takes the Python path). */
+ * instances can be made by tp_alloc and filled directly, 0 if not (the caller takes the Python path), -1 with
+ * the error set when a lookup failed otherwise than by a missing attribute (a MemoryError, a metaclass that
+ * raised): that is no answer about the type, and must not be taken for one. */
 int slot_offsets(PyObject *type, const char *const *names, int n, Py_ssize_t *offsets) {
     if (!PyType_Check(type) || ((PyTypeObject *)type)->tp_init == NULL) return 0;
     for (int i = 0; i < n; i++) {
         PyObject *d = PyObject_GetAttrString(type, names[i]);
         if (d == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
             PyErr_Clear();
             return 0;
         }
-        int plain = Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX &&
-                    !(((PyMemberDescrObject *)d)->d_member->flags & READONLY);
-        if (plain) offsets[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+        PyMemberDescrObject *m = (PyMemberDescrObject *)d;
+        /* The descriptor's offset is one of its own type's layout: only `type` or a subtype of it has the slot
+         * there (a class borrowing Export's descriptors, `value = Export.value`, is smaller). */
+        int plain = Py_IS_TYPE(d, &PyMemberDescr_Type) && m->d_member->type == T_OBJECT_EX &&
+                    !(m->d_member->flags & READONLY) && PyType_IsSubtype((PyTypeObject *)type, m->d_common.d_type);
+        if (plain) offsets[i] = m->d_member->offset;
         Py_DECREF(d);
         if (!plain) return 0;
     }
+    return 1;
+}
+
+/* Whether every field of `o` (of the cached type) is set: a slot deleted (`del e.value`) or never set
+ * (object.__new__) reads as NULL, which the pure code meets as an AttributeError. */
+int slots_set(const SlotCache *c, PyObject *o, int n) {
+    for (int i = 0; i < n; i++)
+        if (SLOT_AT(*c, o, i) == NULL) return 0;
     return 1;
 }
 
@@ -86,12 +100,16 @@ int columns_acquire(Py_buffer *b, PyObject *columns, int n, const Py_ssize_t *si
 
 int slot_cache(SlotCache *c, PyObject *type, const char *const *names, int n) {
     if (type == c->type) return c->direct;
-    c->direct = n <= (int)(sizeof c->off / sizeof c->off[0]) && slot_offsets(type, names, n, c->off);
+    Py_ssize_t off[sizeof c->off / sizeof c->off[0]];
+    int direct = n <= (int)(sizeof off / sizeof off[0]) ? slot_offsets(type, names, n, off) : 0;
+    if (direct < 0) return -1; /* no answer: nothing kept, so the next call asks again */
+    if (direct) memcpy(c->off, off, (size_t)n * sizeof off[0]);
+    c->direct = direct;
     Py_XSETREF(c->type, Py_NewRef(type));
     return c->direct;
 }
 
-/* Resolve Export's slot offsets (once per type); 1 if every field is a plain object slot. */
+/* Resolve Export's slot offsets (once per type); 1 if every field is a plain object slot, 0 if not, -1 error. */
 static int bind_export(PyTypeObject *type) { return slot_cache(&x_slots, (PyObject *)type, XNAMES, X_N); }
 
 #define SLOT(o, i) SLOT_AT(x_slots, o, i)
@@ -139,6 +157,7 @@ static int encode_tail(PyObject *e, const uint8_t *ms, int ms_len, PyObject *tcp
     /* tcpState: named only for a TCP key and a known state */
     PyObject *state = SLOT(e, X_TCP);
     PyObject *key = SLOT(e, X_CONN_KEY);
+    if (state == NULL || key == NULL) return -1;
     int named = 0;
     int64_t st = 0;
     if (state != Py_None && key != Py_None) {
@@ -167,7 +186,7 @@ static int encode_tail(PyObject *e, const uint8_t *ms, int ms_len, PyObject *tcp
 /* record.partition_key: proto, then the lower (address, port) end, then the other. NULL, no error: not here. */
 static PyObject *partition_key(PyObject *e) {
     PyObject *k = SLOT(e, X_CONN_KEY);
-    if (!PyTuple_CheckExact(k) || PyTuple_GET_SIZE(k) != 6) return NULL;
+    if (k == NULL || !PyTuple_CheckExact(k) || PyTuple_GET_SIZE(k) != 6) return NULL;
     PyObject *src = PyTuple_GET_ITEM(k, 2), *dst = PyTuple_GET_ITEM(k, 4);
     int64_t proto, sport, dport;
     if (!PyBytes_CheckExact(src) || !PyBytes_CheckExact(dst) || as_i64(PyTuple_GET_ITEM(k, 1), &proto) ||
@@ -247,16 +266,18 @@ PyObject *native_prepare_records(PyObject *self, PyObject *args) {
     uint8_t tail[TAIL_MAX];
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(exports); i++) {
         PyObject *e = PyList_GET_ITEM(exports, i);
-        if (!bind_export(Py_TYPE(e))) {
+        int bound = bind_export(Py_TYPE(e));
+        if (bound <= 0 || !slots_set(&x_slots, e, X_N)) { /* another type, or a field unset: the pure loop's */
             Py_DECREF(failures);
+            if (bound < 0) return NULL;
             Py_RETURN_NOTIMPLEMENTED;
         }
         if (SLOT(e, X_VALUE) != Py_None) continue; /* prepared before: a resend is the same bytes */
         Py_INCREF(e);                              /* static() may drop the list's reference: keep ours */
         if (topic != Py_None) set_slot(e, X_TOPIC, Py_NewRef(topic));
         PyObject *value = NULL, *key = NULL;
-        PyObject *prefix = SLOT(e, X_PREFIX);
-        if (prefix == Py_None) prefix = PyObject_CallOneArg(static_, e);
+        PyObject *prefix = SLOT(e, X_PREFIX); /* NULL if the old topic's finalizer deleted it: static() raises */
+        if (prefix == NULL || prefix == Py_None) prefix = PyObject_CallOneArg(static_, e);
         else Py_INCREF(prefix);
         if (prefix == NULL) goto failed;
         int n = PyBytes_CheckExact(prefix) ? encode_tail(e, ms_bytes, ms_len, tcp_states, tail) : -1;
@@ -322,7 +343,7 @@ static int buf_room(Buf *b, Py_ssize_t more) {
 }
 
 int checkpoint_key(PyObject *k, CheckpointKey *out) {
-    if (!PyTuple_CheckExact(k) || PyTuple_GET_SIZE(k) != 6) return 1;
+    if (k == NULL || !PyTuple_CheckExact(k) || PyTuple_GET_SIZE(k) != 6) return 1;
     out->src = PyTuple_GET_ITEM(k, 2);
     out->dst = PyTuple_GET_ITEM(k, 4);
     if (!PyBytes_CheckExact(out->src) || !PyBytes_CheckExact(out->dst)) return 1;
@@ -369,15 +390,20 @@ static int sent_row(Buf *b, PyObject *e, PyObject *topics) {
         return 1;
     if (seq == UINT64_MAX) return 1; /* sequence + 1 must fit */
     PyObject *tot = SLOT(e, X_TOTALS);
-    if (!PyTuple_CheckExact(tot) || PyTuple_GET_SIZE(tot) != 4) return 1;
+    if (tot == NULL || !PyTuple_CheckExact(tot) || PyTuple_GET_SIZE(tot) != 4) return 1;
     for (int i = 0; i < 4; i++)
         if (as_u64(PyTuple_GET_ITEM(tot, i), &t[i])) return 1;
     int64_t fl = (flags & 0x0F) | row_kind;
     if (fl < 0 || fl > 255) return 1;
-    int ended = PyObject_IsTrue(SLOT(e, X_ENDED));
+    /* Every field read as it is used, NULL (unset) included: the caller checked them, but a truth test or a
+     * hash below may run Python code that deletes one. */
+    PyObject *ended_o = SLOT(e, X_ENDED);
+    if (ended_o == NULL) return 1;
+    int ended = PyObject_IsTrue(ended_o);
     if (ended < 0) return -1;
     /* topic bytes, cached by topic in `topics` as the pure code does */
     PyObject *tname = SLOT(e, X_TOPIC);
+    if (tname == NULL) return 1;
     PyObject *tb = PyDict_GetItemWithError(topics, tname);
     if (tb == NULL) {
         if (PyErr_Occurred()) return -1;
@@ -391,6 +417,7 @@ static int sent_row(Buf *b, PyObject *e, PyObject *topics) {
     }
     if (!PyBytes_CheckExact(tb)) return 1;
     PyObject *key = SLOT(e, X_KEY), *value = SLOT(e, X_VALUE);
+    if (key == NULL || value == NULL) return 1;
     Py_ssize_t kl = 0, vl = 0;
     if (key != Py_None) {
         if (!PyBytes_CheckExact(key)) return 1;
@@ -428,10 +455,14 @@ PyObject *native_journal_sent(PyObject *self, PyObject *args) {
     uint32_t n = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(exports); i++) {
         PyObject *e = PyList_GET_ITEM(exports, i);
-        if (!bind_export(Py_TYPE(e))) goto fallback;
+        int bound = bind_export(Py_TYPE(e));
+        if (bound < 0) goto error;
+        if (!bound || !slots_set(&x_slots, e, X_N)) goto fallback;
         int attempts = PyObject_IsTrue(SLOT(e, X_ATTEMPTS));
         if (attempts < 0) goto error;
-        if (attempts || SLOT(e, X_CONN_KEY) == Py_None) continue; /* a resend is journaled already */
+        PyObject *conn_key = SLOT(e, X_CONN_KEY); /* the truth test may have run Python code */
+        if (conn_key == NULL) goto fallback;
+        if (attempts || conn_key == Py_None) continue; /* a resend is journaled already */
         int r = sent_row(&b, e, topics);
         if (r < 0) goto error;
         if (r > 0) goto fallback;
@@ -552,7 +583,9 @@ PyObject *native_build_records(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "build_records: constants or reasons of the wrong length");
         return NULL;
     }
-    if (!bind_export((PyTypeObject *)etype)) Py_RETURN_NOTIMPLEMENTED;
+    int bound = bind_export((PyTypeObject *)etype);
+    if (bound < 0) return NULL;
+    if (!bound) Py_RETURN_NOTIMPLEMENTED;
     long k[K_N];
     for (int i = 0; i < K_N; i++) {
         k[i] = PyLong_AsLong(PyTuple_GET_ITEM(consts, i));
@@ -678,7 +711,7 @@ fail:
  * Ledger.acknowledge(export, True, now) for each delivered record, in order. Done here when the record is
  * its live connection's one in flight and the connection has not ended: it is in flight no more, and its
  * prefix is kept for the next record while the connection is active (dropped when idle). Every other
- * record (restored, stale, ended) goes to `slow(export)`, the Python method.
+ * record (restored, stale, ended, not a plain Export, a field unset) goes to `slow(export)`, the Python method.
  * columns: (reason bytearray, bits bytearray, epoch array('I')).
  */
 PyObject *native_acknowledge_delivered(PyObject *self, PyObject *args) {
@@ -697,13 +730,12 @@ PyObject *native_acknowledge_delivered(PyObject *self, PyObject *args) {
     Py_ssize_t done = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(exports); i++) {
         PyObject *e = PyList_GET_ITEM(exports, i);
-        if (!bind_export(Py_TYPE(e))) {
-            PyErr_SetString(PyExc_TypeError, "acknowledge_delivered: not an Export");
-            goto fail;
-        }
+        int bound = bind_export(Py_TYPE(e));
+        if (bound < 0) goto fail;
         Py_ssize_t s = -1;
-        PyObject *slot = SLOT(e, X_SLOT);
-        if (PyLong_CheckExact(slot)) s = PyLong_AsSsize_t(slot);
+        /* another type, or a field unset: the Python method, which reads it as it always does */
+        PyObject *slot = bound && slots_set(&x_slots, e, X_N) ? SLOT(e, X_SLOT) : NULL;
+        if (slot != NULL && PyLong_CheckExact(slot)) s = PyLong_AsSsize_t(slot);
         if (s == -1 && PyErr_Occurred()) PyErr_Clear();
         if (s < 0 || s >= n_slots || PyList_GET_ITEM(pending, s) != e || ((uint8_t *)b[0].buf)[s] != 0) {
             PyObject *r = PyObject_CallOneArg(slow, e);
@@ -743,8 +775,10 @@ PyObject *native_journal_acked(PyObject *self, PyObject *args) {
         PyObject *e = PyList_GET_ITEM(exports, i);
         int64_t fid;
         uint64_t seq;
-        if (!bind_export(Py_TYPE(e)) || as_i64(SLOT(e, X_FLOW_ID), &fid) || as_u64(SLOT(e, X_SEQ), &seq)) {
+        int bound = bind_export(Py_TYPE(e));
+        if (bound <= 0 || as_i64(SLOT(e, X_FLOW_ID), &fid) || as_u64(SLOT(e, X_SEQ), &seq)) { /* NULL: not an int */
             Py_DECREF(out);
+            if (bound < 0) return NULL;
             Py_RETURN_NONE;
         }
         p = be_put(p, (uint64_t)fid, 8);

@@ -73,16 +73,20 @@ uint8_t *put_checkpoint_row(uint8_t *p, const CheckpointKey *k, uint32_t ct, uin
 int columns_acquire(Py_buffer *b, PyObject *columns, int n, const Py_ssize_t *sizes);
 void columns_release(Py_buffer *b, int n);
 
-/* Shared by the C files: the slot offsets of a slots dataclass's fields (1 if every one is a plain object slot). */
+/* Shared by the C files: the slot offsets of a slots dataclass's fields (1 if every one is a plain object slot
+ * of the type or a base, 0 if not, -1 with an error set when the lookup failed). */
 int slot_offsets(PyObject *type, const char *const *names, int n, Py_ssize_t *offsets);
 
-/* slot_offsets of the last type seen, kept: resolved again only when another type comes. */
+/* slot_offsets of the last type seen, kept: resolved again only when another type comes (or after a failed
+ * lookup, which is not kept). The offsets hold for instances of exactly that type (or a subtype). */
 typedef struct {
     PyObject *type;
     int direct; /* 1: every field is a plain object slot at off[i] */
     Py_ssize_t off[32];
 } SlotCache;
 int slot_cache(SlotCache *c, PyObject *type, const char *const *names, int n);
+/* 1 if the first n fields of o (of c's type, direct) are all set; an unset slot reads as NULL. */
+int slots_set(const SlotCache *c, PyObject *o, int n);
 #define SLOT_AT(c, o, i) (*(PyObject **)((char *)(o) + (c).off[i]))
 
 PyObject *native_prepare_records(PyObject *self, PyObject *args);

@@ -127,7 +127,9 @@ PyObject *native_pack_records(PyObject *self, PyObject *args) {
     Py_ssize_t n = PyList_GET_SIZE(exports);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *e = PyList_GET_ITEM(exports, i);
-        if (!slot_cache(&e_slots, (PyObject *)Py_TYPE(e), ENAMES, E_N)) goto fallback;
+        int direct = slot_cache(&e_slots, (PyObject *)Py_TYPE(e), ENAMES, E_N);
+        if (direct < 0) return NULL; /* `out` keeps what was packed, as when growing it fails */
+        if (!direct || !slots_set(&e_slots, e, E_N)) goto fallback; /* an unset field: the pure packer raises */
         int64_t flow_id;
         uint64_t seq, t[4];
         if (as_i64(SLOT_AT(e_slots, e, E_FLOW_ID), &flow_id) || as_u64(SLOT_AT(e_slots, e, E_SEQ), &seq))

@@ -221,11 +221,17 @@ class Ledger(Table):
         assert self._native is not None
         queue = self.queue
         heap, queued, active, idle = queue.parts()
-        moved = self._native.due_slots(
-            heap, (self._reason, self._bits, self._tcp, self._status, queued, active, idle), now,
-            self.timeouts.active, -1 if limit is None else limit, todo, why, retry, taken, self._pending, self._keys,
-            self._idle, queue.push, self._due_constants,
-        )  # fmt: skip
+        try:
+            moved = self._native.due_slots(
+                heap, (self._reason, self._bits, self._tcp, self._status, queued, active, idle), now,
+                self.timeouts.active, -1 if limit is None else limit, todo, why, retry, taken, self._pending,
+                self._keys, self._idle, queue.push, self._due_constants,
+            )  # fmt: skip
+        except BaseException:
+            # Stopped part-way, its count of the slots it took lost with it: the queued flags say how many are left
+            # (pop_due's count stays exact through an error too).
+            queue.counted(queued.count(1) - len(queue))
+            raise
         queue.counted(moved)
 
     def _build_all(self, slots: list[int], reasons: bytes, out: list[Export], now: float) -> None:
@@ -239,6 +245,10 @@ class Ledger(Table):
             slots, reasons, out, Export, lambda s, r: self._build(s, r, now), self._view, self._build_columns,
             self._keys, self._meta, self._prefix, self._pending, self._build_constants,
         )  # fmt: skip
+        if built is NotImplemented:  # Export's fields are not plain slots to the compiled code: built none of them
+            build = self._build
+            out.extend([build(s, r, now) for s, r in zip(slots, reasons, strict=True)])
+            return
         self.stats.records_built += built
 
     def _build(self, s: int, reason: int, now: float) -> Export:

@@ -1,0 +1,467 @@
+"""The compiled paths against failing lookups, hostile objects and errors part-way (issue 38, defects 6-8).
+
+A type lookup that fails for a moment (a MemoryError) is no answer about the type: the slot caches of
+every C file must not keep it, or the compiled path stays off for that type for the life of the process.
+A NotImplemented from build_records builds every record in Python. An Export with a field deleted (or
+never set) and a class that borrows Export's (or Connection's, or DeliveryReport's) member descriptors
+must be handed back or refused with a Python exception by every compiled entry point, never read at
+offsets it does not have: those run in a child process, where a crash fails the test instead of pytest.
+A failed allocation in the prefix encoder is a MemoryError, and an error inside the compiled expiry loop
+leaves the queue's count as exact as the pure loop leaves it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import subprocess
+import sys
+from array import array
+from collections.abc import Callable, Iterator
+from dataclasses import astuple, fields, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flow_exporter import native
+from flow_exporter.connection import Connection
+from flow_exporter.flow import Export
+from flow_exporter.ports import DeliveryReport
+from flow_exporter.record import partition_key
+from flow_exporter.sink.encoder import RecordEncoder, prepare_each
+from flow_exporter.store import ConnectionStore
+from flow_exporter.timeouts import Timeouts
+from tests.support.netlink_messages import encode_connection
+from tests.support.store_builders import NS, Clock, poll, tcp, udp
+
+pytestmark = pytest.mark.skipif(native.compiled(True) is None, reason="the compiled module is not built")
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUTS = Timeouts(poll_interval=1, active=5, idle=15)
+FIELDS = {f.name for cls in (Export, Connection, DeliveryReport) for f in fields(cls)}
+
+
+def nat() -> Any:
+    n = native.compiled()
+    assert n is not None
+    return n
+
+
+def record(conn: Any = None, **changes: Any) -> Export:
+    """A prepared record of a TCP connection, its connection's fields attached (no prefix cached)."""
+    c = tcp() if conn is None else conn
+    e = Export(
+        2, 3, (1, 100, 1, 200), (1, 100, 1, 200), False, 1001 * NS, 77, 999 * NS,
+        (0, 6, bytes([10, 0, 1, 2]), 40000, bytes([10, 0, 2, 2]), 8080), 7, 999 * NS,
+        tcp_state=3, conn=c, slot=0, value=b"v", topic="t", key=b"k",
+    )  # fmt: skip
+    for k, v in changes.items():
+        setattr(e, k, v)
+    return e
+
+
+def prefix_context() -> tuple[Any, ...]:
+    return RecordEncoder("n")._prefix_context
+
+
+# -- 6: a failed lookup is not kept ---------------------------------------------------------------------
+
+
+class Flaky(type):
+    """A metaclass whose lookups of a dataclass field raise MemoryError while ``failures`` is above zero."""
+
+    failures = 0
+
+    def __getattribute__(cls, name: str) -> Any:
+        if Flaky.failures and name in FIELDS:
+            Flaky.failures -= 1
+            raise MemoryError
+        return super().__getattribute__(name)
+
+
+class FlakyExport(Export, metaclass=Flaky):
+    __slots__ = ()
+
+
+class FlakyConnection(Connection, metaclass=Flaky):
+    __slots__ = ()
+
+    inits = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # counted: the compiled decoder fills the slots instead
+        type(self).inits += 1
+        super().__init__(*args, **kwargs)
+
+
+class FlakyReport(DeliveryReport, metaclass=Flaky):
+    __slots__ = ()
+
+
+def flaky(cls: type, base: Any) -> Any:
+    """``base`` (a dataclass instance) as an instance of its flaky subclass, field for field."""
+    out = object.__new__(cls)
+    for f in fields(base):
+        object.__setattr__(out, f.name, getattr(base, f.name))
+    return out
+
+
+def _journal_acked() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
+    e = flaky(FlakyExport, record())
+    return lambda: nat().journal_acked([e]), lambda got: got == (77).to_bytes(8, "big") + (3).to_bytes(8, "big")
+
+
+def _pack_records() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
+    e = flaky(FlakyExport, record())
+    return lambda: nat().pack_records([e], bytearray()), lambda got: got == 1
+
+
+def _prefix_of_export() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
+    e = flaky(FlakyExport, record())
+    want = RecordEncoder("n", compiled_path=False).pure_static(copy.copy(e))
+    return lambda: nat().encode_prefix(e, prefix_context()), lambda got: got == want
+
+
+def _prefix_of_connection() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
+    e = record(conn=flaky(FlakyConnection, tcp()))
+    want = RecordEncoder("n", compiled_path=False).pure_static(copy.copy(e))
+    return lambda: nat().encode_prefix(e, prefix_context()), lambda got: got == want
+
+
+def _produce_run() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
+    e = flaky(FlakyExport, record())
+    st = object()
+
+    def produce(topic: str, value: bytes, key: bytes, on_delivery: Any) -> None:
+        pass
+
+    def run() -> Any:  # an error is handed back (the caller counts the run before it raises)
+        got = nat().produce_run([e], 0, produce, lambda *a: None, {"t": st}, (BufferError,))
+        if isinstance(got[4], BaseException):
+            assert got[:3] == (0, 0, 0)
+            raise got[4]
+        return got
+
+    return run, lambda got: got[:3] == (1, 1, 1) and got[3] is st and got[5] is False  # produced, not slow
+
+
+def _deliveries() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
+    def make() -> Any:
+        return nat().Deliveries(lambda r: None, lambda *a: None, lambda *a: None, FlakyReport)
+
+    return make, lambda got: got is not None
+
+
+def _admit_rows() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
+    store = ConnectionStore(TIMEOUTS, compiled=True)
+    clock = Clock()
+    poll(store, clock, tcp(1))  # the columns have room for more
+    row = flaky(FlakyConnection, udp(start_ns=0))
+
+    def admit() -> Any:
+        context = store._admission_context(clock.now, clock.wall(), None)
+        try:
+            return nat().admit_rows([row], 0, FlakyConnection, store.connections, context)
+        finally:
+            store._admitted(context[-1])
+
+    return admit, lambda got: got == 1 and len(store.connections) == 2
+
+
+def _decode() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
+    buf = encode_connection(tcp())
+    out: list[Any] = []
+
+    def decode() -> Any:
+        out.clear()
+        FlakyConnection.inits = 0
+        return nat().decode(buf, out, None, None, FlakyConnection)
+
+    def compiled(got: Any) -> bool:  # the slots filled directly, as for a plain Connection: its __init__ not called
+        return got[0] == 1 and FlakyConnection.inits == 0 and astuple(out[0]) == astuple(tcp())
+
+    return decode, compiled
+
+
+LOOKUPS: dict[str, Callable[[], tuple[Callable[[], Any], Callable[[Any], bool]]]] = {
+    "_records.c journal_acked": _journal_acked,
+    "_snapshot.c pack_records": _pack_records,
+    "_prefix.c export": _prefix_of_export,
+    "_prefix.c connection": _prefix_of_connection,
+    "_delivery.c produce_run": _produce_run,
+    "_delivery.c Deliveries": _deliveries,
+    "_admit.c admit_rows": _admit_rows,
+    "_native.c decode": _decode,
+}
+
+
+@pytest.mark.parametrize("where", list(LOOKUPS))
+def test_a_failed_type_lookup_raises_and_is_not_kept(where: str) -> None:
+    """The lookup's MemoryError comes out as itself, and the next call resolves the type and takes the compiled way."""
+    call, compiled = LOOKUPS[where]()
+    Flaky.failures = 1
+    try:
+        with pytest.raises(MemoryError):
+            call()
+    finally:
+        Flaky.failures = 0
+    got = call()
+    assert compiled(got), got
+
+
+class Declining:
+    """The compiled module, but build_records declines every batch (as for an Export whose fields are not slots)."""
+
+    def __init__(self, nat: Any) -> None:
+        self._nat = nat
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._nat, name)
+
+    def build_records(self, *args: Any) -> Any:
+        return NotImplemented
+
+
+def test_build_records_declined_builds_every_record_in_python() -> None:
+    """Ledger._build_all builds them with the pure _build, in order: the ended connection's final record too."""
+    got = []
+    for declining in (False, True):
+        store = ConnectionStore(TIMEOUTS, compiled=True, id_seed=b"S" * 8)
+        if declining:
+            store._native = Declining(store._native)
+        clock = Clock()
+        conns = [udp(5000 + k, packets=k + 1) for k in range(3)]
+        poll(store, clock, *conns)
+        clock.tick(1)
+        store.apply_events([], [udp(5001, packets=9)], clock.now, clock.wall())  # destroyed: a final record
+        clock.tick(TIMEOUTS.active + 1)
+        out = store.expire(clock.now, clock.wall())
+        got.append(
+            (
+                [(e.flow_id, e.reason, e.sequence, e.final, e.ended, e.totals, e.deltas, e.row_kind) for e in out],
+                store.stats.records_built,
+                len(store.queue),
+            )
+        )
+    assert len(got[0][0]) == 3 and any(final for _, _, _, final, *_ in got[0][0])
+    assert got[1] == got[0]
+
+
+# -- 7: hostile objects: handed back or refused, never read where they have no slot -------------------------
+
+
+def borrowing(cls: type, name: str) -> type:
+    """A class of no slots whose attributes are ``cls``'s member descriptors: its instances are smaller."""
+    return type(name, (), {"__slots__": (), **{f.name: cls.__dict__[f.name] for f in fields(cls)}})
+
+
+def hostile_exports() -> Iterator[tuple[str, Any]]:
+    for f in fields(Export):
+        e = record()
+        delattr(e, f.name)
+        yield f"del {f.name}", e
+    yield "object.__new__(Export)", object.__new__(Export)
+    yield "a class borrowing Export's descriptors", borrowing(Export, "Borrowing")()
+
+
+def outcome(call: Callable[[], Any]) -> str:
+    """What a call gave, by type (a record with a field deleted has no repr)."""
+    try:
+        got = call()
+    except Exception as exc:
+        return f"raised {type(exc).__name__}"
+    if got is NotImplemented or got is None:
+        return "fell back"
+    if isinstance(got, list):  # prepare's failures: (export, exception) pairs
+        return "gave [" + ", ".join(type(x[-1]).__name__ for x in got) + "]"
+    return f"gave {type(got).__name__}"
+
+
+def _prepare_records(e: Any) -> Any:
+    enc = RecordEncoder("n")
+    return nat().prepare_records([e], 5, enc.static, enc.encode, partition_key, [], "t", b"")
+
+
+def _acknowledge_delivered(e: Any) -> Any:
+    """Settled here, or "fell back" to the Python method."""
+    slow: list[Any] = []
+    done = nat().acknowledge_delivered([e], [e], [None], (bytearray(1), bytearray(b"\x01"), array("I", [0])), 1,
+                                       slow.append)  # fmt: skip
+    return None if slow else done
+
+
+def _produce_one(e: Any) -> Any:
+    """The records produced, or "fell back" to the sink's Python loop."""
+    produced: list[Any] = []
+    nat().produce_run([e], 0, lambda *a, **k: produced.append(a), lambda *a: None, {"t": 1}, (BufferError,))
+    return len(produced) or None
+
+
+RECORD_ENTRIES: dict[str, Callable[[Any], Any]] = {
+    "prepare_records": _prepare_records,
+    "encode_prefix": lambda e: nat().encode_prefix(e, prefix_context()),
+    "journal_sent": lambda e: nat().journal_sent([e], {}),
+    "journal_acked": lambda e: nat().journal_acked([e]),
+    "pack_records": lambda e: nat().pack_records([e], bytearray()),
+    "acknowledge_delivered": _acknowledge_delivered,
+    "produce_run": _produce_one,
+    "prepare_all": lambda e: RecordEncoder("n").prepare_all([e], 5, "t"),
+}
+
+
+def _run_records(check: Callable[[str, str, Any], None]) -> None:
+    """Every entry point that reads an Export's fields, given each hostile object (a copy each: a fallback may set
+    a field the next one should miss)."""
+    for name, e in hostile_exports():
+        plain = name.startswith("del ")  # a real Export: a compiled answer is fine where the field is not read
+        for entry, call in RECORD_ENTRIES.items():
+            check(f"{entry} {name}", outcome(functools.partial(call, copy.copy(e))), plain)
+        # what the encoder makes of it: the pure encoder's outcome, whatever it is
+        pure = RecordEncoder("n", compiled_path=False)
+        want = outcome(functools.partial(prepare_each, pure.encode, [copy.copy(e)], 5, "t"))
+        check(f"prepare_all as pure {name}", outcome(functools.partial(RECORD_ENTRIES["prepare_all"], e)), want)
+
+
+def _run_types(check: Callable[[str, str, Any], None]) -> None:
+    """The entry points that fill or read objects of a type they are given."""
+    n = nat()
+    export_b = borrowing(Export, "BorrowingExport")
+    conn_b = borrowing(Connection, "BorrowingConnection")
+    report_b = borrowing(DeliveryReport, "BorrowingReport")
+    store = ConnectionStore(TIMEOUTS, compiled=True)
+    clock = Clock()
+    poll(store, clock, tcp(1))
+    clock.tick(TIMEOUTS.active + 1)
+    s = next(iter(store.connections.values()))
+    out: list[Any] = []
+    built = outcome(
+        lambda: n.build_records(
+            [s], bytes([2]), out, export_b, lambda *a: None, store._view, store._build_columns, store._keys,
+            store._meta, store._prefix, store._pending, store._build_constants,
+        )
+    )  # fmt: skip
+    check("build_records of a borrowing type", built, False)
+    check("Deliveries of a borrowing report type", outcome(lambda: n.Deliveries(print, print, print, report_b)), False)
+    buf = encode_connection(tcp())
+    check("decode into a borrowing type", outcome(lambda: n.decode(buf, [], None, None, conn_b)), False)
+    context = store._admission_context(clock.now, clock.wall(), None)
+    row = conn_b()
+    admitted = outcome(lambda: n.admit_rows([row], 0, conn_b, store.connections, context) or None)
+    store._admitted(context[-1])
+    check("admit_rows of a borrowing type", admitted, False)
+    for name, conn in [("borrowing", conn_b()), ("object.__new__", object.__new__(Connection))]:
+        e = record(conn=conn)
+        check(f"encode_prefix of a {name} connection", outcome(lambda e=e: n.encode_prefix(e, prefix_context())), False)
+
+
+def run_hostile(which: str) -> None:
+    """In a child process: print each case's outcome; exit 1 if one is a compiled answer where none may be."""
+    bad = []
+
+    def check(case: str, got: str, allowed: Any) -> None:
+        print(f"{case}: {got}", flush=True)
+        ok = got == allowed if isinstance(allowed, str) else allowed or got.startswith(("raised", "fell back"))
+        if not ok:
+            bad.append(f"{case}: {got} (expected {allowed or 'a fallback or an exception'})")
+
+    {"records": _run_records, "types": _run_types}[which](check)
+    if bad:
+        print("\n".join(["FAILED:", *bad]), flush=True)
+        sys.exit(1)
+
+
+@pytest.mark.parametrize("which", ["records", "types"])
+def test_hostile_objects_are_handed_back_or_refused(which: str) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    code = f"from tests.unit.test_native_hostile import run_hostile; run_hostile({which!r})"
+    child = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    last = child.stdout.strip().splitlines()[-1:] or ["(nothing)"]
+    assert child.returncode == 0, f"exit {child.returncode} after {last[0]}\n{child.stdout}\n{child.stderr[-3000:]}"
+
+
+# -- 8: a failed allocation, an error part-way ------------------------------------------------------------
+
+
+def run_prefix_without_memory() -> None:
+    """In a child process: encode_prefix with each of its allocations failing in turn; print what each gave."""
+    import _testcapi
+
+    n = nat()
+    e = record(conn=replace(tcp(), labels=b"\x01" * 3000))  # past the 1 KB on the stack: the buffer grows
+    context = prefix_context()
+    want = RecordEncoder("n", compiled_path=False).pure_static(copy.copy(e))
+    assert n.encode_prefix(e, context) == want  # the types resolved first: the allocations below are the encoding's
+    for i in range(2000):
+        _testcapi.set_nomemory(i, i + 1)
+        try:
+            got: Any = n.encode_prefix(e, context)
+        except BaseException as exc:  # the type is the answer
+            got = type(exc)
+        finally:
+            _testcapi.remove_mem_hooks()
+        print(i, got if isinstance(got, type) or got is NotImplemented else "bytes", flush=True)
+        if isinstance(got, bytes):
+            assert got == want
+            return
+    raise AssertionError("never encoded")
+
+
+def test_a_failed_allocation_in_the_prefix_is_a_memory_error() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    code = "from tests.unit.test_native_hostile import run_prefix_without_memory as r; r()"
+    child = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
+    seen = {line.split(" ", 1)[1] for line in child.stdout.splitlines()}
+    assert "<class 'MemoryError'>" in seen and "bytes" in seen
+    assert seen <= {"<class 'MemoryError'>", "NotImplemented", "bytes"}, seen
+
+
+class Boom(Exception):
+    pass
+
+
+class Exploding:
+    """A protocol number that refuses to be compared (the pure loop) or converted (the compiled one)."""
+
+    def __eq__(self, other: object) -> bool:
+        raise Boom
+
+    def __index__(self) -> int:
+        raise Boom
+
+    __hash__ = object.__hash__
+
+
+def _refuse(*args: Any) -> None:
+    raise Boom
+
+
+@pytest.mark.parametrize("where", ["push at the limit", "a key mid-loop"])
+def test_an_error_in_the_due_loop_leaves_the_queue_count_exact(where: str) -> None:
+    """The compiled loop and pop_due both stop at the error; the queue counts what is left queued, both ways."""
+    got = []
+    for compiled in (False, True):
+        store = ConnectionStore(TIMEOUTS, compiled=compiled, id_seed=b"S" * 8)
+        clock = Clock()
+        poll(store, clock, *[udp(5000 + k) for k in range(4)])
+        clock.tick(TIMEOUTS.active + 1)  # every one due for its active timeout, in slot order
+        limit = None
+        if where == "push at the limit":
+            store.queue.push = _refuse  # type: ignore[method-assign]
+            limit = 2
+        else:
+            s = sorted(store.connections.values())[1]
+            k = store._keys[s]
+            assert k is not None
+            store._keys[s] = (k[0], Exploding(), *k[2:])
+        with pytest.raises(Boom):
+            store.expire(clock.now, clock.wall(), limit)
+        queued = store.queue.parts()[1]
+        got.append((len(store.queue), queued.count(1)))
+    assert got[0][0] == got[0][1] == 3  # the first requeued, the second taken off
+    assert got[1] == got[0]
