@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-k8s setup-prometheus setup-flink setup-image image image-check-arm64 test unit lint demo bench clean lock spark-job flink-job
+.PHONY: setup setup-k8s setup-prometheus setup-flink setup-image image image-check-arm64 test unit lint demo bench clean lock spark-job flink-job model-soak
 
 setup:
 	@bash tools/setup.sh
@@ -59,6 +59,11 @@ flink-job: setup setup-flink
 # The unit tests only (tests/unit): no root, broker or API server; seconds.
 unit: setup
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+# A long random search of the store model (tests/support/model_soak.py): MODEL_EXAMPLES (1,000,000) sequences
+# over MODEL_SEEDS (four from the clock), one process per core; a failure is printed shrunk, with its seed.
+model-soak: setup
+	$(PY) -m tests.support.model_soak
 
 demo: setup setup-k8s
 	$(PY) -m devtools.demo

@@ -218,6 +218,10 @@ class Table(Columns):
         self._tombs: dict[tuple[ConnectionKey, int], Tombstone] = {}
         self._tomb_order: deque[tuple[float, tuple[ConnectionKey, int]]] = deque()
         self._given_up: dict[ConnectionKey, GivenUp] = {}
+        # Given-up incarnations whose tuple a newer incarnation took in the registry before their DESTROY was read:
+        # kept for a tombstone's life, so that DESTROY is known (unreported, as the registry's own) and not met as
+        # an incarnation never seen, which the cap would give up a second time (found by the model soak).
+        self._given_up_replaced: dict[tuple[ConnectionKey, int], GivenUp] = {}
         self._restored: dict[ConnectionKey, list[Restored]] = {}
         self._generation = 0
         self._last_stamp = 0
@@ -664,6 +668,12 @@ class Table(Columns):
             del self._given_up[key]
             self.stats.unreported_ends += 1  # given up at the cap: its last counts are not reported
             return
+        if self._given_up_replaced:
+            g = self._given_up_replaced.get((key, conn.ct_id))
+            if g is not None and _same_incarnation(g.ct_id, g.start_ns, conn):
+                del self._given_up_replaced[(key, conn.ct_id)]
+                self.stats.unreported_ends += 1
+                return
         # An incarnation the store never saw (it lived and died between dumps, and its NEW was
         # not taken): reported in full. If another incarnation holds the tuple, beside it.
         if s is not None:
@@ -725,6 +735,8 @@ class Table(Columns):
                 g.last_seen = now
                 return
             del self._given_up[key]
+            g.last_seen = now
+            self._given_up_replaced[(key, g.ct_id)] = g
         if self._tombs:
             tomb = self._tombs.get((key, conn.ct_id))
             if tomb is not None and _same_incarnation(tomb.ct_id, tomb.start_ns, conn, tomb.first_seen_ns):
@@ -976,6 +988,10 @@ class Table(Columns):
             ttl = self.tombstone_ttl
             for key in [k for k, g in self._given_up.items() if g.last_seen is None or now - g.last_seen > ttl]:
                 del self._given_up[key]
+        if self._given_up_replaced:
+            replaced = self._given_up_replaced
+            for k in [k for k, g in replaced.items() if g.last_seen is None or now - g.last_seen > self.tombstone_ttl]:
+                del replaced[k]
         order = self._tomb_order
         while order and order[0][0] <= now:
             _, tkey = order.popleft()
