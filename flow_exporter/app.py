@@ -279,6 +279,15 @@ class Exporter:
             self.lifecycle.first_poll_done.set()
         return n
 
+    def _last_poll(self) -> None:
+        """One more dump before the final records, when there was a poll before (one attempt, never fatal)."""
+        if not self.stats.polls:
+            return  # stopped before the first poll (a broker never reached): nothing was tracked from a dump
+        try:
+            self.poll_once()
+        except Exception as exc:
+            log.warning("shutdown: the last dump failed (%s); final records carry the counts last polled", exc)
+
     def _poll_with_retry(self) -> None:
         def before_sleep(state: tenacity.RetryCallState) -> None:
             self.stats.poll_errors += 1
@@ -564,10 +573,17 @@ class Exporter:
         return self.shutdown(deadline)
 
     def shutdown(self, deadline: float | None = None) -> int:
-        """Final records (flowEndReason 4) for every connection, delivered within the grace period."""
+        """Final records (flowEndReason 4) for every connection, delivered within the grace period.
+
+        A last dump comes first (:meth:`_last_poll`): the final records carry the counts of now, not of
+        the last poll, and every connection known only from its NEW event learns the kernel's start,
+        so the checkpoint row its final record leaves names its incarnation and the next process
+        continues it instead of meeting it as new (README, "met again").
+        """
         if deadline is None:
             deadline = time.monotonic() + self.grace
         self.lifecycle.shutting_down(deadline)
+        self._last_poll()
         # Connections with a record in flight get their final one once it settles,
         # so no counts are sent twice.
         sent = 0

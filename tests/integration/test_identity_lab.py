@@ -285,3 +285,60 @@ def test_destroy_read_after_its_tombstone_expired_gets_a_new_adopted_connection_
     )
     assert max(contract.totals_of(r) for r in rows) == ct_counts(truth)
     assert re.search(r"^flow_exporter_late_destroys_dropped_total 0\.0$", text, re.M)
+
+
+# --------------------------------------------------------------------------- known only from its NEW at SIGTERM
+
+
+def test_a_connection_seen_only_through_its_new_event_at_sigterm_keeps_its_connection_id(
+    lab: Lab, kafka_broker: Any, kafka_topic: str, tmp_path: Path
+) -> None:
+    """A TCP connection opened ~0.3 s before SIGTERM, after the exporter's last poll: the exporter knows it only
+    from its NEW event (no start stamp). Before, its final record left a checkpoint row without a start; the next
+    process's dump showed the kernel's start, the row could not be told from a later incarnation, and the entry
+    went on under a new connectionId flagged adopted (the consumer rule counted the final record's packets twice).
+    The shutdown's last dump learns the start first: one connectionId across the restart, no flag, conntrack's
+    counters exactly."""
+    p1, _, p3 = lab.pods
+    state = ["--set", f"state.dir={tmp_path / 'state'}"]
+    port1, port2 = free_port(), free_port()
+    log1, log2 = tmp_path / "run1.log", tmp_path / "run2.log"
+    # One poll at start, the next 60 s later: what opens after the first is known from its NEW event only.
+    proc = start_exporter(
+        lab, kafka_broker.bootstrap, kafka_topic, log1, *state, "--set", "conntrack.pollInterval=60s",
+        metrics_port=port1,
+    )  # fmt: skip
+    conn = None
+    try:
+        wait_metric(port1, "the first poll", lambda t: metric_value(t, "flow_exporter_polls_total") >= 1)
+        conn = lab.open_tcp(p1, p3, 7750)
+        conn.send(4000)
+        from_events = "flow_exporter_connections_added_from_events_total"
+        wait_metric(port1, "its NEW event", lambda t: metric_value(t, from_events) >= 1)
+        assert metric_value(scrape(port1, "/metrics")[1], "flow_exporter_polls_total") == 1
+        stop_exporter(proc, log1)  # its final record (reason 4), built after the last dump
+        conn.send(3000)
+        proc = start_exporter(lab, kafka_broker.bootstrap, kafka_topic, log2, *state, metrics_port=port2)
+        wait_metric(port2, "a poll", lambda t: metric_value(t, "flow_exporter_polls_total") >= 2)
+        conn.send(2000)
+        time.sleep(3.0)  # an active timeout (2 s) of the second process: a record of the continued id
+        truth = lab.conntrack_entries().for_exchange(conn)
+        _, second = scrape(port2, "/metrics")
+        stop_exporter(proc, log2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if conn is not None:
+            conn.close()
+    assert "Traceback" not in log1.read_text() + log2.read_text()
+    assert metric_value(second, "flow_exporter_connections_restored_total") == 1
+    assert metric_value(second, "flow_exporter_connections_readmitted_total") == 0
+    assert truth is not None
+    records = read_records(kafka_broker.bootstrap, kafka_topic, expect_at_least=3, timeout=60)
+    groups = contract.check(records)
+    mine = of_client(groups, conn.client_ip, conn.client_port)
+    assert len(mine) == 1, f"{len(mine)} connectionIds across the restart: {mine}"
+    (rs,) = mine.values()
+    assert rs[0]["flowEndReason"] == 4 and len(rs) >= 3
+    assert not any(r["flags"] & ADOPTED for r in rs)
+    assert contract.consumer_sum(rs) == ct_counts(truth)

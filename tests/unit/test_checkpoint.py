@@ -693,3 +693,36 @@ def test_a_restored_state_that_raises_is_dropped_for_a_new_lineage_not_a_crash_l
         m.setattr(ConnectionStore, "_track", broken)
         with pytest.raises(KeyError):
             exp2.poll_once()
+
+
+def test_a_connection_known_only_from_its_new_event_at_sigterm_continues_under_its_id(tmp_path: Path) -> None:
+    """Seen only through its NEW event (no start stamp) when SIGTERM comes: the shutdown's last dump learns the
+    kernel's start before the final record is built, so the checkpoint row names the incarnation and the next
+    process continues its connectionId (before: the row had no start, the next dump's start made it ambiguous,
+    and the entry went on under a new id flagged adopted: a double count for the consumer rule)."""
+    clock, disk = Clock(), Disk()
+    exp, table, broker = exporter_on(tmp_path, disk, clock)
+    exp.poll_once()  # the table is empty
+    clock.tick(0.5)
+    entry = tcp(46100, packets=4, start_ns=clock.wall() - 1_000_000)
+    exp.apply_events([replace(entry, start_ns=0, orig_packets=0, orig_bytes=0)], [])  # NEW events carry no start
+    table.entries = [entry]
+    clock.tick(0.2)
+    exp.stop()
+    assert exp.shutdown(time.monotonic() + 5) == 0
+    broker.poll(0)
+    [final] = [decode_record(a.value) for a in broker.accepted]
+    assert (final["flowEndReason"], final["sequence"], final["packetTotalCount"]) == (4, 0, 4)
+    exp.checkpoint.close()  # type: ignore[attr-defined]
+    exp2, table2, broker2 = exporter_on(tmp_path, disk, clock)
+    got = Checkpoint(tmp_path, boot=BOOT).load()
+    exp2.restore(got.rows, got.resends)
+    table2.entries = [replace(entry, orig_packets=9, orig_bytes=900)]
+    exp2.poll_once()
+    clock.tick(6)
+    exp2.poll_once()
+    exp2.expire_once()
+    broker2.poll(0)
+    [later] = [decode_record(a.value) for a in broker2.accepted]
+    assert (later["connectionId"], later["sequence"], later["flags"]) == (final["connectionId"], 1, 0)
+    assert later["packetDeltaCount"] == 5 and exp2.readings().connections_restored == 1
