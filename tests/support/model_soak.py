@@ -11,6 +11,7 @@ over MODEL_SEEDS (four seeds from the clock) in MODEL_JOBS processes (the cores)
 from __future__ import annotations
 
 import argparse
+import logging
 import multiprocessing
 import os
 import random
@@ -23,6 +24,7 @@ from tests.support.store_model import fails, random_ops, shrink
 
 def soak(seed: int, examples: int) -> tuple[int, int, float, str | None]:
     """(seed, examples run, seconds, the failure as text or None): stops at the first failure."""
+    logging.disable(logging.CRITICAL)  # the exporter's own error lines, for disks the model fills, by the million
     rng = random.Random(seed)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="fx-soak-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
