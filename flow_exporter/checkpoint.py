@@ -10,7 +10,7 @@ whose delivery was never confirmed are sent again as the same bytes.
 Two files (plus a lock):
 
 * ``checkpoint``: a snapshot, written to a temporary file and renamed into place:
-  the lineage (a random value in every connectionId), the kernel boot id and table
+  the lineage (a random value naming this run of the state), the kernel boot id and table
   it belongs to, one row per reported connection (tuple, incarnation, connectionId,
   next sequence, totals of its last record, flags) and every record not yet known
   to be delivered (its bytes, topic and key);
@@ -41,6 +41,10 @@ empties the table the checkpoint describes.
 Hand-written binary format (struct, zlib.crc32): the rows are fixed fields and the
 values opaque bytes; no serialization library is needed for that, and a
 snapshot of 250k connections must be cheap (bench/bench_checkpoint.py).
+
+Format version 2 (this one): a flags byte after the table's name (ADOPTING), and journal entry
+headers with a checksum of their own, so a damaged length is told from a torn tail. Version 1
+files (earlier releases) still load, read as they always were.
 """
 
 from __future__ import annotations

@@ -98,8 +98,10 @@ class IdAllocator:
     2**64) passed through SplitMix64's finalizer, a bijection on 64-bit values: within one
     process no two ids are equal, and they look random (Kafka keys, Spark partitions).
     Every process starts from fresh random bits, so no counter has to be journaled: the
-    ids a restarted process continues come from the checkpoint's rows, and the ids it
-    allocates collide with earlier processes' only by chance (about n**2 / 2**65 for n ids).
+    ids a restarted process continues come from the checkpoint's rows. The step is the same
+    everywhere, so two processes' ids collide only where their runs overlap: about
+    (n1 + n2) / 2**64 for n1 and n2 ids, and then a whole stretch at once; consumers key a
+    connection by (exporterNode, connectionId) (README, "Counting: the contract").
     Written by hand: a few integer operations per new connection, cheaper than a hash call
     on the first poll's hot path (bench/bench_poll.py).
     """

@@ -70,7 +70,7 @@ class Native(Protocol):
         prefix: list[Any],
         pending: list[Any],
         constants: tuple[int, ...],
-    ) -> int: ...
+    ) -> Any: ...  # records built (int), or NotImplemented (nothing built: the caller builds them in Python)
 
     def swept(
         self, connections: dict[Any, int], seen: Any, bits: Any, generation: int, present: int, destroyed: int
