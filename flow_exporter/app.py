@@ -176,7 +176,10 @@ class Exporter:
         adopted (README, "Counting: the contract"). Records already built keep their bytes and go out.
         Bugs elsewhere stay fatal.
         """
-        keep = [e for e in self.store.in_flight() if e.value is not None]
+        try:
+            keep = [e for e in self.store.in_flight() if e.value is not None]
+        except Exception:  # the store that raised may not even list its records: they go with it
+            keep = []
         self.store = self._new_store(adopt=True)
         self.store.restore([], keep, adopting=True)
         self._restoring = False
