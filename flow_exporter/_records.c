@@ -659,7 +659,9 @@ PyObject *native_build_records(PyObject *self, PyObject *args) {
         v[X_CT_ID] = PyLong_FromUnsignedLong(BCOL(b, B_CT, uint32_t)[s]);
         v[X_START] = PyLong_FromLongLong(BCOL(b, B_START, int64_t)[s]);
         v[X_FLAGS] = PyLong_FromLong(flags);
-        v[X_ENDED] = PyBool_FromLong(end_reason != 0 && end_reason != k[K_LACK_OF_RESOURCES]);
+        /* ended: the entry is over for good (not a give-up of a live one): the journal lets its row go */
+        v[X_ENDED] = PyBool_FromLong(end_reason != 0 &&
+                                     (end_reason != k[K_LACK_OF_RESOURCES] || (bits & k[K_DESTROYED])));
         v[X_TCP] = ts < 0 ? Py_NewRef(Py_None) : PyLong_FromLong(ts);
         v[X_META] = Py_NewRef(PyList_GET_ITEM(meta, s));
         v[X_CONN] = conn;
@@ -675,9 +677,10 @@ PyObject *native_build_records(PyObject *self, PyObject *args) {
         bits = reason == k[K_ACTIVE_TIMEOUT] ? bits | k[K_LAST_ACTIVE] : bits & ~k[K_LAST_ACTIVE];
         if (end_reason) {
             bits &= ~k[K_FINAL_DUE];
-            if (end_reason == k[K_LACK_OF_RESOURCES]) row_kind = k[K_ROW_GIVEN_UP];
-            else if (!(bits & k[K_DESTROYED]))
-                row_kind = k[K_ROW_ENDED] | (end_reason == k[K_FORCED_END] ? k[K_ROW_RESET] : 0);
+            /* a destroyed entry cannot be met again: no row (Ledger._build) */
+            if (bits & k[K_DESTROYED]) row_kind = 0;
+            else if (end_reason == k[K_LACK_OF_RESOURCES]) row_kind = k[K_ROW_GIVEN_UP];
+            else row_kind = k[K_ROW_ENDED] | (end_reason == k[K_FORCED_END] ? k[K_ROW_RESET] : 0);
         }
         v[X_ROW_KIND] = PyLong_FromLong(row_kind);
         PyObject *e = make_export((PyTypeObject *)etype, v);

@@ -178,7 +178,7 @@ class Export:
     ct_id: int = 0
     start_ns: int = 0
     flags: int = 0
-    ended: bool = False  # the connection's end (not a give-up at the cap) is reported by this record
+    ended: bool = False  # the connection is over for good (not a give-up of a live entry): its row can go
     tcp_state: int | None = None
     meta: dict[str, Any] | None = None
     conn: Connection | None = None

@@ -23,6 +23,8 @@ from flow_exporter.connection import (
     PROTO_TCP,
     TCP_CLOSE,
     TCP_TIME_WAIT,
+    Connection,
+    ConnectionKey,
 )
 from flow_exporter.flow import (
     ACTIVE_TIMEOUT,
@@ -51,7 +53,7 @@ from flow_exporter.store.columns import (
     ORPHAN,
     UNCOUNTED,
 )
-from flow_exporter.store.table import GivenUp, Table
+from flow_exporter.store.table import GivenUp, Table, Tombstone
 
 # How soon a connection whose record is still in flight is looked at again.
 RETRY_DELAY = 1.0
@@ -85,6 +87,7 @@ class Ledger(Table):
         self._keep_prefix = ACTIVE if self.cache_prefixes else 0
         self._orphan_due: list[int] = []
         self._loose: dict[tuple[int, int], Export] = {}  # restored records in flight: no connection holds them
+        self._loose_last: dict[int, int] = {}  # flow id -> the sequence of its last loose record, until met again
         self._resend: list[tuple[float, int, Export]] = []  # heap of failed records waiting to go again
         self._resend_seq = itertools.count()
 
@@ -99,14 +102,48 @@ class Ledger(Table):
         the first dump finds that no row names is flagged adopted (checkpoint.Loaded.adopting).
         """
         self.adopt = adopting
+        given_up = self._given_up
         for row in rows:
             if row.flags & ROW_GIVEN_UP:
-                self._given_up[row.key] = GivenUp(row.ct_id, row.start_ns, row.first_seen_ns, row.flow_id, None)
+                # One tuple holds one live entry: of several given-up incarnations of it, the latest.
+                old = given_up.get(row.key)
+                if old is None or (row.start_ns or row.first_seen_ns) >= (old.start_ns or old.first_seen_ns):
+                    given_up[row.key] = GivenUp(row.ct_id, row.start_ns, row.first_seen_ns, row.flow_id, None)
             else:
                 self._restored.setdefault(row.key, []).append(row)
+        last = self._loose_last
         for e in resends:
             self._loose[(e.flow_id, e.sequence)] = e
+            if e.sequence >= last.get(e.flow_id, -1):
+                last[e.flow_id] = e.sequence
             heapq.heappush(self._resend, (float("-inf"), next(self._resend_seq), e))
+
+    def _continue(
+        self, key: ConnectionKey, conn: Connection, known: Tombstone | Restored, now: float, wall_ns: int
+    ) -> int:
+        s = super()._continue(key, conn, known, now, wall_ns)
+        if self._loose_last:
+            self._attach_in_flight(known.flow_id, s)
+        return s
+
+    def _attach_in_flight(self, flow_id: int, s: int) -> None:
+        """A restored connection's own record still in flight becomes its connection's again (its pending record).
+
+        A connection has at most one record in flight; a restored one held by no connection let the next
+        record be built and delivered while it was still failing, and a process dying then (its state deleted
+        for a full disk) left a sequence gap where a tail is all it may lose (found by the model soak).
+        """
+        seq = self._loose_last.pop(flow_id, None)
+        if seq is None:
+            return
+        e = self._loose.get((flow_id, seq))
+        if self._fid[s] != flow_id:
+            s = self._orphans.get(flow_id, -1)  # ended by a reset found at the restart: its last record waits
+        if e is None or s < 0 or self._pending[s] is not None:
+            return
+        del self._loose[(flow_id, seq)]
+        e.slot = s
+        self._pending[s] = e
 
     def _end(self, s: int, reason: int, now: float, *, force_record: bool = False) -> None:
         """Slot ``s`` ended for the exporter: schedule the record that reports it, or forget it if there is none."""
@@ -275,6 +312,8 @@ class Ledger(Table):
             prefix = self._prefix[s] = None
         seq = self._seq[s]
         ts = self._tcp[s]
+        # Over for good (not a give-up of a live entry): the journal lets its row go.
+        ended = end_reason != 0 and (end_reason != LACK_OF_RESOURCES or bool(b & DESTROYED))
         e = Export(
             reason,
             seq,
@@ -288,7 +327,7 @@ class Ledger(Table):
             self._ct[s],
             self._start[s],
             flags,
-            end_reason != 0 and end_reason != LACK_OF_RESOURCES,
+            ended,
             None if ts < 0 else ts,
             self._meta[s],
             None if prefix is not None else self._view(s),
@@ -306,9 +345,11 @@ class Ledger(Table):
         b = b | LAST_ACTIVE if reason == ACTIVE_TIMEOUT else b & ~LAST_ACTIVE
         if end_reason:
             b &= ~FINAL_DUE
-            if end_reason == LACK_OF_RESOURCES:
+            if b & DESTROYED:
+                pass  # a destroyed entry cannot be met again: its row can go (also one given up at its DESTROY)
+            elif end_reason == LACK_OF_RESOURCES:
                 e.row_kind = ROW_GIVEN_UP
-            elif not b & DESTROYED:  # a destroyed entry cannot be met again: its row can go
+            else:
                 e.row_kind = ROW_ENDED | (ROW_RESET if end_reason == FORCED_END else 0)
         self._bits[s] = b
         self.stats.records_built += 1

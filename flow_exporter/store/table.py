@@ -889,6 +889,8 @@ class Table(Columns):
         assert key is not None
         if remember:
             self._given_up[key] = GivenUp(self._ct[s], self._start[s], self._first[s], self._fid[s], now)
+        else:
+            self._bits[s] |= DESTROYED  # its record leaves no given-up row: that tuple may hold a live one
         self.stats.given_up[why] = self.stats.given_up.get(why, 0) + 1
         self._cap_unlogged[why] = self._cap_unlogged.get(why, 0) + 1
         self._orphan(s, LACK_OF_RESOURCES, now, keyed=keyed)
