@@ -83,7 +83,9 @@ class World:
         self.excused: set[Inc] = set()  # incarnations the README lets be under-counted
         self.given_up: set[Inc] = set()
         self.final_built: set[Inc] = set()
-        self.zeroed_open: set[Inc] = set()  # zeroed while up, its forced-end record not built yet
+        # zeroed while up: how many of its forced-end records are not built yet (each reset owes one; two resets
+        # in a row while the first connectionId's record is in flight owe two)
+        self.zeroed_open: dict[Inc, int] = {}
         self.zeroed_here: set[Inc] = set()  # zeroed while an exporter ran
         self.ended: list[Any] = []
         self.held: list[Export] = []  # produced, delivery not yet reported
@@ -132,7 +134,9 @@ class World:
             if written and not graceful:
                 self.log.extend(self.content(e) for e in self.held)
             self.held = []
-            for inc in self.zeroed_open:
+            for inc, owed in self.zeroed_open.items():
+                if not owed:
+                    continue
                 self.excused.add(inc)  # the reset was seen, its record not yet journaled
             lost_state = cp.stale or cp.broken  # held back, or the state deleted for a full disk
             for c in self.ended:
@@ -194,7 +198,7 @@ class World:
         if e.final:
             self.final_built.add(inc)
             if e.reason == FORCED_END:
-                self.zeroed_open.discard(inc)
+                self.zeroed_open[inc] = max(self.zeroed_open.get(inc, 0) - 1, 0)
 
     def produce(self, out: list[Export], outcome: str) -> None:
         store, cp = self.store, self.cp
@@ -250,7 +254,7 @@ class World:
             return
         self.poll()  # polls around it: a reset hidden by newer counts, or counts between the
         self.kern.zero(port)  # last poll and a reset, cannot be seen
-        self.zeroed_open.add((port, c.mark))
+        self.zeroed_open[(port, c.mark)] = self.zeroed_open.get((port, c.mark), 0) + 1
         self.zeroed_here.add((port, c.mark))
         self.poll()
 
