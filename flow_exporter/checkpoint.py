@@ -417,7 +417,10 @@ class Checkpoint:
             if f[17] and not f[16] & ROW_ENDED:
                 rows.pop(flow_id, None)  # destroyed: only its record matters now
             else:
-                rows[flow_id] = f[:17]  # live, given up, or ended but still to be recognised (flow.ROW_*)
+                # Live, given up, or ended but still to be recognised (flow.ROW_*); moved to the end, so rows stay
+                # in the order they were last written (a restart takes the latest of one incarnation's live rows).
+                rows.pop(flow_id, None)
+                rows[flow_id] = f[:17]
             pending[(flow_id, f[11] - 1)] = (payload, off, flow_id, f[11] - 1, f[12:16], tlen, klen, vlen)
             off += tlen + klen + vlen
             if off > len(payload):

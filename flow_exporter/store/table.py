@@ -221,7 +221,7 @@ class Table(Columns):
         # Given-up incarnations whose tuple a newer incarnation took in the registry before their DESTROY was read:
         # kept for a tombstone's life, so that DESTROY is known (unreported, as the registry's own) and not met as
         # an incarnation never seen, which the cap would give up a second time (found by the model soak).
-        self._given_up_replaced: dict[tuple[ConnectionKey, int], GivenUp] = {}
+        self._given_up_replaced: dict[tuple[ConnectionKey, int], list[GivenUp]] = {}  # (tuple, ct id): oldest first
         self._restored: dict[ConnectionKey, list[Restored]] = {}
         self._generation = 0
         self._last_stamp = 0
@@ -669,11 +669,12 @@ class Table(Columns):
             self.stats.unreported_ends += 1  # given up at the cap: its last counts are not reported
             return
         if self._given_up_replaced:
-            g = self._given_up_replaced.get((key, conn.ct_id))
-            if g is not None and _same_incarnation(g.ct_id, g.start_ns, conn):
-                del self._given_up_replaced[(key, conn.ct_id)]
-                self.stats.unreported_ends += 1
-                return
+            replaced = self._given_up_replaced.get((key, conn.ct_id), [])
+            for i, g in enumerate(replaced):
+                if _same_incarnation(g.ct_id, g.start_ns, conn, g.first_seen_ns):
+                    del replaced[i]  # (a list: the kernel re-creates a tuple with the same id again and again)
+                    self.stats.unreported_ends += 1
+                    return
         # An incarnation the store never saw (it lived and died between dumps, and its NEW was
         # not taken): reported in full. If another incarnation holds the tuple, beside it.
         if s is not None:
@@ -736,7 +737,7 @@ class Table(Columns):
                 return
             del self._given_up[key]
             g.last_seen = now
-            self._given_up_replaced[(key, g.ct_id)] = g
+            self._given_up_replaced.setdefault((key, g.ct_id), []).append(g)
         if self._tombs:
             tomb = self._tombs.get((key, conn.ct_id))
             if tomb is not None and _same_incarnation(tomb.ct_id, tomb.start_ns, conn, tomb.first_seen_ns):
@@ -802,7 +803,10 @@ class Table(Columns):
                 ):
                     adopted = True  # only start-less rows with records match: a new id, flagged
                 if match:
-                    row = rows[min(match)[1]]
+                    # Of several live rows (a reset seen, the old id's forced-end record not journaled yet when the
+                    # process died), the one written last: the connectionId the entry went on under.
+                    live = [i for ended, i in match if not ended]
+                    row = rows[live[-1] if live else match[-1][1]]
                     answered = {i for _, i in match}  # every row of this incarnation is answered by this one
                     rows[:] = [r for i, r in enumerate(rows) if i not in answered]
                     if not rows:
@@ -991,9 +995,11 @@ class Table(Columns):
             for key in [k for k, g in self._given_up.items() if g.last_seen is None or now - g.last_seen > ttl]:
                 del self._given_up[key]
         if self._given_up_replaced:
-            replaced = self._given_up_replaced
-            for k in [k for k, g in replaced.items() if g.last_seen is None or now - g.last_seen > self.tombstone_ttl]:
-                del replaced[k]
+            ttl = self.tombstone_ttl
+            for k, gs in list(self._given_up_replaced.items()):
+                gs[:] = [g for g in gs if g.last_seen is not None and now - g.last_seen <= ttl]
+                if not gs:
+                    del self._given_up_replaced[k]
         order = self._tomb_order
         while order and order[0][0] <= now:
             _, tkey = order.popleft()

@@ -230,6 +230,27 @@ FOUND = {
          ("create", 4, 1), ("poll", 0, 0), ("events", 2, 0), ("export", "ok", 0), ("kill", True, 0)],
         2,
     ),
+    # The kernel re-created a given-up tuple with the same conntrack id twice before the first DESTROY was read:
+    # the replaced incarnations were kept one per (tuple, id), the second replaced the first, and the first's
+    # DESTROY was met as never seen and given up again.
+    "given_up_tuple_recreated_twice_with_one_id_seed_9": (
+        [("create", 3, 2), ("create", 4, 2), ("create", 2, 1), ("tick", 5, 0), ("destroy", 2, 0), ("create", 2, 1),
+         ("poll", 0, 0), ("destroy", 2, 0), ("create", 2, 1), ("poll", 0, 0)],
+        2,
+    ),
+    # A reset while the old id's record was in flight (its forced-end record waits for it), the successor's
+    # record journaled, SIGKILL: two live rows of one incarnation, and the restart continued the old id, which
+    # then counted the successor's packets again.
+    "reset_while_a_record_is_in_flight_then_sigkill_seed_10": (
+        [("term", 0, 0), ("create", 2, 2), ("start", 0, 0), ("traffic", 2, 4), ("tick", 5, 0), ("export", "hold", 0),
+         ("zero", 2, 0), ("traffic", 2, 5), ("lag", 0, 0), ("export", "timeout", 0), ("kill", False, 0)],
+        2,
+    ),
+    "reset_while_a_record_is_in_flight_then_sigkill_seed_12": (
+        [("create", 2, 1), ("tick", 5, 0), ("traffic", 2, 1), ("poll", 0, 0), ("export", "fail", 0), ("zero", 2, 0),
+         ("traffic", 2, 5), ("lag", 0, 0), ("export", "fail", 0), ("kill", False, 0)],
+        3,
+    ),
 }  # fmt: skip
 
 
