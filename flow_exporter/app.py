@@ -127,6 +127,11 @@ class Exporter:
         # new lineage the expire thread, the journal's only writer, has still to start.
         self._restoring = False
         self._lineage_due = False
+        # The state on disk says "still adopting" (a lost state, no complete poll since): once a poll completes, a
+        # snapshot says otherwise (_snapshot_due), or every restart until the journal outgrows the snapshot would
+        # flag what it finds live.
+        self._adopting = options.adopt
+        self._snapshot_due = False
         self.checkpoint: Journal = checkpoint if checkpoint is not None else NoJournal()
         self.events: EventSource | None = None
         self._given_up_logged_at = float("-inf")
@@ -166,6 +171,7 @@ class Exporter:
                 self._drop_state(exc)
                 return
             self._restoring = True
+            self._adopting = adopting
 
     def _drop_state(self, exc: Exception) -> None:
         """Applying the restored state raised: drop it for a new lineage, never exit (call with the lock held).
@@ -184,6 +190,7 @@ class Exporter:
         self.store.restore([], keep, adopting=True)
         self._restoring = False
         self._lineage_due = True
+        self._adopting = True
         self.stats.states_dropped += 1
         log.error(
             "the restored state could not be applied (%r): dropped; new lineage, live connections flagged adopted "
@@ -192,10 +199,13 @@ class Exporter:
         )
 
     def _start_lineage(self) -> None:
-        """A dropped state's new lineage: an empty snapshot that still adopts, then the journal after it."""
+        """A dropped state's new lineage (an empty snapshot that still adopts), and the snapshot that ends adopting."""
         if self._lineage_due:
             self._lineage_due = False
             self.checkpoint.new_lineage()
+            self.snapshot()
+        if self._snapshot_due:
+            self._snapshot_due = False
             self.snapshot()
 
     def attach_events(self, events: EventSource) -> None:
@@ -264,6 +274,9 @@ class Exporter:
             self.stats.barrier_timeouts += 1
         with lock:
             store.end_poll(self.clock(), self.wall_ns())
+            if self._adopting and not self.store.adopt:  # a first complete poll: what it found is flagged
+                self._adopting = False
+                self._snapshot_due = True
         elapsed = time.perf_counter() - t0
         if self._timings is not None:
             self._timings.observe_poll(elapsed)

@@ -89,6 +89,7 @@ class World:
         self.zeroed_here: set[Inc] = set()  # zeroed while an exporter ran
         self.ended: list[Any] = []
         self.held: list[Export] = []  # produced, delivery not yet reported
+        self.snapshot_due = False
         self.built: dict[tuple[int, int], Inc] = {}  # (connectionId, sequence) of every record built -> incarnation
         self.store: ConnectionStore | None = None
         self.cp: Checkpoint | None = None
@@ -115,6 +116,8 @@ class World:
         cp.begin(loaded)
         self.store, self.cp = store, cp
         self.poll()  # the exporter's first poll comes at once: it adopts only what lived before it
+        # Adopting on disk: the expire loop's next turn writes the snapshot that ends it (Exporter._start_lineage).
+        self.snapshot_due = not loaded.valid or loaded.adopting
 
     def stop(self, graceful: bool, written: bool) -> None:
         """SIGTERM (final records delivered, a snapshot) or SIGKILL (records in flight written or not)."""
@@ -239,6 +242,9 @@ class World:
     def export(self, outcome: str) -> None:
         if self.store is None or self.cp is None:
             return
+        if self.snapshot_due:
+            self.snapshot_due = False
+            self.cp.snapshot(self.store.reported(), self.store.in_flight())
         self.produce(self.store.expire(self.clock.now, self.clock.wall()), outcome)
         if self.cp.due():
             self.cp.snapshot(self.store.reported(), self.store.in_flight())

@@ -729,3 +729,20 @@ def test_a_connection_known_only_from_its_new_event_at_sigterm_continues_under_i
     [later] = [decode_record(a.value) for a in broker2.accepted]
     assert (later["connectionId"], later["sequence"], later["flags"]) == (final["connectionId"], 1, 0)
     assert later["packetDeltaCount"] == 5 and exp2.readings().connections_restored == 1
+
+
+def test_adopting_on_disk_ends_with_a_snapshot_after_the_first_complete_poll(tmp_path: Path) -> None:
+    """A first start (or a lost state) writes "still adopting"; the expire loop's turn after the first complete
+    poll writes a snapshot that says otherwise, or a SIGKILL before the journal outgrew the snapshot would have
+    the next start flag every connection it finds that no row names (found by the lab's SIGKILL restart test)."""
+    clock, disk = Clock(), Disk()
+    exp, table, _ = exporter_on(tmp_path, disk, clock)
+    assert Checkpoint(tmp_path, boot=BOOT).load().adopting
+    exp.expire_once()  # before any poll: still adopting
+    assert Checkpoint(tmp_path, boot=BOOT).load().adopting
+    table.entries = [tcp(46200, packets=3)]
+    exp.poll_once()
+    exp.expire_once()
+    got = Checkpoint(tmp_path, boot=BOOT).load()  # no close(): as after SIGKILL
+    assert got.valid and not got.adopting
+    assert [r.flags & ADOPTED for r in got.rows] == [ADOPTED]  # found live by the first poll: flagged, kept
