@@ -105,10 +105,11 @@ class Ledger(Table):
         given_up = self._given_up
         for row in rows:
             if row.flags & ROW_GIVEN_UP:
-                # One tuple holds one live entry: of several given-up incarnations of it, the latest.
-                old = given_up.get(row.key)
-                if old is None or (row.start_ns or row.first_seen_ns) >= (old.start_ns or old.first_seen_ns):
-                    given_up[row.key] = GivenUp(row.ct_id, row.start_ns, row.first_seen_ns, row.flow_id, None)
+                g = GivenUp(row.ct_id, row.start_ns, row.first_seen_ns, row.flow_id, None)
+                if row.key in given_up:  # several given-up incarnations of one tuple: the first dump tells which
+                    self._given_up_replaced.setdefault((row.key, row.ct_id), []).append(g)  # one is live
+                else:
+                    given_up[row.key] = g
             else:
                 self._restored.setdefault(row.key, []).append(row)
         last = self._loose_last

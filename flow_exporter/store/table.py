@@ -738,6 +738,16 @@ class Table(Columns):
             del self._given_up[key]
             g.last_seen = now
             self._given_up_replaced.setdefault((key, g.ct_id), []).append(g)
+        if self._given_up_replaced:
+            # The row may be an incarnation given up before the registry's (a restart restores every given-up
+            # row of a tuple; which one is live, only a dump tells): it is the registry's again.
+            older = self._given_up_replaced.get((key, conn.ct_id), [])
+            for i, g in enumerate(older):
+                if _same_incarnation(g.ct_id, g.start_ns, conn, g.first_seen_ns):
+                    del older[i]
+                    g.last_seen = now
+                    self._given_up[key] = g
+                    return
         if self._tombs:
             tomb = self._tombs.get((key, conn.ct_id))
             if tomb is not None and _same_incarnation(tomb.ct_id, tomb.start_ns, conn, tomb.first_seen_ns):

@@ -251,6 +251,14 @@ FOUND = {
          ("traffic", 2, 5), ("lag", 0, 0), ("export", "fail", 0), ("kill", False, 0)],
         3,
     ),
+    # Two given-up incarnations of one tuple journaled, SIGKILL: the restart kept one by its stamps (a NEW-read
+    # stamp against a kernel start), the dead one, and gave the live one up again. Now it keeps both, and the
+    # first dump tells which one is live.
+    "two_given_up_incarnations_of_a_tuple_then_sigkill_seed_14": (
+        [("create", 4, 1), ("create", 1, 2), ("events", 2, 0), ("create", 3, 1), ("destroy", 3, 0), ("create", 3, 2),
+         ("events", 1, 0), ("poll", 0, 0), ("export", "hold", 0), ("kill", False, 0)],
+        2,
+    ),
 }  # fmt: skip
 
 
