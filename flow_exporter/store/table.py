@@ -668,13 +668,9 @@ class Table(Columns):
             del self._given_up[key]
             self.stats.unreported_ends += 1  # given up at the cap: its last counts are not reported
             return
-        if self._given_up_replaced:
-            replaced = self._given_up_replaced.get((key, conn.ct_id), [])
-            for i, g in enumerate(replaced):
-                if _same_incarnation(g.ct_id, g.start_ns, conn, g.first_seen_ns):
-                    del replaced[i]  # (a list: the kernel re-creates a tuple with the same id again and again)
-                    self.stats.unreported_ends += 1
-                    return
+        if self._given_up_replaced and self._take_replaced(key, conn) is not None:
+            self.stats.unreported_ends += 1
+            return
         # An incarnation the store never saw (it lived and died between dumps, and its NEW was
         # not taken): reported in full. If another incarnation holds the tuple, beside it.
         if s is not None:
@@ -741,13 +737,11 @@ class Table(Columns):
         if self._given_up_replaced:
             # The row may be an incarnation given up before the registry's (a restart restores every given-up
             # row of a tuple; which one is live, only a dump tells): it is the registry's again.
-            older = self._given_up_replaced.get((key, conn.ct_id), [])
-            for i, g in enumerate(older):
-                if _same_incarnation(g.ct_id, g.start_ns, conn, g.first_seen_ns):
-                    del older[i]
-                    g.last_seen = now
-                    self._given_up[key] = g
-                    return
+            g = self._take_replaced(key, conn)
+            if g is not None:
+                g.last_seen = now
+                self._given_up[key] = g
+                return
         if self._tombs:
             tomb = self._tombs.get((key, conn.ct_id))
             if tomb is not None and _same_incarnation(tomb.ct_id, tomb.start_ns, conn, tomb.first_seen_ns):
@@ -760,6 +754,16 @@ class Table(Columns):
                     self._from_tomb(key, conn, tomb, now, wall_ns)
                     return
         self._admit(key, conn, now, wall_ns, adopted=self.adopt if adopted is None else adopted)
+
+    def _take_replaced(self, key: ConnectionKey, conn: Connection) -> GivenUp | None:
+        """The replaced given-up incarnation ``conn`` is, taken out of their list (a list: the kernel re-creates a
+        tuple with the same id again and again), or None."""
+        replaced = self._given_up_replaced.get((key, conn.ct_id), [])
+        for i, g in enumerate(replaced):
+            if _same_incarnation(g.ct_id, g.start_ns, conn, g.first_seen_ns):
+                del replaced[i]
+                return g
+        return None
 
     def _from_tomb(self, key: ConnectionKey, conn: Connection, tomb: Tombstone, now: float, wall_ns: int) -> int:
         self.stats.resurrected += 1
