@@ -142,6 +142,16 @@ def _ambiguous(start_ns: int, next_seq: int, conn: Connection) -> bool:
     return not start_ns and bool(conn.start_ns) and next_seq > 0
 
 
+def _unsure(g: GivenUp, conn: Connection) -> bool:
+    """A restored given-up entry known from its NEW only (no start stamp), met by a dump row that started
+    before the NEW was read: the entry itself, or a later incarnation of its tuple with the same conntrack id
+    whose predecessor's DESTROY and own NEW died with the previous process. Nothing tells them apart; taking
+    it for the given-up entry would never report a live connection, so it is tracked under a new id, flagged
+    adopted. Within one process the events, read in kernel order, decide instead (a DESTROY ends the entry).
+    """
+    return g.last_seen is None and not g.start_ns and bool(conn.start_ns)
+
+
 def _totals(c: Connection) -> Totals:
     return (c.orig_packets, c.orig_bytes, c.reply_packets, c.reply_bytes)
 
@@ -728,20 +738,25 @@ class Table(Columns):
         """A dump row for a tuple the store does not hold (``adopted``: flag it so whatever else decides)."""
         g = self._given_up.get(key)
         if g is not None:
-            if _same_incarnation(g.ct_id, g.start_ns, conn, g.first_seen_ns):
+            if not _same_incarnation(g.ct_id, g.start_ns, conn, g.first_seen_ns):
+                g.last_seen = now
+                self._given_up_replaced.setdefault((key, g.ct_id), []).append(g)
+            elif not _unsure(g, conn):
                 g.last_seen = now
                 return
+            else:
+                adopted = True
             del self._given_up[key]
-            g.last_seen = now
-            self._given_up_replaced.setdefault((key, g.ct_id), []).append(g)
         if self._given_up_replaced:
             # The row may be an incarnation given up before the registry's (a restart restores every given-up
             # row of a tuple; which one is live, only a dump tells): it is the registry's again.
             g = self._take_replaced(key, conn)
             if g is not None:
-                g.last_seen = now
-                self._given_up[key] = g
-                return
+                if not _unsure(g, conn):
+                    g.last_seen = now
+                    self._given_up[key] = g
+                    return
+                adopted = True
         if self._tombs:
             tomb = self._tombs.get((key, conn.ct_id))
             if tomb is not None and _same_incarnation(tomb.ct_id, tomb.start_ns, conn, tomb.first_seen_ns):
