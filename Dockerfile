@@ -54,7 +54,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
  && /sbom-tool/bin/cyclonedx-py requirements --output-reproducible --of JSON \
         -o /src/sbom.cdx.json requirements/image.lock
 
-# A C compiler for the compiled poll path (flow_exporter/_native.c), in this stage only: the runtime stage
+# A C compiler for the compiled modules (setup.py), in this stage only: the runtime stage
 # installs the built wheel and has no compiler. The official image has Python's headers; a base without
 # them (Debian's own python3.11) gets python3.11-dev as well. Debian's packages, current for the base's
 # release (pinning versions here would break as soon as the release's point updates move them).
@@ -66,7 +66,14 @@ RUN include=$(python -c 'import sysconfig; print(sysconfig.get_paths()["include"
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $pkgs \
  && rm -rf /var/lib/apt/lists/*
 
-COPY pyproject.toml README.md LICENSE MANIFEST.in ./
+# The build tools (setuptools, Cython) from their lock, hashes checked; the wheel is built with them (no build
+# isolation, which would resolve them again unpinned).
+COPY requirements/build.lock requirements/
+RUN --mount=type=cache,target=/root/.cache/pip \
+    python -m venv /build-tools \
+ && /build-tools/bin/pip install --require-hashes -r requirements/build.lock
+
+COPY pyproject.toml setup.py README.md LICENSE MANIFEST.in ./
 COPY flow_exporter/ flow_exporter/
 # The Avro schema lives at the repo root (schemas/); flow_exporter/schemas links to it and the
 # wheel carries it as package data, where flow_exporter.record.schema_path() finds it.
@@ -74,10 +81,11 @@ COPY schemas/ schemas/
 
 # Then the project's own wheel, next to them: no dependencies resolved (the lock has them all).
 # Their digests, for the runtime stage to copy before it installs (see there).
-# The extension is optional for a plain `pip install .`; here its absence fails the build.
+# The compiled modules are optional for a plain `pip install .`; here (FLOW_EXPORTER_REQUIRE_COMPILED, setup.py)
+# one that does not build fails the build, and the wheel is checked to hold each.
 RUN --mount=type=cache,target=/root/.cache/pip \
-    python -m pip wheel --no-deps --wheel-dir /wheels . \
- && python -c "import glob, sys, zipfile; names = zipfile.ZipFile(glob.glob('/wheels/flow_exporter-*.whl')[0]).namelist(); sys.exit(0 if any(n.startswith('flow_exporter/_native.') and n.endswith('.so') for n in names) else 'the compiled poll path was not built')" \
+    FLOW_EXPORTER_REQUIRE_COMPILED=1 /build-tools/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels . \
+ && python -c "import glob, sys, zipfile; names = zipfile.ZipFile(glob.glob('/wheels/flow_exporter-*.whl')[0]).namelist(); missing = [m for m in ('_native', 'deadline_heap') if not any(n.startswith('flow_exporter/' + m + '.') and n.endswith('.so') for n in names)]; sys.exit('not compiled: ' + ', '.join(missing) if missing else 0)" \
  && sha256sum /wheels/*.whl > /src/wheels.sha256
 
 # ----------------------------------------------------------------------------- runtime

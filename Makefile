@@ -42,8 +42,12 @@ image-check-arm64: setup-image
 setup-flink: setup
 	@bash tools/flink/setup.sh
 
+# Then the interpreted build of the Cython-compiled sources (flow_exporter/compiled.py) under the tests that drive
+# them through the store (the lockstep tests in the first run hold the two builds to each other directly).
+INTERPRETED_TESTS := tests/unit/test_deadline_heap.py tests/unit/test_store.py tests/unit/test_store_model.py
 test: setup setup-k8s setup-prometheus setup-flink setup-image lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	FLOW_EXPORTER_INTERPRETED=1 $(PY) -m pytest -q -p no:cacheprovider $(INTERPRETED_TESTS)
 
 # A downstream job against the local broker: broker, registry, lab traffic through the exporter
 # (SCRAM, registry framing), then the job once over the topic and its three tables printed.
@@ -74,10 +78,12 @@ bench: setup setup-flink
 clean:
 	rm -rf .venv .venv-flink .cache .pytest_cache .ruff_cache build *.egg-info
 
-# One runtime lock per image platform (the Dockerfile picks it by TARGETARCH), the SBOM generator's
-# lock (the image's build stage), and the development lock.
+# One runtime lock per image platform (the Dockerfile picks it by TARGETARCH), the build tools' lock (setuptools
+# and Cython, every platform's hashes: the image's build stage and tools/setup.sh), the SBOM generator's lock (the
+# image's build stage), and the development lock.
 lock:
 	$(PY) -m uv pip compile --quiet pyproject.toml -c requirements/constraints.txt --generate-hashes --python-version 3.11 --python-platform x86_64-unknown-linux-gnu -o requirements/runtime.lock
 	$(PY) -m uv pip compile --quiet pyproject.toml -c requirements/constraints.txt --generate-hashes --python-version 3.11 --python-platform aarch64-unknown-linux-gnu -o requirements/runtime-arm64.lock
+	$(PY) -m uv pip compile --quiet requirements/build.in --generate-hashes --python-version 3.11 --python-platform x86_64-unknown-linux-gnu -o requirements/build.lock
 	$(PY) -m uv pip compile --quiet requirements/sbom.in --generate-hashes --python-version 3.11 --python-platform x86_64-unknown-linux-gnu -o requirements/sbom.lock
 	$(PY) -m uv pip compile --quiet pyproject.toml -c requirements/constraints.txt --extra dev --extra bench --generate-hashes --python-version 3.11 --python-platform x86_64-unknown-linux-gnu -o requirements/dev.lock

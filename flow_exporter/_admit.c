@@ -202,13 +202,14 @@ int admission_resume(Admission *a) {
     PyObject *args = PyList_AsTuple(a->ctx);
     if (args == NULL) return -1;
     Py_XSETREF(a->args, args);
-    if (!PyArg_ParseTuple(args, "O!O!O!O!nLO!O!O!O!O!O!nKiLddO!OO!:admission context", &PyDict_Type, &a->orphans,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!nLO!O!O!O!O!O!nKiLddOOO!:admission context", &PyDict_Type, &a->orphans,
                           &PyDict_Type, &a->restored, &PyDict_Type, &a->given_up, &PyDict_Type, &a->tombs,
                           &a->max_conns, &a->readmit_before, &PyList_Type, &a->keys, &PyList_Type, &a->stat,
                           &PyDict_Type, &a->labels, &PyTuple_Type, &a->columns, &PyList_Type, &a->freel, &PyDict_Type,
                           &a->intern, &a->intern_max, &a->gen, &a->flags, &a->wall_ns, &a->active_at, &a->idle_at,
-                          &DeadlineHeapType, &a->heap, &a->admitted, &PyList_Type, &a->state))
+                          &a->heap, &a->admitted, &PyList_Type, &a->state))
         return -1;
+    if (!heap_check(a->heap)) return -1;
     if (PyTuple_GET_SIZE(a->columns) != A_N) {
         PyErr_Format(PyExc_TypeError, "expected %d columns", A_N);
         return -1;

@@ -906,8 +906,26 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "flow_exporter._native", "The compiled poll and record paths (issue 24); optional.", -1, methods,
     NULL, NULL, NULL, NULL};
 
+/* The heap's C interface, the one place it is included (its function pointers are static to this file). */
+#include "deadline_heap_api.h"
+
+int heap_check(PyObject *o) {
+    if (is_heap(o)) return 1;
+    PyErr_Format(PyExc_TypeError, "expected a DeadlineHeap, got %.100s", Py_TYPE(o)->tp_name);
+    return 0;
+}
+Py_ssize_t heap_len(PyObject *heap) { return entry_count(heap); }
+int heap_push(PyObject *heap, int64_t ms, uint32_t slot) { return push_entry(heap, ms, slot); }
+int64_t heap_min_ms(PyObject *heap) { return min_ms(heap); }
+HeapEntry heap_pop(PyObject *heap) {
+    HeapEntry e = {min_ms(heap), 0};
+    e.slot = pop_min(heap);
+    return e;
+}
+
 PyMODINIT_FUNC PyInit__native(void) {
+    if (import_flow_exporter__deadline_heap() < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && (delivery_add_types(m) < 0 || heap_add_type(m) < 0)) Py_CLEAR(m);
+    if (m != NULL && delivery_add_types(m) < 0) Py_CLEAR(m);
     return m;
 }

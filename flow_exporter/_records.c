@@ -807,8 +807,8 @@ enum {
  * ExpiryQueue.pop_due and the decision loop of Ledger.expire, fused: every slot due at `now`, earliest
  * first, is popped and sorted into a record to build (`todo`, `why`), a retry (its record is in flight) or
  * nothing (ended, nothing owed); an active connection is queued again for its next active timeout. The
- * heap is the queue's DeadlineHeap (_heap.c), popped and pushed in the same order as the Python code pops and
- * pushes its list with heapq, so the queue ends up the same, entry for entry. At the limit the slot goes
+ * heap is the queue's DeadlineHeap (deadline_heap.py, through its C interface), popped and pushed in the same
+ * order as ExpiryQueue.pop_due and requeue pop and push it, so the queue ends up the same, entry for entry. At the limit the slot goes
  * back through `push(slot, active, idle)` (the queue's method) and the loop stops.
  * columns: (reason, bits, tcp state, status, queued, active deadline, idle deadline).
  */
@@ -816,11 +816,12 @@ PyObject *native_due_slots(PyObject *self, PyObject *args) {
     PyObject *heap, *columns, *todo, *why, *retry, *taken, *pending, *keys, *idle_order, *push, *consts;
     double now, active_timeout;
     Py_ssize_t limit;
-    if (!PyArg_ParseTuple(args, "O!O!ddnO!O!O!O!O!O!O!OO!", &DeadlineHeapType, &heap, &PyTuple_Type, &columns, &now,
+    if (!PyArg_ParseTuple(args, "OO!ddnO!O!O!O!O!O!O!OO!", &heap, &PyTuple_Type, &columns, &now,
                           &active_timeout, &limit, &PyList_Type, &todo, &PyByteArray_Type, &why, &PyList_Type, &retry,
                           &PySet_Type, &taken, &PyList_Type, &pending, &PyList_Type, &keys, &PyDict_Type, &idle_order,
                           &push, &PyTuple_Type, &consts))
         return NULL;
+    if (!heap_check(heap)) return NULL;
     if (PyTuple_GET_SIZE(consts) != E_N) {
         PyErr_SetString(PyExc_ValueError, "due_slots: constants of the wrong length");
         return NULL;
@@ -842,11 +843,10 @@ PyObject *native_due_slots(PyObject *self, PyObject *args) {
     double *active = b[D_ACTIVE].buf, *idle = b[D_IDLE].buf;
     int64_t now_ms = ms_of(now); /* due: entries up to now's millisecond (pop_due's limit) */
     Py_ssize_t live = 0;
-    DeadlineHeap *h = (DeadlineHeap *)heap;
     HeapEntry *early = NULL; /* entries of now's millisecond whose exact deadline is later than now */
     Py_ssize_t n_early = 0, early_cap = 0;
     int has_taken = PySet_GET_SIZE(taken) > 0;
-    while (h->n > 0 && h->v[0].ms <= now_ms) {
+    while (heap_len(heap) > 0 && heap_min_ms(heap) <= now_ms) {
         HeapEntry ev = heap_pop(heap);
         Py_ssize_t s = (Py_ssize_t)ev.slot;
         if (s >= n_slots) {

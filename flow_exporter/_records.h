@@ -121,20 +121,17 @@ int admission_close(Admission *a);  /* pause and free; 0 or -1 */
 /* flow_exporter/_snapshot.c */
 PyObject *native_pack_rows(PyObject *self, PyObject *args);
 PyObject *native_pack_records(PyObject *self, PyObject *args);
-/* flow_exporter/_heap.c: the expiry queue's heap, (deadline millisecond, slot) pairs ordered as the pure
- * queue's ints `ms << 32 | slot` are */
+/* The expiry queue's heap (flow_exporter/deadline_heap.py, compiled by Cython), through the C interface it
+ * exports (deadline_heap_api.h, imported when _native loads): (deadline millisecond, slot) pairs ordered as the
+ * ints `ms << 32 | slot` are. */
 typedef struct {
     int64_t ms;
     uint32_t slot;
 } HeapEntry;
-typedef struct {
-    PyObject_HEAD
-    HeapEntry *v;
-    Py_ssize_t n, cap;
-} DeadlineHeap;
-extern PyTypeObject DeadlineHeapType;
-int heap_add_type(PyObject *module);
+int heap_check(PyObject *o);                              /* 1 if o is a DeadlineHeap, else 0 with TypeError set */
+Py_ssize_t heap_len(PyObject *heap);
 int heap_push(PyObject *heap, int64_t ms, uint32_t slot); /* 0, or -1 with MemoryError */
+int64_t heap_min_ms(PyObject *heap);                      /* the heap must not be empty */
 HeapEntry heap_pop(PyObject *heap);                        /* the heap must not be empty */
 /* expiry.py _ms: a deadline's millisecond, the heap's first key */
 static inline int64_t ms_of(double deadline) { return (int64_t)floor(deadline * 1000.0); }

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from flow_exporter import compiled
 from flow_exporter.settings import BY_KEY, ENV_PREFIX, SASL_MECHANISMS, SETTINGS, ConfigError, shown
 
 __all__ = ["Config", "ConfigError", "add_flags", "from_env", "from_flags", "load", "parse_overrides", "read_file"]
@@ -210,11 +211,16 @@ def read_file(path: str | Path) -> dict[str, Any]:
     return _flatten(data)
 
 
+# Variables of the prefix that are not settings: the harness's cache, the build choice (flow_exporter.compiled),
+# the build switch (setup.py).
+NOT_SETTINGS = ("FLOW_EXPORTER_CACHE", compiled.INTERPRETED_ENV, "FLOW_EXPORTER_REQUIRE_COMPILED")
+
+
 def from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     by_env = {s.env: s.key for s in SETTINGS}
     out = {}
     for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX) or name in ("FLOW_EXPORTER_CACHE",):
+        if not name.startswith(ENV_PREFIX) or name in NOT_SETTINGS:
             continue
         if name not in by_env:
             raise ConfigError(name, value, "unknown environment setting")

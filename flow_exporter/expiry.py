@@ -13,19 +13,21 @@ Updates are lazy (a new heap entry, the old one skipped when popped) because mos
 updates only move the idle deadline, which rarely changes the minimum; the heap is
 rebuilt when stale entries outnumber live ones.
 
-The heap is a list ordered by :mod:`heapq`, or, for the compiled paths, the extension's
-``DeadlineHeap`` (``_heap.c``): the same entries in the same places, kept as (millisecond, slot)
-pairs in one C array, so its comparisons cost no objects and a millisecond past 31 bits (a node up
-more than 24.8 days) still fits.
+The heap is ``DeadlineHeap`` (``deadline_heap.py``, compiled by Cython where built): entries ordered
+as heapq orders the ints, kept as (millisecond, slot) pairs in two typed arrays, so its comparisons
+cost no objects and a millisecond past 31 bits (a node up more than 24.8 days) still fits.
 """
 
 from __future__ import annotations
 
-import heapq
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from math import floor
 from typing import Any
+
+from flow_exporter import compiled
+
+_heap_module = compiled.load("deadline_heap")
 
 _SLOT_BITS = 32
 _SLOT_MASK = (1 << _SLOT_BITS) - 1
@@ -35,24 +37,14 @@ def _ms(deadline: float) -> int:
     return floor(deadline * 1000.0)
 
 
-def _heapified(entries: list[int]) -> list[int]:
-    heapq.heapify(entries)
-    return entries
-
-
 class ExpiryQueue:
     """Deadlines of queued slots plus a lazy min-heap over them."""
 
-    def __init__(self, heap_type: Any = None) -> None:
-        """``heap_type``: the compiled ``DeadlineHeap`` (built from a list of entries, with ``push`` and ``pop``);
-        None for a list and :mod:`heapq`."""
+    def __init__(self) -> None:
         self.active = array("d")  # per slot: active-timeout deadline (monotonic seconds)
         self.idle = array("d")  # per slot: idle-timeout deadline
         self._queued = bytearray()  # per slot: 1 while queued
-        self._heapify: Callable[[list[int]], Sequence[int]] = _heapified if heap_type is None else heap_type
-        self._heappush: Callable[[Any, int], None] = heapq.heappush if heap_type is None else heap_type.push
-        self._heappop: Callable[[Any], int] = heapq.heappop if heap_type is None else heap_type.pop
-        self._heap: Sequence[int] = self._heapify([])
+        self._heap: Any = _heap_module.DeadlineHeap()
         self._live = 0
 
     def grow(self, size: int) -> None:
@@ -78,7 +70,7 @@ class ExpiryQueue:
             self._queued[slot] = 1
             self._live += 1
         deadline = active_expire if active_expire < idle_expire else idle_expire
-        self._heappush(self._heap, _ms(deadline) << _SLOT_BITS | slot)
+        self._heap.push(_ms(deadline) << _SLOT_BITS | slot)
         if replaced:  # only a replaced slot leaves a stale heap entry (a new one is the first poll's hot path)
             self._maybe_compact()
 
@@ -89,7 +81,7 @@ class ExpiryQueue:
         self._queued[slot] = 1
         self._live += 1
         deadline = active_expire if active_expire < idle_expire else idle_expire
-        self._heappush(self._heap, _ms(deadline) << _SLOT_BITS | slot)
+        self._heap.push(_ms(deadline) << _SLOT_BITS | slot)
 
     def update(self, slot: int, *, active_expire: float | None = None, idle_expire: float | None = None) -> None:
         """Move a queued slot's deadlines; a new heap entry only when its minimum moves to another millisecond."""
@@ -102,7 +94,7 @@ class ExpiryQueue:
             self.idle[slot] = i = idle_expire
         new = _ms(a if a < i else i)
         if new != old:
-            self._heappush(self._heap, new << _SLOT_BITS | slot)
+            self._heap.push(new << _SLOT_BITS | slot)
             self._maybe_compact()
 
     def remove(self, slot: int) -> None:
@@ -125,7 +117,7 @@ class ExpiryQueue:
         while heap:
             if self._is_live(heap[0]):
                 return self.deadline(heap[0] & _SLOT_MASK)
-            self._heappop(heap)
+            heap.pop()
         return None
 
     def pop_due(self, now: float) -> Iterator[int]:
@@ -142,7 +134,7 @@ class ExpiryQueue:
         early: list[int] = []  # live entries of now's millisecond whose exact deadline is later than now
         try:
             while heap and heap[0] < limit:
-                entry = self._heappop(heap)
+                entry = heap.pop()
                 slot = entry & _SLOT_MASK
                 if not queued[slot]:
                     continue
@@ -159,7 +151,7 @@ class ExpiryQueue:
                 yield slot
         finally:
             for entry in early:
-                self._heappush(heap, entry)
+                heap.push(entry)
 
     def parts(self) -> tuple[Any, bytearray, array[float], array[float]]:
         """The heap, queued flags and deadlines, for the compiled loop over what is due (store.ledger).
@@ -177,6 +169,6 @@ class ExpiryQueue:
         heap = self._heap
         if len(heap) > 64 and len(heap) > 2 * self._live:
             queued = self._queued
-            self._heap = self._heapify(
+            self._heap = _heap_module.DeadlineHeap(
                 [_ms(self.deadline(s)) << _SLOT_BITS | s for s in range(len(queued)) if queued[s]]
             )

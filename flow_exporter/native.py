@@ -11,6 +11,8 @@ import importlib
 from collections.abc import Callable, Container
 from typing import Any, Protocol, cast
 
+from flow_exporter import compiled as compiled_build
+
 __all__ = ["Native", "compiled"]
 
 # (decoded, skipped, ignored, done, errno, interrupted, kept): DecodeResult's fields, in order.
@@ -19,8 +21,6 @@ NativeResult = tuple[int, int, int, bool, int, bool, int]
 
 class Native(Protocol):
     """What ``flow_exporter._native`` offers (its docstring and ``_native.c`` say what each does)."""
-
-    DeadlineHeap: Any  # the expiry queue's heap (_heap.c): DeadlineHeap(entries), .push(entry), .pop()
 
     def decode(
         self, buf: Any, out: list[Any], zones: Container[int] | None, destroyed: list[Any] | None, connection: type
@@ -137,11 +137,12 @@ class Native(Protocol):
     ) -> Any: ...  # .for_record(export, topic, st) -> on_delivery callable; .settle()
 
 
-_loaded: Native | None
-try:  # by name: the module's types are the protocol above (no stub to keep in step)
-    _loaded = cast(Native, importlib.import_module("flow_exporter._native"))
-except ImportError:  # built without a C compiler: the pure path
-    _loaded = None
+_loaded: Native | None = None
+if compiled_build.COMPILED:  # the C is built with the compiled modules it calls (deadline_heap), and off with them
+    try:  # by name: the module's types are the protocol above (no stub to keep in step)
+        _loaded = cast(Native, importlib.import_module("flow_exporter._native"))
+    except ImportError:  # built without a C compiler: the pure path
+        _loaded = None
 
 
 def compiled(enabled: bool = True) -> Native | None:

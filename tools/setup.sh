@@ -32,40 +32,42 @@ fi
 # The dependencies come from the lock (exact versions, hashes checked), the project itself is then
 # installed editable without resolving anything; `make lock` rewrites the lock from pyproject.toml.
 stamp=.venv/.installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/dev.lock -nt "$stamp" ]; then
+# The build tools (setuptools, Cython) come from requirements/build.lock the same way, and the project is built
+# with them (no build isolation: the versions that compile the hot modules are the locked ones).
+editable() { .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e . >>/tmp/flow-exporter-pip.log 2>&1; }
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/dev.lock -nt "$stamp" ] || [ requirements/build.lock -nt "$stamp" ]; then
     echo "setup: installing the Python dependencies from requirements/dev.lock (a minute or two on a fresh machine)"
     .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-    .venv/bin/python -m pip install -q --require-hashes -r requirements/dev.lock >/tmp/flow-exporter-pip.log 2>&1 \
-        || die "pip could not install requirements/dev.lock (is PyPI reachable? is the lock stale? try: make lock); log: /tmp/flow-exporter-pip.log"
-    .venv/bin/python -m pip install -q --no-deps -e . >>/tmp/flow-exporter-pip.log 2>&1 \
+    .venv/bin/python -m pip install -q --require-hashes -r requirements/dev.lock -r requirements/build.lock >/tmp/flow-exporter-pip.log 2>&1 \
+        || die "pip could not install requirements/dev.lock and build.lock (is PyPI reachable? is a lock stale? try: make lock); log: /tmp/flow-exporter-pip.log"
+    editable \
         || die "pip could not install the project itself (pip install --no-deps -e .); log: /tmp/flow-exporter-pip.log"
     .venv/bin/python -m pip check >>/tmp/flow-exporter-pip.log 2>&1 \
         || die "the installed dependencies do not satisfy pyproject.toml (requirements/dev.lock is stale: run make lock); log: /tmp/flow-exporter-pip.log"
     touch "$stamp"
 fi
-# The compiled poll and record paths (flow_exporter/_native.c, _records.c, _prefix.c, _delivery.c, _admit.c, _snapshot.c) are built in
-# place by the editable install; rebuilt here when a source changed, since an editable install does not notice. No
-# compiler: they stay out, and the pure-Python paths run (the unit tests then fail on purpose: test_native*.py).
-native_so=$(ls flow_exporter/_native.*.so 2>/dev/null | head -1 || true)
-native_stale=0
-for src in flow_exporter/_*.c flow_exporter/_*.h; do
-    if [ -n "$native_so" ] && [ "$src" -nt "$native_so" ]; then native_stale=1; fi
-done
-if [ -z "$native_so" ] || [ "$native_stale" = 1 ]; then
-    echo "setup: building the compiled paths (flow_exporter/_native.c, _records.c, _prefix.c, _delivery.c, _admit.c, _snapshot.c)"
-    .venv/bin/python -m pip install -q --no-deps -e . >>/tmp/flow-exporter-pip.log 2>&1 \
-        || die "pip could not build the project (pip install --no-deps -e .); log: /tmp/flow-exporter-pip.log"
+# The compiled modules (setup.py: the Cython-compiled sources and the C not yet ported) are built in place by the
+# editable install; rebuilt here when a source changed, since an editable install does not notice. No compiler:
+# they stay out and the interpreted sources run (tests/unit/test_deadline_heap.py then fails on purpose).
+compiled_sources() { ls flow_exporter/_*.c flow_exporter/_*.h flow_exporter/*.pxd setup.py; for p in flow_exporter/*.pxd; do echo "${p%.pxd}.py"; done; }
+compiled_stale() {
+    local so
+    for so in flow_exporter/_native flow_exporter/deadline_heap; do
+        so=$(ls $so.*.so 2>/dev/null | head -1 || true)
+        [ -n "$so" ] || return 0
+        for src in $(compiled_sources); do [ "$src" -nt "$so" ] && return 0; done
+    done
+    return 1
+}
+if compiled_stale; then
+    echo "setup: building the compiled modules (setup.py: Cython-compiled flow_exporter/deadline_heap.py, and flow_exporter/_native.c ...)"
+    editable || die "pip could not build the project (pip install --no-deps --no-build-isolation -e .); log: /tmp/flow-exporter-pip.log"
     if command -v cc >/dev/null || command -v gcc >/dev/null; then
-        # The extension is optional, so pip reports success when its build fails; an older .so would then stay
-        # and every test would run the old C. With a compiler there, a build that did not happen is an error.
-        native_so=$(ls flow_exporter/_native.*.so 2>/dev/null | head -1 || true)
-        for src in flow_exporter/_*.c flow_exporter/_*.h; do
-            if [ -z "$native_so" ] || [ "$src" -nt "$native_so" ]; then
-                die "the compiled paths did not build ($src); see: .venv/bin/python -m pip install -v --no-deps -e ."
-            fi
-        done
+        # The extensions are optional, so pip reports success when a build fails; an older .so would then stay
+        # and every test would run the old code. With a compiler there, a build that did not happen is an error.
+        compiled_stale && die "the compiled modules did not build; see: .venv/bin/python -m pip install -v --no-deps --no-build-isolation -e ."
     else
-        echo "setup: no C compiler (gcc): the compiled paths are left out (apt-get install gcc)" >&2
+        echo "setup: no C compiler (gcc): the compiled modules are left out (apt-get install gcc)" >&2
     fi
 fi
 

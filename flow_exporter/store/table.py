@@ -30,7 +30,6 @@ from typing import Any
 
 from flow_exporter import native
 from flow_exporter.connection import Connection, ConnectionKey
-from flow_exporter.expiry import ExpiryQueue
 from flow_exporter.flow import (
     ADOPTED,
     COUNTERS_RESET,
@@ -203,8 +202,6 @@ class Table(Columns):
 
     def _init_table(self) -> None:
         self._native = native.compiled(self.compiled)
-        if self._native is not None:  # the compiled loops pop and push the queue's heap in C
-            self.queue = ExpiryQueue(self._native.DeadlineHeap)
         # The compiled path's memory of the dump's order: the slot each row position held last poll (-1: none).
         self._dump_order = array("q")
         self._dump_rows = 0  # rows of the current dump applied so far

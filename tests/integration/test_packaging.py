@@ -217,7 +217,8 @@ def test_wheel_contents(dists: Dists) -> None:
         metadata = whl.read(f"{info}/METADATA").decode()
         entry_points = whl.read(f"{info}/entry_points.txt").decode()
     assert {n.split("/")[0] for n in names} == {"flow_exporter", info}, "the package and its metadata only"
-    assert [n for n in names if n.startswith("flow_exporter/_native.") and n.endswith(".so")], "no compiled path"
+    for module in ("_native", "deadline_heap"):  # the hand-written C, and a Cython-compiled source (setup.py)
+        assert [n for n in names if n.startswith(f"flow_exporter/{module}.") and n.endswith(".so")], module
     modules = {p.relative_to(dists.source).as_posix() for p in (dists.source / "flow_exporter").rglob("*.py")}
     assert modules <= names, sorted(modules - names)
     assert f"\nVersion: {__version__}\n" in metadata
@@ -231,9 +232,9 @@ def test_sdist_builds_without_a_compiler(dists: Dists, tmp_path: Path) -> None:
     unpacked = tmp_path / "from-sdist"
     with tarfile.open(dists.sdist) as tar:
         tar.extractall(unpacked, filter="data")
-        for source in ("_native.c", "_records.c", "_prefix.c", "_delivery.c", "_admit.c", "_snapshot.c", "_heap.c",
-                       "_records.h"):
-            assert f"{NAME}/flow_exporter/{source}" in tar.getnames()
+        for source in ("_native.c", "_records.c", "_prefix.c", "_delivery.c", "_admit.c", "_snapshot.c", "_records.h",
+                       "deadline_heap.py", "deadline_heap.pxd", "../setup.py"):
+            assert os.path.normpath(f"{NAME}/flow_exporter/{source}") in tar.getnames(), source
     out = tmp_path / "dist"
     env = {**os.environ, "CC": "false"}  # a compiler that always fails
     run([sys.executable, "-m", "build", "--wheel", "--outdir", out, unpacked / NAME], cwd=tmp_path, env=env)
@@ -241,6 +242,7 @@ def test_sdist_builds_without_a_compiler(dists: Dists, tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel) as whl:
         names = whl.namelist()
     assert "flow_exporter/native.py" in names
+    assert "flow_exporter/deadline_heap.py" in names  # the interpreted build of the Cython-compiled source
     assert not [n for n in names if n.endswith(".so")], names
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from flow_exporter import native
+from flow_exporter import compiled, native
 from flow_exporter.connection import (
     IPS_HW_OFFLOAD,
     IPS_OFFLOAD,
@@ -286,7 +286,7 @@ def record(e: Export) -> tuple[Any, ...]:
     return tuple(getattr(e, f.name) for f in fields(e) if f.name not in ("value", "topic", "key"))
 
 
-HEAP: Any = getattr(native.compiled(), "DeadlineHeap", ())  # the compiled queue's heap type
+HEAP: Any = compiled.load("deadline_heap").DeadlineHeap  # the queue's heap (compiled or interpreted)
 SKIP = {"_native", "_fused_columns", "on_new", "compiled", "_dump_order", "_dump_rows"}  # the fused path's own
 
 

@@ -41,4 +41,5 @@ podman run --rm --runtime runc --network none \
     -m pytest -q -p no:cacheprovider -p emulated_profile --rootdir /src -o addopts="" \
     tests/unit/test_native.py tests/unit/test_native_admit.py tests/unit/test_native_records.py \
     tests/unit/test_native_prefix.py tests/unit/test_native_delivery.py tests/unit/test_native_snapshot.py \
+    tests/unit/test_deadline_heap.py \
     tests/unit/test_decode.py

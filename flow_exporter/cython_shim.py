@@ -1,0 +1,43 @@
+"""What the Cython-compiled modules' sources take from ``cython`` when Cython is not installed.
+
+The hot modules (``deadline_heap`` ...) are Python sources in Cython's pure-Python mode: compiled where
+the build had Cython and a C compiler, interpreted elsewhere (``flow_exporter.compiled`` chooses). Running
+interpreted they only need these no-op decorators and ``compiled = False``, so an install without a
+compiler does not need Cython at run time. Cython's own ``Shadow`` module is the full version.
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import Callable
+from typing import Any, TypeAlias, TypeVar
+
+_T = TypeVar("_T")
+
+compiled = False
+
+# The C types the sources annotate with, as the Python types they hold when interpreted (for mypy; at run
+# time the annotations are never evaluated: the sources postpone them).
+int: TypeAlias = builtins.int
+uint: TypeAlias = builtins.int
+longlong: TypeAlias = builtins.int
+ulonglong: TypeAlias = builtins.int
+Py_ssize_t: TypeAlias = builtins.int
+bint: TypeAlias = bool
+double: TypeAlias = float
+
+
+def _same(x: _T) -> _T:
+    return x
+
+
+def _directive(_value: bool = True) -> Callable[[_T], _T]:
+    return _same
+
+
+cclass = cfunc = ccall = inline = final = _same
+boundscheck = wraparound = cdivision = initializedcheck = _directive
+
+
+def cast(_type: Any, value: Any) -> Any:
+    return value

@@ -1,0 +1,21 @@
+# The C types of deadline_heap.py (Cython pure-Python mode), and the functions it exports to the
+# hand-written C (deadline_heap_api.h, imported by _native.c at load).
+
+cdef class DeadlineHeap:
+    cdef object _ms_store, _slot_store
+    cdef long long[::1] ms
+    cdef unsigned int[::1] slot
+    cdef Py_ssize_t n, cap
+    cpdef _adopt(self, ms, slot)
+
+cdef object _entry(object ms, object slot)
+cdef object _entry_of(long long ms, unsigned int slot)
+cdef void _up(DeadlineHeap h, Py_ssize_t start, Py_ssize_t pos) noexcept
+cdef void _down(DeadlineHeap h, Py_ssize_t n, Py_ssize_t pos) noexcept
+cdef void _grow(DeadlineHeap h) except *
+
+cdef api int push_entry(object heap, long long ms, unsigned int slot) except -1
+cdef api Py_ssize_t entry_count(object heap) noexcept
+cdef api long long min_ms(object heap) noexcept
+cdef api unsigned int pop_min(object heap) noexcept
+cdef api bint is_heap(object heap) noexcept

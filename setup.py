@@ -1,0 +1,44 @@
+"""The compiled modules (issue 39): Cython-compiled Python sources, and the C not yet ported.
+
+``CYTHON_MODULES`` is the one list of the Python sources (Cython's pure-Python mode) compiled here; each
+also runs interpreted, and ``flow_exporter.compiled`` chooses at import. Everything compiled is optional:
+without a C compiler the build goes on without it, and the interpreted sources run (same results, slower).
+``FLOW_EXPORTER_REQUIRE_COMPILED=1`` (the image build) makes a module that does not build an error instead.
+The project's metadata is in pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import os
+
+from setuptools import Extension, setup
+
+CYTHON_MODULES = ["flow_exporter/deadline_heap.py"]
+C_SOURCES = ["_native.c", "_records.c", "_prefix.c", "_delivery.c", "_admit.c", "_snapshot.c"]
+REQUIRED = os.environ.get("FLOW_EXPORTER_REQUIRE_COMPILED") == "1"
+
+
+def extensions() -> list[Extension]:
+    try:
+        from Cython.Build import cythonize
+    except ImportError:
+        if REQUIRED:
+            raise SystemExit("FLOW_EXPORTER_REQUIRE_COMPILED=1, but Cython is not installed") from None
+        return []
+    cython = [
+        Extension(path[:-3].replace("/", "."), [path], optional=not REQUIRED, extra_compile_args=["-O2"])
+        for path in CYTHON_MODULES
+    ]
+    # The C includes the api headers Cython writes beside each module (deadline_heap_api.h): cythonized first.
+    compiled = cythonize(cython, language_level=3, quiet=True)
+    native = Extension(
+        "flow_exporter._native",
+        sources=[f"flow_exporter/{c}" for c in C_SOURCES],
+        depends=["flow_exporter/_records.h", *(p[:-3] + "_api.h" for p in CYTHON_MODULES)],
+        optional=not REQUIRED,
+        extra_compile_args=["-O2"],
+    )
+    return [*compiled, native]
+
+
+setup(ext_modules=extensions())
