@@ -31,6 +31,8 @@ def extensions() -> list[Extension]:
     ]
     # The C includes the api headers Cython writes beside each module (deadline_heap_api.h): cythonized first.
     compiled = cythonize(cython, language_level=3, quiet=True)
+    for ext in compiled:  # cythonize makes new Extensions and does not carry `optional` over
+        ext.optional = not REQUIRED
     native = Extension(
         "flow_exporter._native",
         sources=[f"flow_exporter/{c}" for c in C_SOURCES],

@@ -42,6 +42,12 @@ def imported_from(tree: Path) -> str:
     return path
 
 
+def commit(tree: Path) -> str:
+    """The tree's commit (what the results name it by: never a path of the machine that ran them)."""
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
 def value(run: dict[str, Any], key: str) -> float:
     v = float(run[key] or 0)
     return v / 2**20 if key.endswith("_bytes") else v
@@ -64,7 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     from tests.support import exporter_process  # noqa: F401  (imported before the working directory moves)
 
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
-    origin = {label: imported_from(tree) for label, tree in trees.items()}
+    for tree in trees.values():
+        imported_from(tree)
+    commits = {label: commit(tree) for label, tree in trees.items()}
+    shown = list(argv if argv is not None else sys.argv[1:])
+    for label, tree in (("before", args.before), ("after", args.after)):
+        for i, a in enumerate(shown):
+            if a == str(tree):
+                shown[i] = f"<checkout of {commits[label]}>"
     runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
     n = args.connections
     here = os.getcwd()
@@ -89,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     medians = {lab: {k: statistics.median(value(x, k) for x in rs) for k, *_ in METRICS} for lab, rs in runs.items()}
     name = f"gate_{args.label}"
     write_json(name, {"label": args.label, "connections": n, "active": args.active, "idle": args.idle,
-                      "window_s": args.window, "imported_from": origin, "runs": runs, "medians": medians})  # fmt: skip
+                      "window_s": args.window, "commits": commits, "runs": runs, "medians": medians})  # fmt: skip
 
     def draw(ax: Any) -> None:
         for i, (k, *_) in enumerate(METRICS[:3]):
@@ -107,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         *section_head(
             f"Issue 39 gate: {args.label} ({n:,} connections, active {args.active}, idle {args.idle})",
-            "bench.bench_gate", argv,
+            "bench.bench_gate", shown,
         ),
-        f"`flow-exporter run` from the tree before the port and from the tree after it, {args.runs} rounds, "
+        f"`flow-exporter run` from the tree before the port ({commits['before']}) and from the tree after it "
+        f"({commits['after']}), {args.runs} rounds, "
         f"interleaved (which goes first alternates), on one table of {n:,} synthetic conntrack entries and one "
         f"local broker; each run measured as [the node pipeline](#the-whole-node-pipeline-at-250000-connections-"
         f"compiled-path-active-5s) measures it ({args.window:.0f} s of steady state).",

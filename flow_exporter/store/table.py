@@ -142,11 +142,14 @@ def _ambiguous(start_ns: int, next_seq: int, conn: Connection) -> bool:
 
 
 def _unsure(g: GivenUp, conn: Connection) -> bool:
-    """A restored given-up entry known from its NEW only (no start stamp), met by a dump row that started
-    before the NEW was read: the entry itself, or a later incarnation of its tuple with the same conntrack id
-    whose predecessor's DESTROY and own NEW died with the previous process. Nothing tells them apart; taking
-    it for the given-up entry would never report a live connection, so it is tracked under a new id, flagged
-    adopted. Within one process the events, read in kernel order, decide instead (a DESTROY ends the entry).
+    """A restored given-up entry with no start stamp, met by a dump row that started before it was first seen.
+
+    A NEW event never gives a connection up (``apply_events``), so a given-up entry has the kernel's start
+    wherever the kernel stamps starts; a start-less one comes from a state an earlier release wrote, which gave
+    connections up at their NEW. The row is that entry, or a later incarnation of its tuple with the same
+    conntrack id whose predecessor's DESTROY died unread with the previous process: nothing tells them apart,
+    and taking it for the given-up entry would never report a live connection, so it is tracked under a new id,
+    flagged adopted (or given up again, with a record, at the cap).
     """
     return g.last_seen is None and not g.start_ns and bool(conn.start_ns)
 
@@ -635,7 +638,7 @@ class Table(Columns):
                 # comes after a DESTROY that was lost: a NEW carries no start stamp to tell them apart.
                 # Its DESTROY (read in kernel order) or the next dump decides; a NEW never does.
                 continue
-            s = self._admit(key, conn, now, wall_ns, adopted=False)
+            s = self._admit(key, conn, now, wall_ns, adopted=False, refuse=False)
             if s is not None:
                 self.stats.added_from_events += 1
                 self._bits[s] &= ~UNCOUNTED  # a NEW event never carries counters: the rows will tell
@@ -811,9 +814,22 @@ class Table(Columns):
         return self._track(key, conn, known.flow_id, known.first_seen_ns, now, wall_ns, flags, known.next_seq, base)
 
     def _admit(
-        self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int, *, adopted: bool, gone: bool = False
+        self,
+        key: ConnectionKey,
+        conn: Connection,
+        now: float,
+        wall_ns: int,
+        *,
+        adopted: bool,
+        gone: bool = False,
+        refuse: bool = True,
     ) -> int | None:
-        """Track a connection the store does not hold, unless the cap refuses it (``gone``: from its DESTROY)."""
+        """Track a connection the store does not hold, unless the cap refuses it (``gone``: from its DESTROY).
+
+        ``refuse`` False (a NEW event): at the cap, nothing happens; the next dump, or the entry's DESTROY,
+        gives it up. A NEW has no start stamp, and a given-up entry named by none is one the next process
+        cannot tell from a later incarnation of its tuple with the same conntrack id (``_unsure``).
+        """
         if self._restored:
             rows = self._restored.get(key)
             if rows is not None:
@@ -840,7 +856,8 @@ class Table(Columns):
                     self.stats.restored += 1
                     return self._continue(key, conn, row, now, wall_ns)
         if len(self.connections) + len(self._orphans) >= self.max_connections and not self._evict_idle(now):
-            self._refuse(key, conn, now, wall_ns, adopted, gone=gone)
+            if refuse:
+                self._refuse(key, conn, now, wall_ns, adopted, gone=gone)
             return None
         first_seen = conn.start_ns or self._stamp(wall_ns)
         flags = ADOPTED if adopted or (self._dumps and self._readmitted(conn, wall_ns)) else 0

@@ -26,6 +26,7 @@ from flow_exporter.flow import (
     IDLE_TIMEOUT,
     LACK_OF_RESOURCES,
     ROW_ENDED,
+    ROW_GIVEN_UP,
     Export,
     IdAllocator,
     Restored,
@@ -675,6 +676,47 @@ def test_cap_makes_room_from_an_idle_connection_with_nothing_unreported() -> Non
     assert gone["sequence"] > 0 and contract.consumer_sum([gone]) == (0, 0, 0, 0)  # nothing was unreported
     poll(store, clock, udp(1, packets=2), udp(2, packets=2), udp(3, packets=1))
     assert len(store.connections) == 2 and sum(store.stats.given_up.values()) == 1  # not taken back
+
+
+def test_a_new_event_at_the_cap_gives_nothing_up_the_dump_does_with_the_kernels_start() -> None:
+    """A NEW carries no start stamp: a given-up entry named by none could not be told, after a restart, from a
+    later incarnation of its tuple with the same conntrack id. The next dump gives it up, start and all."""
+    clock = Clock()
+    store = ConnectionStore(Timeouts(), max_connections=1)
+    kafka = Kafka(store, clock)
+    poll(store, clock, udp(1, packets=1))
+    late = udp(2, packets=3, ct_id=7, start_ns=clock.wall() - 1)
+    store.apply_events([replace(late, start_ns=0, orig_packets=0, orig_bytes=0)], [], clock.now, clock.wall())
+    kafka.run()
+    assert store.stats.given_up == {} and not [r for r in kafka.log if r["flowEndReason"] == LACK_OF_RESOURCES]
+    poll(store, clock, udp(1, packets=1), late)
+    assert store.stats.given_up == {"cap_refused": 1}
+    kafka.run()
+    (given,) = [r for r in kafka.log if r["flowEndReason"] == LACK_OF_RESOURCES]
+    assert contract.consumer_sum([given])[0] == 3  # the row's counts, which the NEW did not have
+    (row,) = [r for r in store.reported().rest if r.flags & ROW_GIVEN_UP]  # written once its record is built
+    assert (row.ct_id, row.start_ns) == (7, late.start_ns)
+
+
+def test_a_start_less_given_up_row_of_an_earlier_release_is_ambiguous_to_a_row_that_started_before_it() -> None:
+    """Earlier releases gave connections up at their NEW and wrote them without a start. The first dump's row of
+    that tuple and id, started before the entry was first seen, may be a later incarnation whose predecessor's
+    DESTROY died unread: tracked under a new id, flagged adopted, never taken for the given-up one (which would
+    never report it); a row started after it is plainly new, and the given-up entry stays."""
+    clock = Clock()
+    first_seen = clock.wall()
+    key = udp(2).key
+    rows = [Restored(key, 7, 0, first_seen, 99, 1, (0, 0, 0, 0), ROW_GIVEN_UP)]
+    store = ConnectionStore(Timeouts())
+    store.restore(rows, [])
+    clock.tick(1)
+    poll(store, clock, udp(2, packets=4, ct_id=7, start_ns=first_seen - 10**6))
+    conn = store.lookup(key)
+    assert conn is not None and conn.flags & ADOPTED and conn.flow_id != 99
+    store3 = ConnectionStore(Timeouts())
+    store3.restore([Restored(key, 7, first_seen - 10**6, first_seen, 99, 1, (0, 0, 0, 0), ROW_GIVEN_UP)], [])
+    poll(store3, clock, udp(2, packets=4, ct_id=7, start_ns=first_seen - 10**6))
+    assert store3.lookup(key) is None  # a row named by its start is that entry: still given up
 
 
 # --------------------------------------------------------------------------- restarts
