@@ -151,7 +151,7 @@ def _unsure(g: GivenUp, conn: Connection) -> bool:
     and taking it for the given-up entry would never report a live connection, so it is tracked under a new id,
     flagged adopted (or given up again, with a record, at the cap).
     """
-    return g.last_seen is None and not g.start_ns and bool(conn.start_ns)
+    return g.last_seen is None and _ambiguous(g.start_ns, 1, conn)  # 1: it has its one record
 
 
 def _totals(c: Connection) -> Totals:
