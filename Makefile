@@ -44,7 +44,8 @@ setup-flink: setup
 
 # Then the interpreted build of the Cython-compiled sources (flow_exporter/compiled.py) under the tests that drive
 # them through the store (the lockstep tests in the first run hold the two builds to each other directly).
-INTERPRETED_TESTS := tests/unit/test_deadline_heap.py tests/unit/test_store.py tests/unit/test_store_model.py
+INTERPRETED_TESTS := tests/unit/test_deadline_heap.py tests/unit/test_checkpoint_rows.py tests/unit/test_checkpoint.py \
+	tests/unit/test_store.py tests/unit/test_store_model.py
 test: setup setup-k8s setup-prometheus setup-flink setup-image lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	FLOW_EXPORTER_INTERPRETED=1 $(PY) -m pytest -q -p no:cacheprovider $(INTERPRETED_TESTS)

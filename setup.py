@@ -1,6 +1,6 @@
 """The compiled modules (issue 39): Cython-compiled Python sources, and the C not yet ported.
 
-``CYTHON_MODULES`` is the one list of the Python sources (Cython's pure-Python mode) compiled here; each
+``CYTHON_MODULES`` are the Python sources (Cython's pure-Python mode) compiled here, found by their ``.pxd``; each
 also runs interpreted, and ``flow_exporter.compiled`` chooses at import. Everything compiled is optional:
 without a C compiler the build goes on without it, and the interpreted sources run (same results, slower).
 ``FLOW_EXPORTER_REQUIRE_COMPILED=1`` (the image build) makes a module that does not build an error instead.
@@ -9,12 +9,14 @@ The project's metadata is in pyproject.toml.
 
 from __future__ import annotations
 
+import glob
 import os
 
 from setuptools import Extension, setup
 
-CYTHON_MODULES = ["flow_exporter/deadline_heap.py"]
-C_SOURCES = ["_native.c", "_records.c", "_prefix.c", "_delivery.c", "_admit.c", "_snapshot.c"]
+# A Cython-compiled source is a .py with its .pxd (the C types) beside it: the .pxd files are the list.
+CYTHON_MODULES = sorted(p[:-4] + ".py" for p in glob.glob("flow_exporter/*.pxd"))
+C_SOURCES = sorted(glob.glob("flow_exporter/_*.c"))  # the hand-written C not yet ported
 REQUIRED = os.environ.get("FLOW_EXPORTER_REQUIRE_COMPILED") == "1"
 
 
@@ -35,7 +37,7 @@ def extensions() -> list[Extension]:
         ext.optional = not REQUIRED
     native = Extension(
         "flow_exporter._native",
-        sources=[f"flow_exporter/{c}" for c in C_SOURCES],
+        sources=C_SOURCES,
         depends=["flow_exporter/_records.h", *(p[:-3] + "_api.h" for p in CYTHON_MODULES)],
         optional=not REQUIRED,
         extra_compile_args=["-O2"],

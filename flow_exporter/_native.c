@@ -874,13 +874,9 @@ static PyMethodDef methods[] = {
     {"acknowledge_delivered", native_acknowledge_delivered, METH_VARARGS,
      "acknowledge_delivered(exports, pending, prefix, columns, active_bit, slow): delivered records settled "
      "(see flow_exporter.store.ledger and _records.c)."},
-    {"journal_acked", native_journal_acked, METH_VARARGS,
-     "journal_acked(exports): a batch's ACKED journal rows, or None (see flow_exporter.checkpoint and _records.c)."},
     {"due_slots", native_due_slots, METH_VARARGS,
      "due_slots(heap, columns, now, active_timeout, limit, todo, why, retry, taken, pending, keys, idle_order, "
      "push, constants): what is due, sorted (see flow_exporter.store.ledger and _records.c)."},
-    {"journal_sent", native_journal_sent, METH_VARARGS,
-     "journal_sent(exports, topics): a batch's journal rows, or None (see flow_exporter.checkpoint and _records.c)."},
     {"produce_run", native_produce_run, METH_VARARGS,
      "produce_run(exports, start, produce, for_record, topics, refused): one run of records handed to librdkafka "
      "(see flow_exporter.sink.kafka and _delivery.c)."},
@@ -890,12 +886,6 @@ static PyMethodDef methods[] = {
     {"admit_rows", native_admit_rows, METH_VARARGS,
      "admit_rows(rows, start, Connection, connections, context): a run of new connections admitted; the index "
      "it stopped at (see flow_exporter.store.table and _admit.c)."},
-    {"pack_rows", native_pack_rows, METH_VARARGS,
-     "pack_rows(slots, keys, columns, out): a snapshot's rows from the store's columns, appended to out; their "
-     "count, or None (see flow_exporter.checkpoint and _snapshot.c)."},
-    {"pack_records", native_pack_records, METH_VARARGS,
-     "pack_records(exports, out): a snapshot's records appended to out; their count, or None (see "
-     "flow_exporter.checkpoint and _snapshot.c)."},
     {"encode_prefix", native_encode_prefix, METH_VARARGS,
      "encode_prefix(export, context): a connection's record prefix, or NotImplemented (see "
      "flow_exporter.sink.encoder and _prefix.c)."},

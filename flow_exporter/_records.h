@@ -52,22 +52,6 @@ static inline int as_u64(PyObject *o, uint64_t *out) {
     return 0;
 }
 
-/* A connection key (zone, proto, src, sport, dst, dport) as a checkpoint row packs it (checkpoint._ROW). */
-typedef struct {
-    int64_t zone, proto, sport, dport;
-    PyObject *src, *dst; /* borrowed: bytes of alen, 4 or 16 */
-    Py_ssize_t alen;
-} CheckpointKey;
-/* The key's fields when they pack exactly as struct packs them: 0, else 1 (no error set). */
-int checkpoint_key(PyObject *k, CheckpointKey *out);
-/* checkpoint._ROW's size for an address length; its largest. */
-#define CHECKPOINT_ROW_SIZE(alen) (1 + 2 + 1 + 2 + 2 + 2 * (alen) + 4 + 8 * 9 + 1)
-#define CHECKPOINT_ROW_MAX CHECKPOINT_ROW_SIZE(16)
-/* One checkpoint._ROW at p (room for CHECKPOINT_ROW_SIZE(k->alen)): the key, ct_id, start, first seen, flow id,
- * next sequence, base totals, flags. Shared by the journal's SENT rows (_records.c) and snapshots (_snapshot.c). */
-uint8_t *put_checkpoint_row(uint8_t *p, const CheckpointKey *k, uint32_t ct, uint64_t start, uint64_t first,
-                            uint64_t flow_id, uint64_t next_seq, const uint64_t base[4], uint8_t flags);
-
 /* Writable buffers of n columns (a tuple of arrays and bytearrays) whose items have the given sizes: 0, or -1
  * with an exception set and nothing held. Shared by the poll's column writers (_native.c, _admit.c). */
 int columns_acquire(Py_buffer *b, PyObject *columns, int n, const Py_ssize_t *sizes);
@@ -90,10 +74,8 @@ int slots_set(const SlotCache *c, PyObject *o, int n);
 #define SLOT_AT(c, o, i) (*(PyObject **)((char *)(o) + (c).off[i]))
 
 PyObject *native_prepare_records(PyObject *self, PyObject *args);
-PyObject *native_journal_sent(PyObject *self, PyObject *args);
 PyObject *native_build_records(PyObject *self, PyObject *args);
 PyObject *native_acknowledge_delivered(PyObject *self, PyObject *args);
-PyObject *native_journal_acked(PyObject *self, PyObject *args);
 PyObject *native_due_slots(PyObject *self, PyObject *args);
 /* flow_exporter/_prefix.c */
 PyObject *native_encode_prefix(PyObject *self, PyObject *args);
@@ -118,9 +100,6 @@ int admission_one(Admission *a, PyObject *key, const AdmitVals *v, int lookup, P
 int admission_pause(Admission *a);  /* before Python runs; 0 or -1 */
 int admission_resume(Admission *a); /* after it; 0 or -1 */
 int admission_close(Admission *a);  /* pause and free; 0 or -1 */
-/* flow_exporter/_snapshot.c */
-PyObject *native_pack_rows(PyObject *self, PyObject *args);
-PyObject *native_pack_records(PyObject *self, PyObject *args);
 /* The expiry queue's heap (flow_exporter/deadline_heap.py, compiled by Cython), through the C interface it
  * exports (deadline_heap_api.h, imported when _native loads): (deadline millisecond, slot) pairs ordered as the
  * ints `ms << 32 | slot` are. */

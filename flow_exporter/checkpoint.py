@@ -40,7 +40,9 @@ empties the table the checkpoint describes.
 
 Hand-written binary format (struct, zlib.crc32): the rows are fixed fields and the
 values opaque bytes; no serialization library is needed for that, and a
-snapshot of 250k connections must be cheap (bench/bench_checkpoint.py).
+snapshot of 250k connections must be cheap (bench/bench_checkpoint.py). The rows'
+bytes are written by ``checkpoint_rows`` (compiled where built), which also holds
+the struct formats this module reads them back with.
 
 Format version 2 (this one): a flags byte after the table's name (ADOPTING), and journal entry
 headers with a checksum of their own, so a damaged length is told from a torn tail. Version 1
@@ -64,10 +66,12 @@ from pathlib import Path
 from typing import Any
 
 from flow_exporter import gc_policy
-from flow_exporter.flow import RECORD_FLAGS, ROW_ENDED, Export, ReportedRows, Restored
-from flow_exporter.native import compiled
+from flow_exporter.compiled import load
+from flow_exporter.flow import ROW_ENDED, Export, ReportedRows, Restored
 from flow_exporter.ports import PackedState
 from flow_exporter.readings import CheckpointReadings
+
+_rows = load("checkpoint_rows")  # the rows' bytes, written once (compiled where built)
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +94,8 @@ RETRY_MAX = 8.0
 
 _HEAD = struct.Struct("!4sHQ")  # magic, version, snapshot id (both files)
 _META = struct.Struct("!16s8sQII")  # boot id, lineage, written at (ns), rows, records
-# A row: address length, zone, proto, sport, dport, src, dst, ct_id, start, first seen, flow id,
-# next sequence, base totals x4, flags. One struct per address family: one call packs a row.
-_ROW_FIELDS = "BHBHH{0}s{0}sIQQqQQQQQB"
-_ROW = {4: struct.Struct("!" + _ROW_FIELDS.format(4)), 16: struct.Struct("!" + _ROW_FIELDS.format(16))}
-# A journaled record: its connection's row (next sequence = its sequence + 1, base = its totals),
-# then ended, topic length, key length, value length; then topic, key and value bytes.
-_SENT_ROW = {n: struct.Struct(r.format + "BHHI") for n, r in _ROW.items()}
-# A record in a snapshot: flow id, sequence, totals x4, topic, key and value lengths; then the bytes.
-_REC = struct.Struct("!qQQQQQHHI")
+# The rows' layouts (ROW, SENT_ROW, RECORD, ACK) live with their writers in checkpoint_rows.
+_ROW, _SENT_ROW, _REC, _ACK = _rows.ROW, _rows.SENT_ROW, _rows.RECORD, _rows.ACK
 _ENTRY_V1 = struct.Struct("!BII")  # type, payload length, crc32(payload)
 # type, payload length, crc32(payload), crc32 of those nine bytes: a damaged length is told from a torn tail
 _ENTRY = struct.Struct("!BIII")
@@ -144,14 +141,6 @@ def boot_id() -> bytes:
         return b"\0" * 16
 
 
-def _pack_row(row: Restored) -> bytes:
-    (zone, proto, src, sport, dst, dport), ct_id, start, first, flow_id, next_seq, b, flags = row
-    return _ROW[len(src)].pack(
-        len(src), zone & 0xFFFF, proto, sport, dport, src, dst, ct_id & 0xFFFFFFFF, start, first, flow_id, next_seq,
-        b[0], b[1], b[2], b[3], flags & 0xFF,
-    )  # fmt: skip
-
-
 def _row_struct(buf: memoryview, off: int, table: dict[int, struct.Struct]) -> struct.Struct:
     if off >= len(buf):
         raise ValueError("a row announced past the end")
@@ -169,15 +158,6 @@ def _restored(f: tuple[Any, ...]) -> Restored:
 
 def _new_restored(args: tuple[type[Restored], tuple[Any, ...]]) -> Restored:
     return tuple.__new__(*args)  # a NamedTuple without its __new__ overhead
-
-
-def _pack_record(e: Export) -> bytes:
-    topic = (e.topic or "").encode()
-    key = e.key or b""
-    value = e.value or b""
-    t = e.totals
-    head = _REC.pack(e.flow_id, e.sequence, t[0], t[1], t[2], t[3], len(topic), len(key), len(value))
-    return b"".join((head, topic, key, value))
 
 
 def _record(
@@ -216,10 +196,8 @@ class Checkpoint:
         write: Callable[[int, bytes | bytearray], int] = os.write,
         unlink: Callable[[Path], None] = os.unlink,
         clock: Callable[[], float] = time.monotonic,
-        compiled_path: bool = True,
     ) -> None:
         self.dir = Path(directory)
-        self._native = compiled(compiled_path)  # journal rows, snapshots: one call each (_records.c, _snapshot.c)
         self.table = table  # which conntrack table: the netns name, "" for the exporter's own
         self.boot = boot if boot is not None else boot_id()
         self.stats = CheckpointStats()
@@ -443,53 +421,15 @@ class Checkpoint:
         """Journal records about to be produced (first sends only: a resend is already journaled)."""
         if self._journal is None or self.broken:
             return
-        native = self._native
-        if native is not None and isinstance(exports, list):
-            packed = native.journal_sent(exports, self._topics)
-            if packed is not None:  # None: a value would not pack; the code below raises as it always did
-                n, rows = packed
-                if n:
-                    self._append(_SENT, rows)
-                return
-        parts: list[bytes] = []
-        append = parts.append
-        topics = self._topics
-        n = 0
-        for e in exports:
-            conn_key = e.conn_key
-            if e.attempts or conn_key is None:
-                continue
-            (zone, proto, src, sport, dst, dport) = conn_key
-            t = e.totals
-            topic = topics.get(e.topic)
-            if topic is None:
-                topic = topics[e.topic] = (e.topic or "").encode()
-            key = e.key or b""
-            value = e.value or b""
-            ended = 1 if e.ended else 0
-            append(
-                _SENT_ROW[len(src)].pack(
-                    len(src), zone & 0xFFFF, proto, sport, dport, src, dst, e.ct_id & 0xFFFFFFFF, e.start_ns,
-                    e.first_seen_ns, e.flow_id, e.sequence + 1, t[0], t[1], t[2], t[3],
-                    (e.flags & RECORD_FLAGS) | e.row_kind,
-                    ended, len(topic), len(key), len(value),
-                )
-            )
-            append(topic)
-            append(key)
-            append(value)
-            n += 1
-        if n:
-            self._append(_SENT, struct.pack("!I", n) + b"".join(parts))
+        payload = _rows.journal_sent(exports, self._topics)
+        if payload:
+            self._append(_SENT, payload)
 
     def delivered(self, exports: Iterable[Export]) -> None:
         """Journal records whose delivery is settled (delivered, or given up for good)."""
         if self._journal is None or self.broken:
             return
-        native = self._native
-        payload = native.journal_acked(exports) if native is not None and isinstance(exports, list) else None
-        if payload is None:  # pure, or a value that would not pack: the pure code raises as it always did
-            payload = b"".join(_ACK.pack(e.flow_id, e.sequence) for e in exports)
+        payload = _rows.journal_acked(exports)
         if payload:
             self._append(_ACKED, payload)
 
@@ -561,24 +501,9 @@ class Checkpoint:
             adopting = isinstance(reported, ReportedRows) and reported.adopting
         t0 = time.perf_counter()
         data = bytearray(_HEAD.size + _META.size + 3 + len(self.table.encode()))  # the header, filled in by write
-        rows = records = 0
-        native = self._native
         with gc_policy.paused():  # see load(): no cycles here, and the collector would rescan the heap repeatedly
-            if native is not None and isinstance(reported, ReportedRows) and isinstance(reported.keys, list):
-                packed = native.pack_rows(reported.slots, reported.keys, reported.columns, data)
-                if packed is not None:  # None: a value would not pack here; the loop below packs it or raises
-                    rows, reported = packed, reported.rest
-            for r in reported:
-                data += _pack_row(r)
-                rows += 1
-            if native is not None:
-                in_flight = list(in_flight)
-                packed = native.pack_records(in_flight, data)
-                if packed is not None:
-                    records, in_flight = packed, ()
-            for e in in_flight:
-                data += _pack_record(e)
-                records += 1
+            rows = _rows.pack_reported(reported, data)
+            records = _rows.pack_records(in_flight, data)
         return PackedState(rows, records, data, time.perf_counter() - t0, adopting)
 
     def write(self, packed: PackedState) -> None:

@@ -20,11 +20,14 @@ compiled = False
 # time the annotations are never evaluated: the sources postpone them).
 int: TypeAlias = builtins.int
 uint: TypeAlias = builtins.int
+uchar: TypeAlias = builtins.int
 longlong: TypeAlias = builtins.int
 ulonglong: TypeAlias = builtins.int
 Py_ssize_t: TypeAlias = builtins.int
 bint: TypeAlias = bool
 double: TypeAlias = float
+p_char: TypeAlias = bytes  # pointers: only ever cast to in a source's `if cython.compiled:` branch
+p_uchar: TypeAlias = bytes
 
 
 def _same(x: _T) -> _T:

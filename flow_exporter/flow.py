@@ -214,8 +214,8 @@ class Restored(NamedTuple):
 class ReportedRows:
     """What a checkpoint keeps, as the store holds it: slots into its columns, then rows already made.
 
-    Iterating gives the Restored rows (the reference). The compiled packer reads the columns
-    instead (``flow_exporter/_snapshot.c``): a snapshot packs every tracked connection every few
+    Iterating gives the Restored rows (the reference). The snapshot packer reads the columns
+    instead (``flow_exporter/checkpoint_rows.py``): a snapshot packs every tracked connection every few
     seconds at 50k records/s, and making a Restored for each cost more than packing it.
     """
 

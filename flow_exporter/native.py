@@ -90,8 +90,6 @@ class Native(Protocol):
         slow: Callable[[Any], None],
     ) -> int: ...
 
-    def journal_acked(self, exports: list[Any]) -> bytes | None: ...
-
     def due_slots(
         self,
         heap: Any,  # DeadlineHeap
@@ -109,14 +107,6 @@ class Native(Protocol):
         push: Callable[[int, float, float], None],
         constants: tuple[int, ...],
     ) -> int: ...
-
-    def journal_sent(self, exports: list[Any], topics: dict[Any, bytes]) -> tuple[int, bytes] | None: ...
-
-    def pack_rows(
-        self, slots: list[int], keys: list[Any], columns: tuple[Any, ...], out: bytearray
-    ) -> int | None: ...  # None: out as it was, the caller packs
-
-    def pack_records(self, exports: list[Any], out: bytearray) -> int | None: ...
 
     def produce_run(
         self,

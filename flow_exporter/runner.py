@@ -233,7 +233,7 @@ def open_state(cfg: Config, stop: threading.Event) -> tuple[Checkpoint | None, L
             "connectionIds, flagged adopted (see README, Counting: the contract)"
         )
         return None, None
-    cp = Checkpoint(directory, table=cfg["conntrack.netns"] or "", compiled_path=cfg["conntrack.compiled"])
+    cp = Checkpoint(directory, table=cfg["conntrack.netns"] or "")
     if not cp.lock(stop):
         return None, None
     loaded = cp.load()

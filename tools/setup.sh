@@ -52,7 +52,7 @@ fi
 compiled_sources() { ls flow_exporter/_*.c flow_exporter/_*.h flow_exporter/*.pxd setup.py; for p in flow_exporter/*.pxd; do echo "${p%.pxd}.py"; done; }
 compiled_stale() {
     local so
-    for so in flow_exporter/_native flow_exporter/deadline_heap; do
+    for so in flow_exporter/_native $(for p in flow_exporter/*.pxd; do echo "${p%.pxd}"; done); do
         so=$(ls $so.*.so 2>/dev/null | head -1 || true)
         [ -n "$so" ] || return 0
         for src in $(compiled_sources); do [ "$src" -nt "$so" ] && return 0; done
@@ -60,7 +60,7 @@ compiled_stale() {
     return 1
 }
 if compiled_stale; then
-    echo "setup: building the compiled modules (setup.py: Cython-compiled flow_exporter/deadline_heap.py, and flow_exporter/_native.c ...)"
+    echo "setup: building the compiled modules (setup.py: every flow_exporter/*.py with a .pxd, compiled by Cython, and flow_exporter/_native.c ...)"
     editable || die "pip could not build the project (pip install --no-deps --no-build-isolation -e .); log: /tmp/flow-exporter-pip.log"
     if command -v cc >/dev/null || command -v gcc >/dev/null; then
         # The extensions are optional, so pip reports success when a build fails; an older .so would then stay

@@ -48,6 +48,7 @@ RUNTIME_LOCK = REPO / "requirements" / "runtime.lock"
 DEV_LOCK = REPO / "requirements" / "dev.lock"  # runtime + the dev and bench extras
 SCHEMA = REPO / "schemas" / "flow_record.avsc"
 NAME = f"flow_exporter-{__version__}"
+CYTHON = sorted(p.stem for p in (REPO / "flow_exporter").glob("*.pxd"))  # the Cython-compiled sources (setup.py)
 NODE = "node-packaging"
 EXPORT_MS = 1_767_225_600_123  # 2026-01-01T00:00:00.123Z
 # Not part of the sdist's source tree: version control, environments, caches, build output.
@@ -217,7 +218,7 @@ def test_wheel_contents(dists: Dists) -> None:
         metadata = whl.read(f"{info}/METADATA").decode()
         entry_points = whl.read(f"{info}/entry_points.txt").decode()
     assert {n.split("/")[0] for n in names} == {"flow_exporter", info}, "the package and its metadata only"
-    for module in ("_native", "deadline_heap"):  # the hand-written C, and a Cython-compiled source (setup.py)
+    for module in ["_native", *CYTHON]:  # the hand-written C, and the Cython-compiled sources (setup.py)
         assert [n for n in names if n.startswith(f"flow_exporter/{module}.") and n.endswith(".so")], module
     modules = {p.relative_to(dists.source).as_posix() for p in (dists.source / "flow_exporter").rglob("*.py")}
     assert modules <= names, sorted(modules - names)
@@ -232,8 +233,8 @@ def test_sdist_builds_without_a_compiler(dists: Dists, tmp_path: Path) -> None:
     unpacked = tmp_path / "from-sdist"
     with tarfile.open(dists.sdist) as tar:
         tar.extractall(unpacked, filter="data")
-        for source in ("_native.c", "_records.c", "_prefix.c", "_delivery.c", "_admit.c", "_snapshot.c", "_records.h",
-                       "deadline_heap.py", "deadline_heap.pxd", "../setup.py"):
+        hand_written = [p.name for p in (REPO / "flow_exporter").glob("_*.[ch]")]
+        for source in [*hand_written, *(f"{m}{ext}" for m in CYTHON for ext in (".py", ".pxd")), "../setup.py"]:
             assert os.path.normpath(f"{NAME}/flow_exporter/{source}") in tar.getnames(), source
     out = tmp_path / "dist"
     env = {**os.environ, "CC": "false"}  # a compiler that always fails
@@ -242,7 +243,8 @@ def test_sdist_builds_without_a_compiler(dists: Dists, tmp_path: Path) -> None:
     with zipfile.ZipFile(wheel) as whl:
         names = whl.namelist()
     assert "flow_exporter/native.py" in names
-    assert "flow_exporter/deadline_heap.py" in names  # the interpreted build of the Cython-compiled source
+    for module in CYTHON:  # the interpreted build of each Cython-compiled source
+        assert f"flow_exporter/{module}.py" in names
     assert not [n for n in names if n.endswith(".so")], names
 
 

@@ -107,16 +107,6 @@ def flaky(cls: type, base: Any) -> Any:
     return out
 
 
-def _journal_acked() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
-    e = flaky(FlakyExport, record())
-    return lambda: nat().journal_acked([e]), lambda got: got == (77).to_bytes(8, "big") + (3).to_bytes(8, "big")
-
-
-def _pack_records() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
-    e = flaky(FlakyExport, record())
-    return lambda: nat().pack_records([e], bytearray()), lambda got: got == 1
-
-
 def _prefix_of_export() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
     e = flaky(FlakyExport, record())
     want = RecordEncoder("n", compiled_path=False).pure_static(copy.copy(e))
@@ -185,8 +175,6 @@ def _decode() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
 
 
 LOOKUPS: dict[str, Callable[[], tuple[Callable[[], Any], Callable[[Any], bool]]]] = {
-    "_records.c journal_acked": _journal_acked,
-    "_snapshot.c pack_records": _pack_records,
     "_prefix.c export": _prefix_of_export,
     "_prefix.c connection": _prefix_of_connection,
     "_delivery.c produce_run": _produce_run,
@@ -301,9 +289,6 @@ def _produce_one(e: Any) -> Any:
 RECORD_ENTRIES: dict[str, Callable[[Any], Any]] = {
     "prepare_records": _prepare_records,
     "encode_prefix": lambda e: nat().encode_prefix(e, prefix_context()),
-    "journal_sent": lambda e: nat().journal_sent([e], {}),
-    "journal_acked": lambda e: nat().journal_acked([e]),
-    "pack_records": lambda e: nat().pack_records([e], bytearray()),
     "acknowledge_delivered": _acknowledge_delivered,
     "produce_run": _produce_one,
     "prepare_all": lambda e: RecordEncoder("n").prepare_all([e], 5, "t"),

@@ -3,9 +3,9 @@
 On the same batch of records, ``RecordEncoder.prepare_all`` with the compiled module and
 ``prepare_each`` with the pure encoder give every record the same value, key, topic, export time and
 cached prefix, and fail the same records with the same errors; ``Checkpoint.sent`` and ``delivered``
-write the same journal bytes either way. The batches mix generated records with hostile ones: integers past 64
-bits, negative values, reasons and TCP states out of range, missing keys, prefixes that cannot be
-built, records prepared before, resends, odd topics.
+write the same journal bytes with either build of ``checkpoint_rows``. The batches mix generated records
+with hostile ones: integers past 64 bits, negative values, reasons and TCP states out of range, missing keys,
+prefixes that cannot be built, records prepared before, resends, odd topics.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flow_exporter import native
+from flow_exporter import checkpoint, compiled, native
 from flow_exporter.checkpoint import Checkpoint
 from flow_exporter.flow import ROW_ENDED, ROW_GIVEN_UP, Export
 from flow_exporter.sink.encoder import RecordEncoder, prepare_each
@@ -189,8 +190,19 @@ def test_keyboard_interrupt_is_not_a_failed_record(e: Export) -> None:
         Interrupting("n").prepare_all([e], 5, "t")
 
 
+ROWS = {  # checkpoint_rows' two builds (one source): the journal's bytes
+    True: compiled.load("checkpoint_rows"),
+    False: compiled.interpreted("checkpoint_rows", as_name="tests_interpreted_checkpoint_rows"),
+}
+
+
 def journal(tmp: Path, compiled_path: bool, batch: list[Export]) -> tuple[list[bytes], BaseException | None]:
     """What ``sent`` writes to the journal (after the snapshot that starts it), or the error it raises."""
+    with mock.patch.object(checkpoint, "_rows", ROWS[compiled_path]):
+        return _journal(tmp, batch)
+
+
+def _journal(tmp: Path, batch: list[Export]) -> tuple[list[bytes], BaseException | None]:
     written: list[bytes] = []
 
     def write(fd: int, data: bytes) -> int:
@@ -198,7 +210,7 @@ def journal(tmp: Path, compiled_path: bool, batch: list[Export]) -> tuple[list[b
             written.append(bytes(data))
         return os.write(fd, data)
 
-    cp = Checkpoint(tmp, boot=b"b" * 16, write=write, compiled_path=compiled_path)
+    cp = Checkpoint(tmp, boot=b"b" * 16, write=write)
     assert cp.lock()
     cp.begin(cp.load())
     written.clear()
@@ -243,4 +255,3 @@ def test_every_hostile_change_prepares_and_journals_as_pure(
         fast_bytes, fast_err = journal(tmp_path_factory.mktemp("fast"), True, copy(sent))
         assert fast_bytes == pure_bytes
         assert (type(fast_err), str(fast_err)) == (type(pure_err), str(pure_err))
-

@@ -1,31 +1,37 @@
-"""The compiled snapshot packer (flow_exporter/_snapshot.c) against the pure one: the same bytes, or the same error.
+"""The state directory's rows (flow_exporter/checkpoint_rows.py): both builds of the one source, and its formats.
 
-A snapshot packs the store's reported connections straight from its columns (flow.ReportedRows)
-and the records in flight; the pure Checkpoint.pack makes a Restored per connection and packs it
-with struct. Both are given the same rows and records, hostile values included (a negative start,
-a zone past 16 bits, an address of another length, a slot past the columns, totals past 64 bits,
-a topic that cannot be encoded, a bytearray key), and must give the same PackedState or raise the
-same error.
+A snapshot packs the store's reported connections straight from its columns (flow.ReportedRows), the
+rows it made and the records in flight; the journal packs a batch's SENT rows and ACKs. The compiled and
+the interpreted build of the module are given the same rows and records, hostile values included (a
+negative start, a zone past 16 bits, an address of another length, a slot past the columns, totals past
+64 bits, a topic that cannot be encoded, a bytearray key), and must give the same bytes or raise the
+same error. The bytes are also held to the struct formats the checkpoint reads them back with, packed
+here by :mod:`struct` from the same values: the layout's other statement.
 """
 
 from __future__ import annotations
 
 import socket
+import struct
 from array import array
+from dataclasses import replace
 from typing import Any
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from flow_exporter import native
+from flow_exporter import checkpoint, compiled
 from flow_exporter.checkpoint import Checkpoint
 from flow_exporter.connection import PROTO_TCP, PROTO_UDP, Connection
 from flow_exporter.flow import ROW_ENDED, Export, ReportedRows, Restored
 from flow_exporter.store import ConnectionStore
 from flow_exporter.timeouts import Timeouts
 
-pytestmark = pytest.mark.skipif(native.compiled(True) is None, reason="the compiled module is not built")
+BUILT = compiled.load("checkpoint_rows")
+INTERPRETED = compiled.interpreted("checkpoint_rows", as_name="tests_interpreted_checkpoint_rows")
+BUILDS = [pytest.param(BUILT, id="built"), pytest.param(INTERPRETED, id="interpreted")]
 
 U64 = 2**64 - 1
 ADDRS = [bytes([10, 0, 0, 1]), bytes([10, 0, 0, 2]), b"\xfd" + b"\0" * 14 + b"\x01", b"\x0a\0\0", b"\x0a\0\0\0\0"]
@@ -33,20 +39,27 @@ HEADER = 4 + 2 + 8 + 16 + 8 + 8 + 4 + 4 + 2 + 1  # magic, version, id; boot, lin
 COLUMN_TYPES = ("I", "q", "q", "q", "I", "Q", "Q", "Q", "Q")
 
 
-def packed(compiled: bool, reported: Any, in_flight: Any) -> tuple[Any, ...]:
-    """Checkpoint.pack's rows, records and bytes, or the error it raised (type and message)."""
-    cp = Checkpoint("unused", compiled_path=compiled)
-    try:
-        p = cp.pack(reported, in_flight)
-    except Exception as exc:  # the error itself is compared
-        return (type(exc), str(exc))
+def packed(module: Any, reported: Any, in_flight: Any) -> tuple[Any, ...]:
+    """Checkpoint.pack's rows, records and bytes with this build, or the error it raised (type and message)."""
+    with mock.patch.object(checkpoint, "_rows", module):
+        cp = Checkpoint("unused")
+        try:
+            p = cp.pack(reported, in_flight)
+        except Exception as exc:  # the error itself is compared
+            return (type(exc), str(exc))
     return (p.rows, p.records, bytes(p.data))
 
 
 def assert_same(reported: ReportedRows, in_flight: list[Export]) -> tuple[Any, ...]:
-    pure = packed(False, reported, list(in_flight))  # iterated: the Restored rows
-    assert packed(True, reported, list(in_flight)) == pure
-    return pure
+    interpreted = packed(INTERPRETED, reported, list(in_flight))
+    assert packed(BUILT, reported, list(in_flight)) == interpreted
+    return interpreted
+
+
+def test_the_built_module_is_compiled() -> None:
+    """make test builds it (tools/setup.sh); the interpreted run (FLOW_EXPORTER_INTERPRETED) loads the source."""
+    assert compiled.is_compiled(BUILT) != compiled.forced_interpreted()
+    assert not compiled.is_compiled(INTERPRETED)
 
 
 keys = st.tuples(
@@ -131,6 +144,8 @@ def one_row(**change: Any) -> ReportedRows:
         pytest.param(ReportedRows([0], [(0, 6, ADDRS[0], 1)], one_row().columns, []), id="short key"),
         pytest.param(ReportedRows([True], one_row().keys, one_row().columns, []), id="bool slot"),
         pytest.param(ReportedRows([0], one_row().keys, tuple([5] for _ in range(10)), []), id="lists"),
+        pytest.param(ReportedRows([-1], one_row().keys, one_row().columns, []), id="negative slot"),
+        pytest.param(ReportedRows([0], one_row().keys, one_row().columns[:9], []), id="nine columns"),
     ],
 )
 def test_a_hostile_row_packs_or_fails_alike(reported: ReportedRows) -> None:
@@ -173,11 +188,63 @@ def test_a_store_snapshot_is_the_same_bytes(n: int) -> None:
     exports = store.expire(6.0, 6 * 10**9)
     for e in exports[: n // 2]:
         store.acknowledge(e, True, 6.0)
-    pure = assert_same(store.reported(), list(store.in_flight()))
-    assert pure[:2] == (n, n - n // 2)
-    nat = native.compiled(True)
-    assert nat is not None
-    reported, out = store.reported(), bytearray()
-    assert nat.pack_rows(reported.slots, list(reported.keys), reported.columns, out) == n  # not left to Python
-    assert nat.pack_records(list(store.in_flight()), out) == n - n // 2
-    assert pure[2] == bytes(HEADER) + out  # the header's room is zeros until write() fills it
+    got = assert_same(store.reported(), list(store.in_flight()))
+    assert got[:2] == (n, n - n // 2)
+    # The rows again, by struct from the Restored rows (the reference iteration of ReportedRows) and the records.
+    want = bytearray(HEADER)
+    for key, ct, start, first, fid, seq, base, flags in store.reported():
+        zone, proto, src, sport, dst, dport = key
+        want += checkpoint._ROW[len(src)].pack(len(src), zone, proto, sport, dport, src, dst, ct, start, first, fid,
+                                               seq, *base, flags)  # fmt: skip
+    for e in store.in_flight():
+        topic, key_b, value = (e.topic or "").encode(), e.key or b"", e.value or b""
+        want += checkpoint._REC.pack(e.flow_id, e.sequence, *e.totals, len(topic), len(key_b), len(value))
+        want += topic + key_b + value
+    assert got[2] == bytes(want)  # the header's room is zeros until write() fills it
+
+
+@pytest.mark.parametrize("module", BUILDS)
+@settings(max_examples=200, deadline=None)
+@given(
+    key=keys.filter(lambda k: 0 <= k[0] <= 0xFFFF),
+    values=st.tuples(
+        st.integers(0, 2**32 - 1),  # ct_id
+        *[st.integers(0, U64)] * 2,  # start, first seen
+        st.integers(-(2**63), 2**63 - 1),  # flow id
+        *[st.integers(0, U64)] * 5,  # next sequence, base totals
+        st.integers(0, 255),  # flags
+    ),
+    topic=st.text(max_size=5),
+    blobs=st.tuples(st.binary(max_size=40), st.binary(max_size=300)),
+    ended=st.booleans(),
+)
+def test_each_writer_is_its_struct_format(
+    module: Any, key: Any, values: tuple[int, ...], topic: str, blobs: tuple[bytes, bytes], ended: bool
+) -> None:
+    """ROW, SENT_ROW, RECORD and ACK: what the writers write is what the reader's struct formats pack."""
+    zone, proto, src, sport, dst, dport = key
+    ct, start, first, fid, seq, b0, b1, b2, b3, flags = values
+    head = (len(src), zone, proto, sport, dport, src, dst, ct, start, first, fid, seq, b0, b1, b2, b3)
+    out = bytearray(b"before")
+    assert module.pack_restored([Restored(key, ct, start, first, fid, seq, (b0, b1, b2, b3), flags)], out) == 1
+    assert out == b"before" + module.ROW[len(src)].pack(*head, flags)
+
+    e = Export(0, seq - 1 if seq else 0, (b0, b1, b2, b3), (0,) * 4, False, 0, fid, first, key, ct, start,
+               flags & 0x0F, ended, topic=topic, key=blobs[0], value=blobs[1], row_kind=flags & 0xF0)  # fmt: skip
+    t, (k, v) = topic.encode(), blobs
+    sent = module.journal_sent([e], {})
+    row = module.SENT_ROW[len(src)].pack(*head[:11], e.sequence + 1, b0, b1, b2, b3, flags, ended, len(t), len(k),
+                                         len(v))  # fmt: skip
+    assert sent == (1).to_bytes(4, "big") + row + t + k + v
+    out = bytearray()
+    assert module.pack_records([e], out) == 1
+    assert out == module.RECORD.pack(fid, e.sequence, b0, b1, b2, b3, len(t), len(k), len(v)) + t + k + v
+    assert module.journal_acked([e, e]) == module.ACK.pack(fid, e.sequence) * 2
+    assert module.journal_sent([], {}) == b""  # no entry for nothing
+
+
+def test_a_resend_and_a_restored_record_are_not_journaled_again() -> None:
+    e = Export(0, 1, (1, 2, 3, 4), (0,) * 4, False, 0, 9, conn_key=(0, 6, ADDRS[0], 1, ADDRS[1], 2))
+    for module in (BUILT, INTERPRETED):
+        assert module.journal_sent([replace(e, attempts=1), replace(e, conn_key=None)], {}) == b""
+        assert struct.unpack_from("!I", module.journal_sent([e, replace(e, attempts=2)], {}))[0] == 1
