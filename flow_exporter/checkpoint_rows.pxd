@@ -3,12 +3,12 @@
 cdef class _Out:
     cdef bytearray out
     cdef unsigned char[::1] view
-    cdef Py_ssize_t pos, cap
+    cdef Py_ssize_t pos, start, cap
     cdef void room(self, Py_ssize_t n) except *
     cdef void close(self) except *
-    cdef void u8(self, unsigned char v) noexcept
-    cdef void be(self, unsigned long long v, int size) noexcept
-    cdef void i64(self, long long v) noexcept
+    cdef inline void u8(self, unsigned char v) noexcept
+    cdef inline void be(self, unsigned long long v, int size) noexcept
+    cdef inline void i64(self, long long v) noexcept
     cdef void raw(self, bytes data) noexcept
 
 cpdef Py_ssize_t row_size(Py_ssize_t alen) noexcept
@@ -20,7 +20,7 @@ cdef object _four(object totals)
 cdef void _put_row(_Out o, object key, Py_ssize_t alen, unsigned int ct, unsigned long long start,
                    unsigned long long first, long long flow_id, unsigned long long next_seq, unsigned long long b0,
                    unsigned long long b1, unsigned long long b2, unsigned long long b3, unsigned char flags) except *
-cdef void _put_row_of(_Out o, object key, object ct, object start, object first, object flow_id, object next_seq,
+cdef void _put_row_of(_Out o, object key, Py_ssize_t alen, object ct, object start, object first, object flow_id, object next_seq,
                       object base, object flags) except *
 
 cdef class _Columns:

@@ -44,3 +44,7 @@ boundscheck = wraparound = cdivision = initializedcheck = _directive
 
 def cast(_type: Any, value: Any) -> Any:
     return value
+
+
+def address(value: Any) -> Any:
+    return value
