@@ -877,9 +877,6 @@ static PyMethodDef methods[] = {
     {"due_slots", native_due_slots, METH_VARARGS,
      "due_slots(heap, columns, now, active_timeout, limit, todo, why, retry, taken, pending, keys, idle_order, "
      "push, constants): what is due, sorted (see flow_exporter.store.ledger and _records.c)."},
-    {"produce_run", native_produce_run, METH_VARARGS,
-     "produce_run(exports, start, produce, for_record, topics, refused): one run of records handed to librdkafka "
-     "(see flow_exporter.sink.kafka and _delivery.c)."},
     {"swept", native_swept, METH_VARARGS,
      "swept(connections, seen, bits, generation, present, destroyed): the slots a dump did not show (see "
      "flow_exporter.store.table)."},
@@ -915,7 +912,5 @@ HeapEntry heap_pop(PyObject *heap) {
 
 PyMODINIT_FUNC PyInit__native(void) {
     if (import_flow_exporter__deadline_heap() < 0) return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (m != NULL && delivery_add_types(m) < 0) Py_CLEAR(m);
-    return m;
+    return PyModule_Create(&module);
 }

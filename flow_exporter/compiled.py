@@ -1,6 +1,6 @@
 """The one place that chooses between the compiled and the interpreted build of the hot modules (issue 39).
 
-The hot modules are Python sources in Cython's pure-Python mode (``setup.py`` lists them): a build with
+The hot modules are Python sources in Cython's pure-Python mode (a ``.py`` with its ``.pxd``): a build with
 Cython and a C compiler compiles each into an extension module of the same name, which Python's import
 system prefers to the source beside it; a build without leaves the sources, which run interpreted (same
 results, slower). The choice is made once, here, at import: ``FLOW_EXPORTER_INTERPRETED=1`` forces the
@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import logging
 import os
 import sys
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["INTERPRETED_ENV", "forced_interpreted", "interpreted", "is_compiled", "load"]
+__all__ = [
+    "COMPILED", "INTERPRETED_ENV", "MODULES", "NOT_BUILT", "describe", "forced_interpreted", "interpreted",
+    "is_compiled", "load",
+]  # fmt: skip
 
 INTERPRETED_ENV = "FLOW_EXPORTER_INTERPRETED"
 _PACKAGE = Path(__file__).parent
-log = logging.getLogger(__name__)
 
 
 def forced_interpreted() -> bool:
@@ -59,8 +60,29 @@ def load(name: str) -> ModuleType:
     return importlib.import_module(qualified)
 
 
-_heap = load("deadline_heap")
-COMPILED = is_compiled(_heap) and not forced_interpreted()
-"""Whether the compiled build is running (logged at start; ``flow_exporter_build_info``-style facts)."""
-if not COMPILED and not forced_interpreted():
-    log.info("the compiled modules are not built (no C compiler or no Cython at install): running interpreted")
+# The Cython-compiled sources: a .py with its .pxd beside it (setup.py compiles them; the wheel carries both).
+MODULES = tuple(sorted(p.stem for p in _PACKAGE.glob("*.pxd")))
+
+
+def _built(name: str) -> bool:
+    """Whether ``flow_exporter.<name>`` has a compiled build installed (found, not imported)."""
+    spec = importlib.util.find_spec(f"{__package__}.{name}")
+    return spec is not None and not str(spec.origin).endswith(".py")
+
+
+NOT_BUILT = tuple(m for m in MODULES if not _built(m))
+COMPILED = bool(MODULES) and not NOT_BUILT and not forced_interpreted()
+"""Whether the compiled build of every hot module is the one running (the start-up line says which)."""
+
+
+def describe() -> str:
+    """The build that runs, for the exporter's start-up line: an install without a C compiler (or without Cython)
+    runs the interpreted sources, the same records at a higher CPU cost, and the operator should be told."""
+    if forced_interpreted():
+        return f"interpreted ({INTERPRETED_ENV}=1)"
+    if NOT_BUILT:
+        return (
+            f"interpreted ({', '.join(NOT_BUILT)} not compiled at install: no C compiler or no Cython; "
+            "the same records at a higher CPU cost)"
+        )
+    return "compiled"

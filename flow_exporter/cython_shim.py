@@ -38,7 +38,7 @@ def _directive(_value: bool = True) -> Callable[[_T], _T]:
     return _same
 
 
-cclass = cfunc = ccall = inline = final = _same
+cclass = cfunc = ccall = inline = final = no_gc = _same
 boundscheck = wraparound = cdivision = initializedcheck = _directive
 
 

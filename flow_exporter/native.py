@@ -108,27 +108,9 @@ class Native(Protocol):
         constants: tuple[int, ...],
     ) -> int: ...
 
-    def produce_run(
-        self,
-        exports: list[Any],
-        start: int,
-        produce: Callable[..., None],
-        for_record: Callable[[Any, str, Any], Any],
-        topics: dict[str, Any],
-        refused: tuple[type[BaseException], ...],
-    ) -> tuple[int, int, int, Any, BaseException | None, bool]: ...
-
-    def Deliveries(  # a type of the module, named as types are
-        self,
-        append: Callable[[Any], None],
-        on_failed: Callable[[Any, str, Any, Any, Any], None],
-        on_run: Callable[[str, Any, int], None],
-        report_type: type,
-    ) -> Any: ...  # .for_record(export, topic, st) -> on_delivery callable; .settle()
-
 
 _loaded: Native | None = None
-if compiled_build.COMPILED:  # the C is built with the compiled modules it calls (deadline_heap), and off with them
+if not compiled_build.forced_interpreted() and "deadline_heap" not in compiled_build.NOT_BUILT:  # the C calls it
     try:  # by name: the module's types are the protocol above (no stub to keep in step)
         _loaded = cast(Native, importlib.import_module("flow_exporter._native"))
     except ImportError:  # built without a C compiler: the pure path

@@ -15,7 +15,7 @@ from typing import Any
 
 from confluent_kafka import KafkaException
 
-from flow_exporter import gc_policy
+from flow_exporter import compiled, gc_policy
 from flow_exporter.app import Exporter, ExporterOptions
 from flow_exporter.checkpoint import Checkpoint, CheckpointError, Loaded
 from flow_exporter.completeness import Completeness
@@ -67,7 +67,6 @@ def build_sink(cfg: Config, lifecycle: Lifecycle | None = None) -> KafkaSink:
         retry_max=cfg["retry.maxBackoff"],
         stopping=lifecycle.stopping,
         on_wait=partial(lifecycle.beat, "expire"),  # blocked on a full queue is still alive
-        compiled_path=cfg["conntrack.compiled"],
     )
 
 
@@ -124,9 +123,7 @@ def check_topics(sink: KafkaSink, stop: threading.Event, initial: float, maximum
     return False
 
 
-def start_listener(
-    cfg: Config, metrics: Metrics | None, exporter: Exporter, enricher: Any = None
-) -> Listener | None:
+def start_listener(cfg: Config, metrics: Metrics | None, exporter: Exporter, enricher: Any = None) -> Listener | None:
     """/metrics, /healthz and /readyz, unless metrics.port is 0 (then ``metrics`` is None)."""
     if metrics is None:
         return None
@@ -266,12 +263,13 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
             return 2
     netns = cfg["conntrack.netns"]
     log.info(
-        "flow-exporter starting: node=%s netns=%s kafka=%s (%s) topic=%s",
+        "flow-exporter starting: node=%s netns=%s kafka=%s (%s) topic=%s build=%s",
         cfg.node_name,
         netns or "(own)",
         redact(cfg.producer_config()).get("bootstrap.servers"),
         cfg["kafka.securityProtocol"],
         cfg["kafka.topic"],
+        compiled.describe(),
     )
     if cfg["conntrack.setSysctls"]:
         for warning in enable_accounting(netns):

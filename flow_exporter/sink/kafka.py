@@ -13,20 +13,21 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import tenacity
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
 
+from flow_exporter.compiled import load
 from flow_exporter.delivery import DeliveryHealth, TopicHealth
 from flow_exporter.flow import Export
-from flow_exporter.native import compiled
 from flow_exporter.ports import BrokerStats, ClientStats, DeliveryReport, SinkCounters, Unsent
 from flow_exporter.retry import StopWhen
 from flow_exporter.settings import DEFAULTS, ConfigError, shown
 from flow_exporter.sink.encoder import Encode, prepare_with
+
+_deliveries = load("deliveries")  # the delivery callbacks and the produce loop, written once (compiled where built)
 
 log = logging.getLogger(__name__)
 _rdkafka_log = logging.getLogger(__name__ + ".rdkafka")
@@ -131,6 +132,8 @@ def check_producer_settings(settings: dict[str, Any], *, allow_unsafe: bool) -> 
         raise ConfigError(key, settings.get(named[0]) if named else settings, f"librdkafka: {text}") from None
     except (TypeError, ValueError) as exc:
         raise ConfigError("kafka.producer", settings, f"librdkafka: {exc}") from None
+
+
 ERROR_LOG_INTERVAL = 10.0  # seconds between two log lines for the same kind of client error
 # Errors no retry fixes without the operator: logged as errors with what to check.
 _SECURITY_HINTS = {
@@ -221,8 +224,6 @@ class KafkaSink:
         stopping: Callable[[], bool] = lambda: False,
         on_wait: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
-        *,
-        compiled_path: bool = True,
     ) -> None:
         self.topic = topic
         self.routes = tuple(routes)
@@ -235,22 +236,16 @@ class KafkaSink:
         self._reports: deque[DeliveryReport] = deque()
         self.counters = SinkCounters()
         self.health = DeliveryHealth(self.topics(), clock, self.counters.failures_by_error)
-        # Delivery callbacks in C (flow_exporter/_delivery.c) when the module is built: a report per record, the
+        # The delivery callbacks (flow_exporter/deliveries.py, compiled where built): a report per record, the
         # accounting per run of records to one topic, settled after every poll and flush (_settle).
         #
         # ``_callback(export, topic, st)`` makes one record's delivery callback. Not a closure over six names
         # made per record: bench/bench_app_export.py measured the closure at about 1 us of a 2.5 us produce,
         # and a partial (tracked by the garbage collector) at 0.4 us more than a plain function; the compiled
         # one is neither tracked nor a Python frame when it runs.
-        native = self._native = compiled(compiled_path)
-        self._deliveries = (
-            native.Deliveries(self._reports.append, self._on_failed, self._on_run, DeliveryReport)
-            if native is not None
-            else None
-        )
-        self._callback: Callable[[Export, str, TopicHealth], OnDelivery] = (
-            self._deliveries.for_record if self._deliveries is not None else partial(partial, self._on_delivery)
-        )
+        self._deliveries = _deliveries.Deliveries(self._reports.append, self._on_failed, self._on_run, DeliveryReport)
+        self._callback: Callable[[Export, str, TopicHealth], OnDelivery] = self._deliveries.for_record
+        self._produce_run = _deliveries.produce_run
         self._last_error_log: dict[str | None, float] = {}  # by _security_failure(); None: other errors
         self._on_wait = on_wait
         self._retry = tenacity.Retrying(
@@ -353,43 +348,7 @@ class KafkaSink:
         produce = self._producer.produce
         topics = self.health.topics
         callback = self._callback
-        if self._native is not None:
-            return self._produce_runs(exports, self._native.produce_run, produce, callback, topics)
-        run = _Run(self)
-        try:
-            for i, e in enumerate(exports):
-                value = e.value
-                topic = e.topic
-                try:
-                    st = topics.get(topic) if topic is not None else None
-                    if value is not None and topic is not None and st is not None:
-                        try:
-                            produce(topic, value, e.key, on_delivery=callback(e, topic, st))
-                            run.add(st, len(value))
-                            continue
-                        except _REFUSED:
-                            pass  # nothing was queued: the full path below waits, or reports the refusal
-                    run.flush()
-                    self.produce(e)
-                except Exception as exc:
-                    raise Unsent(i) from exc
-        finally:
-            run.flush()
-
-    def _produce_runs(
-        self,
-        exports: list[Export],
-        produce_run: Callable[..., tuple[int, int, int, TopicHealth | None, BaseException | None, bool]],
-        produce: Callable[..., None],
-        callback: Callable[[Export, str, TopicHealth], OnDelivery],
-        topics: dict[str, TopicHealth],
-    ) -> None:
-        """:meth:`produce_all`'s loop in C (``_delivery.c``), a run of records to one topic per call.
-
-        Each run's accounting is added when it ends; a record for the full path goes through
-        :meth:`produce` in its turn, and an error stops the batch with :class:`Unsent` there, as the
-        Python loop does.
-        """
+        produce_run = self._produce_run
         i, n = 0, len(exports)
         while i < n:
             stop, count, size, st, error, slow = produce_run(exports, i, produce, callback, topics, _REFUSED)
@@ -414,15 +373,6 @@ class KafkaSink:
         counters.bytes_produced += size
         self.health.produced(st, count)
 
-    def _on_delivery(self, export: Export, topic: str, st: TopicHealth, err: KafkaError | None, msg: Any) -> None:
-        # Runs inside poll()/flush() on the caller's thread; counters are read by metrics.
-        if err is None:
-            report = DeliveryReport(export, True, None, False, msg.partition(), msg.offset())
-            self._on_run(topic, st, 1)
-            self._reports.append(report)
-        else:
-            self._on_failed(export, topic, st, err, msg)
-
     def _on_run(self, topic: str, st: TopicHealth, count: int) -> None:
         """``count`` records delivered in a row to ``topic``: the sink's and the topic's accounting."""
         counters = self.counters
@@ -437,9 +387,8 @@ class KafkaSink:
         self._reports.append(DeliveryReport(export, False, err.str(), permanent))
 
     def _settle(self) -> None:
-        """The compiled callbacks' accounting of delivered records, added before anyone reads it."""
-        if self._deliveries is not None:
-            self._deliveries.settle()
+        """The delivery callbacks' accounting of delivered records, added before anyone reads it."""
+        self._deliveries.settle()
 
     def take_reports(self) -> list[DeliveryReport]:
         """The delivery reports collected by ``poll``/``flush`` since the last call."""
@@ -502,30 +451,6 @@ class KafkaSink:
             log.error("kafka %s: %s", _SECURITY_HINTS[kind], err.str())
         else:
             log.warning("kafka: %s", err.str())
-
-
-class _Run:
-    """Records handed over to one topic in a row, counted once for the sink and the topic's health."""
-
-    __slots__ = ("bytes", "count", "sink", "st")
-
-    def __init__(self, sink: KafkaSink) -> None:
-        self.sink = sink
-        self.st: TopicHealth | None = None
-        self.count = 0
-        self.bytes = 0
-
-    def add(self, st: TopicHealth, size: int) -> None:
-        if st is not self.st:
-            self.flush()
-            self.st = st
-        self.count += 1
-        self.bytes += size
-
-    def flush(self) -> None:
-        if self.count and self.st is not None:
-            self.sink._produced(self.st, self.count, self.bytes)
-        self.count = self.bytes = 0
 
 
 def _is_admin_key(key: str) -> bool:

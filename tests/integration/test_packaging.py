@@ -220,6 +220,8 @@ def test_wheel_contents(dists: Dists) -> None:
     assert {n.split("/")[0] for n in names} == {"flow_exporter", info}, "the package and its metadata only"
     for module in ["_native", *CYTHON]:  # the hand-written C, and the Cython-compiled sources (setup.py)
         assert [n for n in names if n.startswith(f"flow_exporter/{module}.") and n.endswith(".so")], module
+    for module in CYTHON:  # the .pxd too: flow_exporter.compiled finds the modules by it, at run time
+        assert f"flow_exporter/{module}.pxd" in names, module
     modules = {p.relative_to(dists.source).as_posix() for p in (dists.source / "flow_exporter").rglob("*.py")}
     assert modules <= names, sorted(modules - names)
     assert f"\nVersion: {__version__}\n" in metadata

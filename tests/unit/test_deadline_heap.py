@@ -40,6 +40,8 @@ def test_the_compiled_build_is_the_one_that_runs_here() -> None:
         pytest.skip("FLOW_EXPORTER_INTERPRETED is set: this run is the interpreted build's")
     assert compiled.is_compiled(BUILT), BUILT.__file__
     assert compiled.COMPILED
+    assert compiled.MODULES == ("checkpoint_rows", "deadline_heap", "deliveries")  # the .pxd files, found
+    assert compiled.describe() == "compiled"  # the start-up line's build=
     assert not compiled.is_compiled(INTERPRETED)
 
 
@@ -91,7 +93,9 @@ def test_the_environment_variable_forces_the_interpreted_build() -> None:
     code = (
         "from flow_exporter import compiled, native, expiry;"
         "print(compiled.COMPILED, compiled.is_compiled(compiled.load('deadline_heap')), native.compiled() is None,"
-        " expiry.ExpiryQueue()._heap.__class__.__module__)"
+        " expiry.ExpiryQueue()._heap.__class__.__module__, compiled.describe())"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "False", "True", "flow_exporter.deadline_heap"]
+    assert out.strip().split(maxsplit=4) == [
+        "False", "False", "True", "flow_exporter.deadline_heap", "interpreted (FLOW_EXPORTER_INTERPRETED=1)",
+    ]  # fmt: skip

@@ -9,19 +9,28 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
+from unittest import mock
 
 import pytest
 
+from flow_exporter import compiled
 from flow_exporter.delivery import DeliveryHealth, duration_text
 from flow_exporter.flow import Export
 from flow_exporter.lifecycle import Lifecycle
 from flow_exporter.ports import Unsent
 from flow_exporter.probes import readiness
 from flow_exporter.settings import DEFAULTS, ConfigError
-from flow_exporter.sink import KafkaSink
+from flow_exporter.sink import KafkaSink, kafka
 from flow_exporter.sink.kafka import Route
 from flow_exporter.store import ConnectionStore
 from tests.support.store_builders import TIME_WAIT, Clock, poll, tcp
+
+# The delivery callbacks and produce loop (flow_exporter/deliveries.py): the built module and its interpreted source.
+DELIVERIES = [
+    pytest.param(compiled.load("deliveries"), id="built"),
+    pytest.param(compiled.interpreted("deliveries", as_name="tests_interpreted_deliveries"), id="interpreted"),
+]
 
 AUTH = "TOPIC_AUTHORIZATION_FAILED"
 AUTH_TEXT = "Broker: Topic authorization failed"
@@ -104,9 +113,7 @@ def test_recovery_is_logged_once_after_a_warning(caplog: pytest.LogCaptureFixtur
         h.produced(st)
         h.delivered("flows", st)
     infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
-    assert infos == [
-        f"kafka delivery to topic flows succeeds again (after {AUTH}, 42s without a successful delivery)"
-    ]
+    assert infos == [f"kafka delivery to topic flows succeeds again (after {AUTH}, 42s without a successful delivery)"]
 
 
 # ----------------------------------------------------------------------------- readiness
@@ -311,13 +318,11 @@ def test_flow_exporter_run_wires_the_rule_into_readyz(ready_timeout: str) -> Non
         del sink._producer
 
 
-@pytest.mark.parametrize("compiled_path", [True, False], ids=["compiled", "pure"])
-def test_a_batch_stops_at_the_first_record_produce_cannot_hand_over(compiled_path: bool) -> None:
+@pytest.mark.parametrize("build", DELIVERIES)
+def test_a_batch_stops_at_the_first_record_produce_cannot_hand_over(build: Any) -> None:
     """produce_all hands over the records before it, counted once per run; the rest are Unsent from its index."""
-    sink = KafkaSink(
-        {"bootstrap.servers": "127.0.0.1:9", "log_level": 0}, "flows", lambda e, ms: b"\x00" * 40,
-        compiled_path=compiled_path,
-    )  # fmt: skip
+    with mock.patch.object(kafka, "_deliveries", build):
+        sink = KafkaSink({"bootstrap.servers": "127.0.0.1:9", "log_level": 0}, "flows", lambda e, ms: b"\x00" * 40)
     try:
         batch = [record(), record(), record(), record()]
         for e in batch:
@@ -336,14 +341,15 @@ def test_a_batch_stops_at_the_first_record_produce_cannot_hand_over(compiled_pat
         del sink._producer  # the producer and the sink reference each other (error_cb)
 
 
-@pytest.mark.parametrize("compiled_path", [True, False], ids=["compiled", "pure"])
-def test_a_batch_to_two_topics_is_counted_per_topic(compiled_path: bool) -> None:
+@pytest.mark.parametrize("build", DELIVERIES)
+def test_a_batch_to_two_topics_is_counted_per_topic(build: Any) -> None:
     """Runs of records to one topic, then the other, then back; one record for the full path (a full queue)."""
-    sink = KafkaSink(
-        {"bootstrap.servers": "127.0.0.1:9", "log_level": 0, "queue.buffering.max.messages": 6}, "flows",
-        lambda e, ms: b"\x00" * (30 + e.sequence), [Route("ended", end_reason=3)], retry_initial=0.001,
-        retry_max=0.002, stopping=lambda: True, compiled_path=compiled_path,
-    )  # fmt: skip
+    with mock.patch.object(kafka, "_deliveries", build):
+        sink = KafkaSink(
+            {"bootstrap.servers": "127.0.0.1:9", "log_level": 0, "queue.buffering.max.messages": 6}, "flows",
+            lambda e, ms: b"\x00" * (30 + e.sequence), [Route("ended", end_reason=3)], retry_initial=0.001,
+            retry_max=0.002, stopping=lambda: True,
+        )  # fmt: skip
     try:
         batch = [record() for _ in range(8)]
         for i, e in enumerate(batch):

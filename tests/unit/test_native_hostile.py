@@ -119,30 +119,6 @@ def _prefix_of_connection() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
     return lambda: nat().encode_prefix(e, prefix_context()), lambda got: got == want
 
 
-def _produce_run() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
-    e = flaky(FlakyExport, record())
-    st = object()
-
-    def produce(topic: str, value: bytes, key: bytes, on_delivery: Any) -> None:
-        pass
-
-    def run() -> Any:  # an error is handed back (the caller counts the run before it raises)
-        got = nat().produce_run([e], 0, produce, lambda *a: None, {"t": st}, (BufferError,))
-        if isinstance(got[4], BaseException):
-            assert got[:3] == (0, 0, 0)
-            raise got[4]
-        return got
-
-    return run, lambda got: got[:3] == (1, 1, 1) and got[3] is st and got[5] is False  # produced, not slow
-
-
-def _deliveries() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
-    def make() -> Any:
-        return nat().Deliveries(lambda r: None, lambda *a: None, lambda *a: None, FlakyReport)
-
-    return make, lambda got: got is not None
-
-
 def _admit_rows() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
     store = ConnectionStore(TIMEOUTS, compiled=True)
     clock = Clock()
@@ -177,8 +153,6 @@ def _decode() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
 LOOKUPS: dict[str, Callable[[], tuple[Callable[[], Any], Callable[[Any], bool]]]] = {
     "_prefix.c export": _prefix_of_export,
     "_prefix.c connection": _prefix_of_connection,
-    "_delivery.c produce_run": _produce_run,
-    "_delivery.c Deliveries": _deliveries,
     "_admit.c admit_rows": _admit_rows,
     "_native.c decode": _decode,
 }
@@ -279,18 +253,10 @@ def _acknowledge_delivered(e: Any) -> Any:
     return None if slow else done
 
 
-def _produce_one(e: Any) -> Any:
-    """The records produced, or "fell back" to the sink's Python loop."""
-    produced: list[Any] = []
-    nat().produce_run([e], 0, lambda *a, **k: produced.append(a), lambda *a: None, {"t": 1}, (BufferError,))
-    return len(produced) or None
-
-
 RECORD_ENTRIES: dict[str, Callable[[Any], Any]] = {
     "prepare_records": _prepare_records,
     "encode_prefix": lambda e: nat().encode_prefix(e, prefix_context()),
     "acknowledge_delivered": _acknowledge_delivered,
-    "produce_run": _produce_one,
     "prepare_all": lambda e: RecordEncoder("n").prepare_all([e], 5, "t"),
 }
 

@@ -1,25 +1,33 @@
-"""The compiled delivery callbacks (flow_exporter/_delivery.c) against the sink's Python callback.
+"""The delivery callbacks (flow_exporter/deliveries.py): the compiled and the interpreted build of the one source.
 
-Two sinks, one with the compiled module and one without (``compiled_path=False``), get the same
-delivery reports in the same order: records of two topics delivered, failed (resendable and
-permanent), with settling (what the sink does after every poll and flush) at drawn points. After
-each settle they hold the same reports (record, outcome, error, partition, offset), the same counters
-and the same health of every topic. No broker: the callbacks are what librdkafka would call.
+Two sinks, one with each build, get the same delivery reports in the same order: records of two topics
+delivered, failed (resendable and permanent), with settling (what the sink does after every poll and flush)
+at drawn points. After each settle they hold the same reports (record, outcome, error, partition, offset),
+the same counters and the same health of every topic; at the end, a report per event in event order and
+the counts the events make. No broker: the callbacks are what librdkafka would call.
 """
 
 from __future__ import annotations
 
 from dataclasses import astuple
 from typing import Any
+from unittest import mock
 
 import pytest
 from confluent_kafka import KafkaError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flow_exporter import compiled
 from flow_exporter.flow import Export
+from flow_exporter.sink import kafka
 from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.sink.kafka import KafkaSink
+
+BUILDS = {
+    True: compiled.load("deliveries"),
+    False: compiled.interpreted("deliveries", as_name="tests_interpreted_deliveries"),
+}
 
 TOPICS = ("flows", "flows-ended")
 ERRORS = [KafkaError._MSG_TIMED_OUT, KafkaError.MSG_SIZE_TOO_LARGE, KafkaError._TRANSPORT, KafkaError.INVALID_RECORD]
@@ -40,11 +48,10 @@ class Message:
         return self._offset
 
 
-def sink(compiled_path: bool) -> KafkaSink:
-    s = KafkaSink(
-        {"bootstrap.servers": "127.0.0.1:9"}, TOPICS[0], RecordEncoder("n"), [],
-        clock=lambda: 100.0, compiled_path=compiled_path,
-    )  # fmt: skip
+def sink(built: bool) -> KafkaSink:
+    """A sink with the built module (compiled where built) or the interpreted source."""
+    with mock.patch.object(kafka, "_deliveries", BUILDS[built]):
+        s = KafkaSink({"bootstrap.servers": "127.0.0.1:9"}, TOPICS[0], RecordEncoder("n"), [], clock=lambda: 100.0)
     s.routes = ()  # both topics are the sink's: health has them
     for t in TOPICS:
         s.health.topic(t)
@@ -72,42 +79,54 @@ events = st.lists(
 )
 
 
-def test_the_compiled_callbacks_are_built() -> None:
-    assert sink(True)._deliveries is not None and sink(False)._deliveries is None
+def test_the_built_module_is_compiled() -> None:
+    """make test builds it (tools/setup.sh); the interpreted run (FLOW_EXPORTER_INTERPRETED) loads the source."""
+    assert compiled.is_compiled(BUILDS[True]) != compiled.forced_interpreted()
+    assert not compiled.is_compiled(BUILDS[False])
+    assert isinstance(sink(True)._deliveries, BUILDS[True].Deliveries)
 
 
 @settings(max_examples=300, deadline=None)
 @given(events)
-def test_reports_counters_and_health_equal_pure(evs: list[tuple[str, int | None, int, int, bool]]) -> None:
+def test_reports_counters_and_health_alike_and_as_reported(evs: list[tuple[str, int | None, int, int, bool]]) -> None:
     records = [Export(1, i, (0,) * 4, (0,) * 4, False, 1, i, 1) for i in range(len(evs))]
-    pure, fast = sink(False), sink(True)
-    for s in (pure, fast):
+    interp, built = sink(False), sink(True)
+    for s in (interp, built):
         for t in TOPICS:
             s.health.produced(s.health.topic(t), sum(1 for e in evs if e[0] == t))
     for e, (topic, code, partition, offset, settle) in zip(records, evs, strict=True):
         err = None if code is None else KafkaError(code)
-        for s in (pure, fast):
+        for s in (interp, built):
             s._callback(e, topic, s.health.topic(topic))(err, Message(partition, offset))
         if settle:
-            fast._settle()
-            assert state(fast, records) == state(pure, records)
-    fast._settle()
-    assert state(fast, records) == state(pure, records)
+            built._settle()
+            interp._settle()
+            assert state(built, records) == state(interp, records)
+    built._settle()
+    interp._settle()
+    assert state(built, records) == state(interp, records)
+    # ... and what the events say, counted here: a report per record in event order, the counts by outcome.
+    reports, (acked, failed, _, _), _ = state(built, records)
+    assert [(r[0], r[1], r[4:] if r[1] else ()) for r in reports] == [
+        (i, code is None, (partition, offset) if code is None else ())
+        for i, (_, code, partition, offset, _) in enumerate(evs)
+    ]
+    assert (acked, failed) == (sum(e[1] is None for e in evs), sum(e[1] is not None for e in evs))
 
 
 def test_a_failure_settles_the_deliveries_before_it() -> None:
     """Delivered, then failed, on one topic: the topic is failing after both, as in report order."""
     records = [Export(1, i, (0,) * 4, (0,) * 4, False, 1, i, 1) for i in range(3)]
-    pure, fast = sink(False), sink(True)
-    for s in (pure, fast):
+    interp, built = sink(False), sink(True)
+    for s in (interp, built):
         st_ = s.health.topic("flows")
         s.health.produced(st_, 3)
         s._callback(records[0], "flows", st_)(None, Message(0, 1))
         s._callback(records[1], "flows", st_)(None, Message(0, 2))
         s._callback(records[2], "flows", st_)(KafkaError(KafkaError._MSG_TIMED_OUT), Message(0, -1))
-    assert fast.counters.acked == 2  # settled by the failure, before any poll
-    assert state(fast, records) == state(pure, records)
-    assert fast.health.topic("flows").last_error == "_MSG_TIMED_OUT"
+    assert built.counters.acked == 2  # settled by the failure, before any poll
+    assert state(built, records) == state(interp, records)
+    assert built.health.topic("flows").last_error == "_MSG_TIMED_OUT"
 
 
 @pytest.mark.parametrize("hostile", ["offset raises", "odd partition"])
@@ -125,3 +144,8 @@ def test_a_message_that_misbehaves_leaves_both_alike(hostile: str) -> None:
         s._settle()
         outcomes.append(state(s, records))
     assert outcomes[:2] == outcomes[2:]
+    raised, (reports, counts, _) = outcomes[:2]
+    if hostile == "offset raises":
+        assert (raised, reports, counts[0]) == ("offset", [], 0)  # neither reported nor counted
+    else:
+        assert (raised, reports, counts[0]) == (None, [(0, True, None, False, "p", None)], 1)
