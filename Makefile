@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-k8s setup-prometheus setup-flink setup-image image image-check-arm64 test unit lint demo bench clean lock spark-job flink-job model-soak
+.PHONY: setup setup-k8s setup-prometheus setup-flink setup-image image image-check-arm64 test unit lint demo bench clean lock spark-job flink-job model-soak sanitize
 
 setup:
 	@bash tools/setup.sh
@@ -49,6 +49,12 @@ INTERPRETED_TESTS := tests/unit '--ignore-glob=tests/unit/test_native*'
 test: setup setup-k8s setup-prometheus setup-flink setup-image lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	FLOW_EXPORTER_INTERPRETED=1 $(PY) -m pytest -q -p no:cacheprovider $(INTERPRETED_TESTS)
+	@bash tools/sanitize.sh
+
+# The compiled modules built with ASAN and UBSAN, and their tests run on that build (make test runs it while
+# hand-written C remains; tools/sanitize.sh says what it runs).
+sanitize: setup
+	@bash tools/sanitize.sh
 
 # A downstream job against the local broker: broker, registry, lab traffic through the exporter
 # (SCRAM, registry framing), then the job once over the topic and its three tables printed.

@@ -1,5 +1,8 @@
 # The C types of deliveries.py (Cython pure-Python mode).
 
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(object op)
+
 cdef class Deliveries:
     cdef object append, on_failed, on_run, report_type, run_topic, run_st
     cdef Py_ssize_t run_n

@@ -3,7 +3,7 @@
 A type lookup that fails for a moment (a MemoryError) is no answer about the type: the slot caches of
 every C file must not keep it, or the compiled path stays off for that type for the life of the process.
 A NotImplemented from build_records builds every record in Python. An Export with a field deleted (or
-never set) and a class that borrows Export's (or Connection's, or DeliveryReport's) member descriptors
+never set) and a class that borrows Export's (or Connection's) member descriptors
 must be handed back or refused with a Python exception by every compiled entry point, never read at
 offsets it does not have: those run in a child process, where a crash fails the test instead of pytest.
 A failed allocation in the prefix encoder is a MemoryError, and an error inside the compiled expiry loop
@@ -28,7 +28,6 @@ import pytest
 from flow_exporter import native
 from flow_exporter.connection import Connection
 from flow_exporter.flow import Export
-from flow_exporter.ports import DeliveryReport
 from flow_exporter.record import partition_key
 from flow_exporter.sink.encoder import RecordEncoder, prepare_each
 from flow_exporter.store import ConnectionStore
@@ -40,7 +39,7 @@ pytestmark = pytest.mark.skipif(native.compiled(True) is None, reason="the compi
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUTS = Timeouts(poll_interval=1, active=5, idle=15)
-FIELDS = {f.name for cls in (Export, Connection, DeliveryReport) for f in fields(cls)}
+FIELDS = {f.name for cls in (Export, Connection) for f in fields(cls)}
 
 
 def nat() -> Any:
@@ -93,10 +92,6 @@ class FlakyConnection(Connection, metaclass=Flaky):
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # counted: the compiled decoder fills the slots instead
         type(self).inits += 1
         super().__init__(*args, **kwargs)
-
-
-class FlakyReport(DeliveryReport, metaclass=Flaky):
-    __slots__ = ()
 
 
 def flaky(cls: type, base: Any) -> Any:
@@ -279,7 +274,6 @@ def _run_types(check: Callable[[str, str, Any], None]) -> None:
     n = nat()
     export_b = borrowing(Export, "BorrowingExport")
     conn_b = borrowing(Connection, "BorrowingConnection")
-    report_b = borrowing(DeliveryReport, "BorrowingReport")
     store = ConnectionStore(TIMEOUTS, compiled=True)
     clock = Clock()
     poll(store, clock, tcp(1))
@@ -293,7 +287,6 @@ def _run_types(check: Callable[[str, str, Any], None]) -> None:
         )
     )  # fmt: skip
     check("build_records of a borrowing type", built, False)
-    check("Deliveries of a borrowing report type", outcome(lambda: n.Deliveries(print, print, print, report_b)), False)
     buf = encode_connection(tcp())
     check("decode into a borrowing type", outcome(lambda: n.decode(buf, [], None, None, conn_b)), False)
     context = store._admission_context(clock.now, clock.wall(), None)
