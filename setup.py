@@ -35,6 +35,8 @@ def extensions() -> list[Extension]:
     compiled = cythonize(cython, language_level=3, quiet=True)
     for ext in compiled:  # cythonize makes new Extensions and does not carry `optional` over
         ext.optional = not REQUIRED
+    if not C_SOURCES:  # none left (or not in the build context): nothing to build, and the image's check says so
+        return compiled
     native = Extension(
         "flow_exporter._native",
         sources=C_SOURCES,
