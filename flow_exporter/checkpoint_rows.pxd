@@ -16,6 +16,7 @@ cdef unsigned long long _uint(object v, int bits) except? 0
 cdef long long _int64(object v) except? -1
 cdef bytes _blob(object v)
 cdef Py_ssize_t _alen(object key) except -1
+cdef void _put_message(_Out o, bytes topic, bytes key, bytes value) except *
 cdef object _four(object totals)
 cdef void _put_row(_Out o, object key, Py_ssize_t alen, unsigned int ct, unsigned long long start,
                    unsigned long long first, long long flow_id, unsigned long long next_seq, unsigned long long b0,

@@ -265,6 +265,17 @@ def _put_row_of(
              _uint(flags & 0xFF, 8))  # type: ignore[operator]  # fmt: skip
 
 
+def _put_message(o: _Out, topic: bytes, key: bytes, value: bytes) -> None:
+    """A record's message (room made for it): topic, key and value lengths (16, 16, 32 bits), then their bytes;
+    the tail of a snapshot RECORD and of a journal SENT_ROW alike."""
+    o.be(_uint(len(topic), 16), 2)
+    o.be(_uint(len(key), 16), 2)
+    o.be(_uint(len(value), 32), 4)
+    o.raw(topic)
+    o.raw(key)
+    o.raw(value)
+
+
 @cython.final
 @cython.cclass
 class _Columns:
@@ -350,12 +361,7 @@ def pack_records(exports: Iterable[Export], out: bytearray) -> int:
             o.be(_uint(t1, 64), 8)
             o.be(_uint(t2, 64), 8)
             o.be(_uint(t3, 64), 8)
-            o.be(_uint(len(topic), 16), 2)
-            o.be(_uint(len(key), 16), 2)
-            o.be(_uint(len(value), 32), 4)
-            o.raw(topic)
-            o.raw(key)
-            o.raw(value)
+            _put_message(o, topic, key, value)
             n += 1
     finally:
         o.close()
@@ -385,12 +391,7 @@ def journal_sent(exports: Iterable[Export], topics: dict[str | None, bytes]) -> 
             _put_row_of(o, conn_key, alen, e.ct_id, e.start_ns, e.first_seen_ns, e.flow_id, e.sequence + 1, e.totals,
                         (e.flags & _RECORD_FLAGS) | e.row_kind)  # fmt: skip
             o.u8(1 if e.ended else 0)
-            o.be(_uint(len(topic), 16), 2)
-            o.be(_uint(len(key), 16), 2)
-            o.be(_uint(len(value), 32), 4)
-            o.raw(topic)
-            o.raw(key)
-            o.raw(value)
+            _put_message(o, topic, key, value)
             n += 1
     finally:
         o.close()
