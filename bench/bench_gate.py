@@ -24,6 +24,8 @@ from bench.common import plot, section_head, update_section, write_json
 
 METRICS = [  # (key, label, format, better)
     ("cpu_cores", "CPU, steady state (cores)", "{:.3f}", "lower"),
+    ("cpu_user_cores", "of which user", "{:.3f}", "lower"),
+    ("cpu_system_cores", "of which system", "{:.3f}", "lower"),
     ("peak_rss_bytes", "peak RSS (MiB)", "{:.0f}", "lower"),
     ("records_per_s", "records/s acknowledged", "{:,.0f}", "higher"),
     ("poll_seconds_mean", "poll, mean (s)", "{:.3f}", "lower"),
@@ -105,13 +107,13 @@ def main(argv: list[str] | None = None) -> int:
                       "window_s": args.window, "commits": commits, "runs": runs, "medians": medians})  # fmt: skip
 
     def draw(ax: Any) -> None:
-        for i, (k, *_) in enumerate(METRICS[:3]):
+        for i, (k, *_) in enumerate(METRICS[:5]):
             for j, label in enumerate(("before", "after")):
                 ys = [value(x, k) / medians["before"][k] for x in runs[label]]
                 ax.scatter([i + (j - 0.5) * 0.3] * len(ys), ys, color=("#1f77b4", "#ff7f0e")[j],
                            label=label if i == 0 else None)  # fmt: skip
         ax.axhline(1.0, color="grey", linestyle="--")
-        ax.set_xticks(range(3), [t for _, t, *_ in METRICS[:3]])
+        ax.set_xticks(range(5), [t for _, t, *_ in METRICS[:5]], rotation=15)
         ax.set_ylabel("each run / median before")
         ax.set_title(f"{args.label}: {n:,} connections, active {args.active}, every run")
         ax.legend()

@@ -15,9 +15,10 @@
  *   build_records, acknowledge_delivered: the ledger's record build and delivered-record settling, for a
  *     batch, in the common case (see each below); every other case goes to the Python method.
  *
- * Export is a slots dataclass: its fields are read and written at their slot offsets, resolved once, which
- * costs a load where an attribute lookup costs a dictionary probe. A type whose fields are not plain slots
- * gets NotImplemented, and the caller takes the pure path.
+ * Export (flow_exporter/export.py: an extension type of object fields where compiled) has its fields read and
+ * written at their offsets, resolved once, which costs a load where an attribute lookup costs a dictionary
+ * probe. A type whose fields are not plain object fields gets NotImplemented, and the caller takes the pure
+ * path.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -41,29 +42,71 @@ static const char *const XNAMES[X_N] = {
 
 static SlotCache x_slots;
 
-/* The offsets of `names` in `type` (a slots dataclass): 1 if every one is a plain, writable object slot whose
- * instances can be made by tp_alloc and filled directly, 0 if not (the caller takes the Python path), -1 with
- * the error set when a lookup failed otherwise than by a missing attribute (a MemoryError, a metaclass that
- * raised): that is no answer about the type, and must not be taken for one. */
+/* The offset of an extension type's object field behind its getset descriptor `d` (flow_exporter.export.Export,
+ * compiled: Cython serves each struct member through a property): set on `probe` (an instance of the
+ * descriptor's type) to a fresh object, the field is the one word of the instance that holds it. 0 if none or
+ * more than one does, -1 with the error set. The C that reads records this way goes as it is ported (issue 39). */
+static Py_ssize_t getset_offset(PyObject *probe, PyObject *d) {
+    PyTypeObject *owner = ((PyDescrObject *)d)->d_type;
+    PyObject *mark = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
+    if (mark == NULL) return -1;
+    if (PyObject_GenericSetAttr(probe, ((PyDescrObject *)d)->d_name, mark) < 0) {
+        Py_DECREF(mark);
+        return -1;
+    }
+    Py_ssize_t found = 0, seen = 0;
+    for (Py_ssize_t off = (Py_ssize_t)sizeof(PyObject); off + (Py_ssize_t)sizeof(PyObject *) <= owner->tp_basicsize;
+         off += (Py_ssize_t)sizeof(PyObject *))
+        if (*(PyObject **)((char *)probe + off) == mark) found = off, seen++;
+    Py_DECREF(mark); /* the probe still holds it */
+    return seen == 1 ? found : 0;
+}
+
+/* The offsets of `names` in `type` (a slots dataclass, or an extension type of object fields): 1 if every one
+ * is a plain, writable object field whose instances can be made by tp_alloc and filled directly, 0 if not (the
+ * caller takes the Python path), -1 with the error set when a lookup failed otherwise than by a missing
+ * attribute (a MemoryError, a metaclass that raised): that is no answer about the type, and must not be taken
+ * for one. */
 int slot_offsets(PyObject *type, const char *const *names, int n, Py_ssize_t *offsets) {
     if (!PyType_Check(type) || ((PyTypeObject *)type)->tp_init == NULL) return 0;
-    for (int i = 0; i < n; i++) {
+    PyObject *probe = NULL; /* an instance, made when the first getset field is met */
+    int r = 1;
+    for (int i = 0; i < n && r == 1; i++) {
         PyObject *d = PyObject_GetAttrString(type, names[i]);
         if (d == NULL) {
-            if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
-            PyErr_Clear();
-            return 0;
+            r = PyErr_ExceptionMatches(PyExc_AttributeError) ? 0 : -1;
+            if (r == 0) PyErr_Clear();
+            break;
         }
-        PyMemberDescrObject *m = (PyMemberDescrObject *)d;
-        /* The descriptor's offset is one of its own type's layout: only `type` or a subtype of it has the slot
+        /* The descriptor's offset is one of its own type's layout: only `type` or a subtype of it has the field
          * there (a class borrowing Export's descriptors, `value = Export.value`, is smaller). */
-        int plain = Py_IS_TYPE(d, &PyMemberDescr_Type) && m->d_member->type == T_OBJECT_EX &&
-                    !(m->d_member->flags & READONLY) && PyType_IsSubtype((PyTypeObject *)type, m->d_common.d_type);
-        if (plain) offsets[i] = m->d_member->offset;
+        if (!PyType_IsSubtype((PyTypeObject *)type, ((PyDescrObject *)d)->d_type) &&
+            (Py_IS_TYPE(d, &PyMemberDescr_Type) || Py_IS_TYPE(d, &PyGetSetDescr_Type)))
+            r = 0;
+        else if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+            PyMemberDescrObject *m = (PyMemberDescrObject *)d;
+            if (m->d_member->type == T_OBJECT_EX && !(m->d_member->flags & READONLY))
+                offsets[i] = m->d_member->offset;
+            else
+                r = 0;
+        } else if (Py_IS_TYPE(d, &PyGetSetDescr_Type) && ((PyGetSetDescrObject *)d)->d_getset->set != NULL) {
+            if (probe == NULL) {
+                PyObject *none = PyTuple_New(0);
+                PyTypeObject *t = (PyTypeObject *)type;
+                probe = none == NULL || t->tp_new == NULL ? NULL : t->tp_new(t, none, NULL);
+                Py_XDECREF(none);
+            }
+            Py_ssize_t off = probe != NULL ? getset_offset(probe, d) : PyErr_Occurred() ? -1 : 0;
+            if (off > 0)
+                offsets[i] = off;
+            else
+                r = off < 0 ? -1 : 0;
+        } else
+            r = 0;
         Py_DECREF(d);
-        if (!plain) return 0;
     }
-    return 1;
+    Py_XDECREF(probe);
+    return r;
 }
 
 /* Whether every field of `o` (of the cached type) is set: a slot deleted (`del e.value`) or never set

@@ -57,8 +57,9 @@ static inline int as_u64(PyObject *o, uint64_t *out) {
 int columns_acquire(Py_buffer *b, PyObject *columns, int n, const Py_ssize_t *sizes);
 void columns_release(Py_buffer *b, int n);
 
-/* Shared by the C files: the slot offsets of a slots dataclass's fields (1 if every one is a plain object slot
- * of the type or a base, 0 if not, -1 with an error set when the lookup failed). */
+/* Shared by the C files: the offsets of a slots dataclass's fields or of an extension type's object fields (1
+ * if every one is a plain object field of the type or a base, 0 if not, -1 with an error set when the lookup
+ * failed). */
 int slot_offsets(PyObject *type, const char *const *names, int n, Py_ssize_t *offsets);
 
 /* slot_offsets of the last type seen, kept: resolved again only when another type comes (or after a failed

@@ -380,19 +380,20 @@ class Exporter:
         with self.lock:
             done = self.completeness
             done.settled_all(reports)
-            for r in reports:
-                if r.delivered:
-                    settled.append(r.export)
-                    delivered.append(r.export)
+            # unpacked, not read by name: a tuple's fields by name are a descriptor call each, per record
+            for export, ok, error, permanent, _partition, _offset in reports:
+                if ok:
+                    settled.append(export)
+                    delivered.append(export)
                     continue
-                if r.permanent:
-                    settled.append(r.export)
-                    self._given_up(r.export, r.error)
+                if permanent:
+                    settled.append(export)
+                    self._given_up(export, error)
                 else:
-                    log.debug("record not delivered (%s); the same record goes again", r.error)
+                    log.debug("record not delivered (%s); the same record goes again", error)
                 # Each record touches only its connection's state: settling the delivered ones after
                 # is the same as settling in report order.
-                store.acknowledge(r.export, False, now, permanent=r.permanent)
+                store.acknowledge(export, False, now, permanent=permanent)
             store.acknowledge_delivered(delivered, now)
         if settled:
             self.checkpoint.delivered(settled)

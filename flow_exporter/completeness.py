@@ -157,11 +157,12 @@ class Completeness:
     def settled_all(self, reports: Iterable[DeliveryReport]) -> None:
         """Delivery reports: delivered ones and ones refused for good settle; a record to be resent stays in flight."""
         with self._lock:
-            for r in reports:
-                if r.delivered:
-                    self._settle(id(r.export), r.partition, r.offset)
-                elif r.permanent:
-                    self._settle(id(r.export), None, None)
+            # unpacked, not read by name: a tuple's fields by name are a descriptor call each, per record
+            for export, delivered, _error, permanent, partition, offset in reports:
+                if delivered:
+                    self._settle(id(export), partition, offset)
+                elif permanent:
+                    self._settle(id(export), None, None)
 
     def build_round(self, node: str, now_ms: int, losses: Losses) -> Round:
         """The round to send now: one marker per partition written to (partition -1 before any).

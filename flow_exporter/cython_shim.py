@@ -9,12 +9,14 @@ compiler does not need Cython at run time. Cython's own ``Shadow`` module is the
 from __future__ import annotations
 
 import builtins
+import dataclasses as dataclasses  # cython.dataclasses.dataclass: the standard one, interpreted
 from collections.abc import Callable
 from typing import Any, TypeAlias, TypeVar
 
 _T = TypeVar("_T")
 
 compiled = False
+NULL: Any = None  # a C null pointer: only ever used in a source's `if cython.compiled:` branch
 
 # The C types the sources annotate with, as the Python types they hold when interpreted (for mypy; at run
 # time the annotations are never evaluated: the sources postpone them).
@@ -27,7 +29,7 @@ Py_ssize_t: TypeAlias = builtins.int
 bint: TypeAlias = bool
 double: TypeAlias = float
 p_char: TypeAlias = bytes  # pointers: only ever cast to in a source's `if cython.compiled:` branch
-p_uchar: TypeAlias = bytes
+p_uchar: TypeAlias = bytearray  # stored through, so a mutable buffer
 
 
 def _same(x: _T) -> _T:

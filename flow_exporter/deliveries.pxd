@@ -1,5 +1,7 @@
 # The C types of deliveries.py (Cython pure-Python mode).
 
+from flow_exporter.export cimport Export
+
 cdef extern from "Python.h":
     void PyObject_GC_UnTrack(object op)
 

@@ -23,6 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from flow_exporter import flow  # noqa: F401  (imported first: it chooses the build of flow_exporter.export)
+from flow_exporter.export import Export
+
 if TYPE_CHECKING:  # Cython's top-level `cython` module has no type information; the shim states the same names
     from flow_exporter import cython_shim as cython
 else:
@@ -30,6 +33,12 @@ else:
         import cython
     except ModuleNotFoundError:  # interpreted without Cython installed
         from flow_exporter import cython_shim as cython
+if cython.compiled:  # a record's fields read as struct members, once checked to be an Export
+    from cython.cimports.flow_exporter.export import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        as_export,
+    )
+else:
+    from flow_exporter.export import as_export
 
 __all__ = ["Deliveries", "Delivery", "produce_run"]
 
@@ -114,7 +123,7 @@ class Delivery:
 
 
 def produce_run(
-    exports: list[Any],
+    exports: list[Export],
     start: cython.Py_ssize_t,
     produce: Callable[..., None],
     for_record: Callable[[Any, str, Any], Any],
@@ -139,11 +148,11 @@ def produce_run(
     error: BaseException | None = None
     slow = False
     while i < len(exports):
-        e = exports[i]
+        e: Export = as_export(exports[i])
         value = e.value
         topic = e.topic
         st = topics.get(topic) if topic is not None else None
-        if value is None or st is None:
+        if value is None or topic is None or st is None:
             slow = True
             break
         if run_st is not None and st is not run_st:

@@ -18,8 +18,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from flow_exporter.compiled import load
 from flow_exporter.connection import Connection, ConnectionKey
 
 # flowEndReason codes (IPFIX; README, "Record codes").
@@ -81,6 +82,12 @@ RECORD_FLAGS = 0x0F
 
 Totals = tuple[int, int, int, int]  # packets, bytes, reverse packets, reverse bytes
 ZERO: Totals = (0, 0, 0, 0)
+
+# One record on its way out (compiled where built: flow_exporter/export.py says why).
+if TYPE_CHECKING:
+    from flow_exporter.export import Export as Export
+else:
+    Export = load("export").Export
 
 
 class IdAllocator:
@@ -150,47 +157,6 @@ class NewConnection(Protocol):
 
     @property
     def settled(self) -> bool: ...
-
-
-@dataclass(slots=True)
-class Export:
-    """One record: frozen when built, encoded once, resent as the same bytes until delivered.
-
-    It carries what the sink, the encoder and the checkpoint need of its connection, so
-    nothing downstream reaches into the store: the store keeps connections in columns,
-    not objects (flow_exporter.store.columns). ``slot`` is -1 for a record restored from a checkpoint (a
-    previous process built it; only its bytes are left). ``prefix`` is the encoded
-    connection-lifetime part of the record (sink.encoder) when the store has it cached;
-    otherwise ``conn`` holds the static fields to encode it from, and the store keeps
-    the prefix the encoder leaves here once the record is delivered. ``value``, ``topic``
-    and ``key`` are set by the sink's first encoding and reused by every resend.
-    """
-
-    reason: int
-    sequence: int
-    totals: Totals
-    deltas: Totals
-    final: bool
-    flow_end_ns: int
-    flow_id: int
-    first_seen_ns: int = 0
-    conn_key: ConnectionKey | None = None
-    ct_id: int = 0
-    start_ns: int = 0
-    flags: int = 0
-    ended: bool = False  # the connection is over for good (not a give-up of a live entry): its row can go
-    tcp_state: int | None = None
-    meta: dict[str, Any] | None = None
-    conn: Connection | None = None
-    prefix: bytes | None = None
-    slot: int = -1
-    epoch: int = 0  # the store's prefix-cache stamp of the slot when built
-    value: bytes | None = None
-    topic: str | None = None
-    key: bytes | None = None
-    attempts: int = 0
-    export_ms: int = 0  # the exportTime written into ``value`` (0: unknown, a record restored from a checkpoint)
-    row_kind: int = 0  # ROW_* bits for the checkpoint row this record leaves, when it ends its connection
 
 
 class Restored(NamedTuple):
