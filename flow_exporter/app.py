@@ -374,27 +374,23 @@ class Exporter:
         if not reports:
             return 0
         now = self.clock()
-        settled: list[Export] = []
-        delivered: list[Export] = []
+        delivered = reports.delivered
+        given_up: list[Export] = []
         store = self.store
         with self.lock:
             done = self.completeness
             done.settled_all(reports)
-            # unpacked, not read by name: a tuple's fields by name are a descriptor call each, per record
-            for export, ok, error, permanent, _partition, _offset in reports:
-                if ok:
-                    settled.append(export)
-                    delivered.append(export)
-                    continue
-                if permanent:
-                    settled.append(export)
-                    self._given_up(export, error)
+            # Each record touches only its connection's state: settling the delivered ones after the
+            # others is the same as settling in report order.
+            for r in reports.failed:
+                if r.permanent:
+                    given_up.append(r.export)
+                    self._given_up(r.export, r.error)
                 else:
-                    log.debug("record not delivered (%s); the same record goes again", error)
-                # Each record touches only its connection's state: settling the delivered ones after
-                # is the same as settling in report order.
-                store.acknowledge(export, False, now, permanent=permanent)
+                    log.debug("record not delivered (%s); the same record goes again", r.error)
+                store.acknowledge(r.export, False, now, permanent=r.permanent)
             store.acknowledge_delivered(delivered, now)
+        settled = delivered + given_up if given_up else delivered
         if settled:
             self.checkpoint.delivered(settled)
         return len(settled)

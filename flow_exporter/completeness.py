@@ -47,7 +47,7 @@ from typing import Any
 import fastavro
 
 from flow_exporter.flow import Export
-from flow_exporter.ports import DeliveryReport
+from flow_exporter.ports import Reports
 from flow_exporter.record import load_schema
 
 __all__ = ["Completeness", "Delivered", "Losses", "MarkerRounds", "Produce", "Round", "encode_marker"]
@@ -154,15 +154,15 @@ class Completeness:
             for e in exports:
                 self._in_flight.setdefault(id(e), e.export_ms or before)
 
-    def settled_all(self, reports: Iterable[DeliveryReport]) -> None:
+    def settled_all(self, reports: Reports) -> None:
         """Delivery reports: delivered ones and ones refused for good settle; a record to be resent stays in flight."""
         with self._lock:
-            # unpacked, not read by name: a tuple's fields by name are a descriptor call each, per record
-            for export, delivered, _error, permanent, partition, offset in reports:
-                if delivered:
-                    self._settle(id(export), partition, offset)
-                elif permanent:
-                    self._settle(id(export), None, None)
+            settle = self._settle
+            for export, partition, offset in zip(reports.delivered, reports.partitions, reports.offsets, strict=True):
+                settle(id(export), partition, offset)
+            for r in reports.failed:
+                if r.permanent:
+                    settle(id(r.export), None, None)
 
     def build_round(self, node: str, now_ms: int, losses: Losses) -> Round:
         """The round to send now: one marker per partition written to (partition -1 before any).

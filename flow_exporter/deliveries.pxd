@@ -2,11 +2,9 @@
 
 from flow_exporter.export cimport Export
 
-cdef extern from "Python.h":
-    void PyObject_GC_UnTrack(object op)
-
 cdef class Deliveries:
-    cdef object append, on_failed, on_run, report_type, run_topic, run_st
+    cdef object on_failed, on_run, reports_type, run_topic, run_st
+    cdef public list delivered, partitions, offsets, failed
     cdef Py_ssize_t run_n
     cpdef settle(self)
 

@@ -1,11 +1,11 @@
 """A sink's delivery callbacks and its produce loop, written once (issue 39) in Cython's pure-Python mode.
 
 ``Deliveries`` is what :class:`flow_exporter.sink.kafka.KafkaSink` hands librdkafka for each record
-(``for_record``: the ``on_delivery`` callable of one record). A delivered record's
-:class:`~flow_exporter.ports.DeliveryReport` (partition and offset included) is appended at once, in
-report order; its accounting (the sink's acked count, the topic's health) is added up while the
-records delivered in a row go to one topic, and handed to ``on_run(topic, st, count)`` when the topic
-changes, before a failure's report, and at :meth:`Deliveries.settle` (the sink settles after every
+(``for_record``: the ``on_delivery`` callable of one record). A delivered record, its partition and its
+offset are appended at once to three lists, in report order (:meth:`Deliveries.take` hands them over as
+a :class:`~flow_exporter.ports.Reports`); its accounting (the sink's acked count, the topic's health) is
+added up while the records delivered in a row go to one topic, and handed to ``on_run(topic, st, count)``
+when the topic changes, before a failure's report, and at :meth:`Deliveries.settle` (the sink settles after every
 poll and flush, before anyone reads the counts). A failed record goes to ``on_failed(export, topic,
 st, err, msg)`` in its turn.
 
@@ -46,29 +46,35 @@ __all__ = ["Deliveries", "Delivery", "produce_run"]
 @cython.final
 @cython.cclass
 class Deliveries:
-    """The delivery callbacks of one sink, and the run of delivered records not yet accounted."""
+    """The delivery callbacks of one sink, the answers collected since :meth:`take`, and the run of delivered
+    records not yet accounted.
 
-    append: Callable[[Any], None]
+    ``failed``: the records not delivered, each a :class:`~flow_exporter.ports.DeliveryReport`; the sink
+    appends to it too (a record refused before it was queued)."""
+
     on_failed: Callable[[Any, str, Any, Any, Any], None]
     on_run: Callable[[str, Any, int], None]
-    report_type: type[tuple[Any, ...]]
+    reports_type: Callable[..., Any]
+    delivered: list[Any]
+    partitions: list[Any]
+    offsets: list[Any]
+    failed: list[Any]
     run_topic: Any
     run_st: Any
     run_n: int
 
     def __init__(
         self,
-        append: Callable[[Any], None],
         on_failed: Callable[[Any, str, Any, Any, Any], None],
         on_run: Callable[[str, Any, int], None],
-        report_type: type[tuple[Any, ...]],
+        reports_type: Callable[..., Any],
     ) -> None:
-        """``report_type``: the reports' type, a NamedTuple of (export, delivered, error, permanent, partition,
-        offset) (:class:`flow_exporter.ports.DeliveryReport`)."""
-        self.append = append
+        """``reports_type(delivered, partitions, offsets, failed)``: what :meth:`take` hands over
+        (:class:`flow_exporter.ports.Reports`)."""
         self.on_failed = on_failed
         self.on_run = on_run
-        self.report_type = report_type
+        self.reports_type = reports_type
+        self.delivered, self.partitions, self.offsets, self.failed = [], [], [], []
         self.run_topic = None
         self.run_st = None
         self.run_n = 0
@@ -81,6 +87,16 @@ class Deliveries:
         d.topic = topic
         d.st = st
         return d
+
+    def take(self) -> Any:
+        """The answers collected so far (a ``reports_type``); the next ones are collected afresh."""
+        taken = self.reports_type(self.delivered, self.partitions, self.offsets, self.failed)
+        self.delivered, self.partitions, self.offsets, self.failed = [], [], [], []
+        return taken
+
+    def pending(self) -> int:
+        """How many answers :meth:`take` would hand over."""
+        return len(self.delivered) + len(self.failed)
 
     def settle(self) -> None:
         """Hand the delivered records' accounting so far to ``on_run``."""
@@ -110,12 +126,12 @@ class Delivery:
             return
         if d.run_n and d.run_st is not self.st:
             d.settle()
-        report = tuple.__new__(d.report_type, (self.export, True, None, False, msg.partition(), msg.offset()))
-        if cython.compiled:
-            # It holds a record and five plain values, so it is in no cycle: the collector need not track it
-            # (at 50k records/s the reports were a third of the collector's work). Declared in the .pxd.
-            PyObject_GC_UnTrack(report)  # type: ignore[name-defined]  # noqa: F821
-        d.append(report)  # a NamedTuple, made without a Python frame
+        partition = msg.partition()  # both asked first: a message that raises leaves the three lists alike
+        offset = msg.offset()
+        # the record and where it went, on three lists: no object made per record
+        d.delivered.append(self.export)
+        d.partitions.append(partition)
+        d.offsets.append(offset)
         if d.run_n == 0:
             d.run_topic = self.topic
             d.run_st = self.st

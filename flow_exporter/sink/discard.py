@@ -9,7 +9,7 @@ delivered at once, without encoding or sending anything, so the store runs exact
 from __future__ import annotations
 
 from flow_exporter.flow import Export
-from flow_exporter.ports import DeliveryReport, SinkCounters
+from flow_exporter.ports import Reports, SinkCounters
 
 
 class DiscardSink:
@@ -18,14 +18,14 @@ class DiscardSink:
     def __init__(self) -> None:
         self.counters = SinkCounters(connected=True)  # nothing to reach: never the reason for not ready
         self.discarded = 0
-        self._reports: list[DeliveryReport] = []
+        self._reports = Reports()
 
     def prepare_all(self, exports: list[Export], export_ms: int) -> list[tuple[Export, Exception]]:
         return []
 
     def produce(self, export: Export) -> None:
         self.discarded += 1
-        self._reports.append(DeliveryReport(export, True))
+        self._reports.add_delivered(export)
 
     def produce_all(self, exports: list[Export]) -> None:
         for e in exports:
@@ -43,6 +43,6 @@ class DiscardSink:
     def in_flight(self) -> int:
         return 0
 
-    def take_reports(self) -> list[DeliveryReport]:
-        reports, self._reports = self._reports, []
+    def take_reports(self) -> Reports:
+        reports, self._reports = self._reports, Reports()
         return reports

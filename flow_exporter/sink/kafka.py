@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,7 @@ from confluent_kafka.admin import AdminClient
 from flow_exporter.compiled import load
 from flow_exporter.delivery import DeliveryHealth, TopicHealth
 from flow_exporter.flow import Export
-from flow_exporter.ports import BrokerStats, ClientStats, DeliveryReport, SinkCounters, Unsent
+from flow_exporter.ports import BrokerStats, ClientStats, DeliveryReport, Reports, SinkCounters, Unsent
 from flow_exporter.retry import StopWhen
 from flow_exporter.settings import DEFAULTS, ConfigError, shown
 from flow_exporter.sink.encoder import Encode, prepare_with
@@ -233,17 +232,17 @@ class KafkaSink:
         self.config.setdefault("stats_cb", self._on_stats)
         self.config["logger"] = _LibrdkafkaLog(self.config.get("logger") or _rdkafka_log)
         self._producer = Producer(self.config)
-        self._reports: deque[DeliveryReport] = deque()
         self.counters = SinkCounters()
         self.health = DeliveryHealth(self.topics(), clock, self.counters.failures_by_error)
-        # The delivery callbacks (flow_exporter/deliveries.py, compiled where built): a report per record, the
-        # accounting per run of records to one topic, settled after every poll and flush (_settle).
+        # The delivery callbacks (flow_exporter/deliveries.py, compiled where built): the answers collected
+        # (take_reports), the accounting per run of records to one topic, settled after every poll and flush
+        # (_settle).
         #
         # ``_callback(export, topic, st)`` makes one record's delivery callback. Not a closure over six names
         # made per record: bench/bench_app_export.py measured the closure at about 1 us of a 2.5 us produce,
         # and a partial (tracked by the garbage collector) at 0.4 us more than a plain function; the compiled
         # one is neither tracked nor a Python frame when it runs.
-        self._deliveries = _deliveries.Deliveries(self._reports.append, self._on_failed, self._on_run, DeliveryReport)
+        self._deliveries = _deliveries.Deliveries(self._on_failed, self._on_run, Reports)
         self._callback: Callable[[Export, str, TopicHealth], OnDelivery] = self._deliveries.for_record
         self._produce_run = _deliveries.produce_run
         self._last_error_log: dict[str | None, float] = {}  # by _security_failure(); None: other errors
@@ -307,7 +306,7 @@ class KafkaSink:
         topic = export.topic
         key = export.key
         assert value is not None and topic is not None, "produce() before prepare()"
-        reports = self._reports
+        failed = self._deliveries.failed
         counters = self.counters
         health = self.health
         st = health.topic(topic)
@@ -320,7 +319,7 @@ class KafkaSink:
                 self._retry(produce, topic, value, key, on_delivery=on_delivery)
         except BufferError:
             # Only when stopping: the record never entered the queue.
-            reports.append(DeliveryReport(export, False, "local queue full during shutdown"))
+            failed.append(DeliveryReport(export, False, "local queue full during shutdown"))
             counters.failed += 1
             health.failed(topic, st, "_QUEUE_FULL", "local queue full during shutdown", pending=False, permanent=False)
             return
@@ -328,7 +327,7 @@ class KafkaSink:
             # E.g. TOPIC_AUTHORIZATION_FAILED once librdkafka's metadata says so: refused before queueing.
             err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
             permanent = err is not None and err.code() in PERMANENT_ERRORS
-            reports.append(DeliveryReport(export, False, str(exc), permanent))
+            failed.append(DeliveryReport(export, False, str(exc), permanent))
             counters.failed += 1
             code, reason = (err.name(), err.str()) if err is not None else ("UNKNOWN", str(exc))
             health.failed(topic, st, code, reason, pending=False, permanent=permanent)
@@ -384,18 +383,17 @@ class KafkaSink:
         self.counters.failed += 1
         permanent = err.code() in PERMANENT_ERRORS
         self.health.failed(topic, st, err.name(), err.str(), pending=True, permanent=permanent)
-        self._reports.append(DeliveryReport(export, False, err.str(), permanent))
+        self._deliveries.failed.append(DeliveryReport(export, False, err.str(), permanent))
 
     def _settle(self) -> None:
         """The delivery callbacks' accounting of delivered records, added before anyone reads it."""
         self._deliveries.settle()
 
-    def take_reports(self) -> list[DeliveryReport]:
-        """The delivery reports collected by ``poll``/``flush`` since the last call."""
-        reports = self._reports
-        taken = list(reports)
-        reports.clear()  # one thread serves the producer and takes the reports: nothing lands in between
-        return taken
+    def take_reports(self) -> Reports:
+        """The delivery reports collected by ``poll``/``flush`` since the last call (one thread serves the
+        producer and takes them: nothing lands in between)."""
+        reports: Reports = self._deliveries.take()
+        return reports
 
     def in_flight(self) -> int:
         """Records handed to librdkafka and not yet reported."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from flow_exporter.connection import Connection
 from flow_exporter.flow import Export
-from flow_exporter.ports import DecodeResult, DeliveryReport, SinkCounters, Unsent
+from flow_exporter.ports import DecodeResult, DeliveryReport, Reports, SinkCounters, Unsent
 
 
 class FakeTable:
@@ -77,7 +77,7 @@ class FakeBroker:
     queued: list[Export] = field(default_factory=list)
     purged: int = 0
     peak_in_flight: int = 0  # the most records produced and not yet answered at any time
-    _reports: list[DeliveryReport] = field(default_factory=list)
+    _reports: Reports = field(default_factory=Reports)
 
     def prepare_all(self, exports: list[Export], export_ms: int) -> list[tuple[Export, Exception]]:
         failures: list[tuple[Export, Exception]] = []
@@ -114,10 +114,10 @@ class FakeBroker:
                 self.accepted.append(Accepted(e.topic, e.key, e.value, e.flow_id, e.sequence))
                 self.counters.acked += 1
                 self.counters.connected = True
-                self._reports.append(DeliveryReport(e, True))
+                self._reports.add_delivered(e)
             else:
                 self.counters.failed += 1
-                self._reports.append(DeliveryReport(e, False, f"broker {self.mode}", self.mode == "refuse"))
+                self._reports.failed.append(DeliveryReport(e, False, f"broker {self.mode}", self.mode == "refuse"))
         self.queued.clear()
         return n
 
@@ -132,14 +132,14 @@ class FakeBroker:
         for e in self.queued:
             self.purged += 1
             self.counters.failed += 1
-            self._reports.append(DeliveryReport(e, False, "purged"))
+            self._reports.failed.append(DeliveryReport(e, False, "purged"))
         self.queued.clear()
 
     def in_flight(self) -> int:
         return len(self.queued)
 
-    def take_reports(self) -> list[DeliveryReport]:
-        taken, self._reports = self._reports, []
+    def take_reports(self) -> Reports:
+        taken, self._reports = self._reports, Reports()
         return taken
 
 
