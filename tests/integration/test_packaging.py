@@ -222,6 +222,7 @@ def test_wheel_contents(dists: Dists) -> None:
         assert [n for n in names if n.startswith(f"flow_exporter/{module}.") and n.endswith(".so")], module
     for module in CYTHON:  # the .pxd too: flow_exporter.compiled finds the modules by it, at run time
         assert f"flow_exporter/{module}.pxd" in names, module
+    assert not [n for n in names if n.endswith((".c", ".h"))], "the C built from is the sdist's, not the wheel's"
     modules = {p.relative_to(dists.source).as_posix() for p in (dists.source / "flow_exporter").rglob("*.py")}
     assert modules <= names, sorted(modules - names)
     assert f"\nVersion: {__version__}\n" in metadata
