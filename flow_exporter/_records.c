@@ -80,16 +80,18 @@ int slot_offsets(PyObject *type, const char *const *names, int n, Py_ssize_t *of
         }
         /* The descriptor's offset is one of its own type's layout: only `type` or a subtype of it has the field
          * there (a class borrowing Export's descriptors, `value = Export.value`, is smaller). */
-        if (!PyType_IsSubtype((PyTypeObject *)type, ((PyDescrObject *)d)->d_type) &&
-            (Py_IS_TYPE(d, &PyMemberDescr_Type) || Py_IS_TYPE(d, &PyGetSetDescr_Type)))
+        int member = Py_IS_TYPE(d, &PyMemberDescr_Type), getset = Py_IS_TYPE(d, &PyGetSetDescr_Type);
+        if (!(member || getset) || !PyType_IsSubtype((PyTypeObject *)type, ((PyDescrObject *)d)->d_type))
             r = 0;
-        else if (Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        else if (member) {
             PyMemberDescrObject *m = (PyMemberDescrObject *)d;
             if (m->d_member->type == T_OBJECT_EX && !(m->d_member->flags & READONLY))
                 offsets[i] = m->d_member->offset;
             else
                 r = 0;
-        } else if (Py_IS_TYPE(d, &PyGetSetDescr_Type) && ((PyGetSetDescrObject *)d)->d_getset->set != NULL) {
+        } else if (((PyGetSetDescrObject *)d)->d_getset->set == NULL)
+            r = 0;
+        else {
             if (probe == NULL) {
                 PyObject *none = PyTuple_New(0);
                 PyTypeObject *t = (PyTypeObject *)type;
@@ -101,8 +103,7 @@ int slot_offsets(PyObject *type, const char *const *names, int n, Py_ssize_t *of
                 offsets[i] = off;
             else
                 r = off < 0 ? -1 : 0;
-        } else
-            r = 0;
+        }
         Py_DECREF(d);
     }
     Py_XDECREF(probe);

@@ -94,10 +94,6 @@ class Deliveries:
         self.delivered, self.partitions, self.offsets, self.failed = [], [], [], []
         return taken
 
-    def pending(self) -> int:
-        """How many answers :meth:`take` would hand over."""
-        return len(self.delivered) + len(self.failed)
-
     def settle(self) -> None:
         """Hand the delivered records' accounting so far to ``on_run``."""
         if self.run_n:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # Cython's top-level `cython` module has no type information; the shim states the same names
     from flow_exporter import cython_shim as cython
     from flow_exporter.connection import Connection, ConnectionKey
+    from flow_exporter.flow import Totals
 else:
     try:
         import cython
@@ -30,9 +31,6 @@ else:
         from flow_exporter import cython_shim as cython
 
 __all__ = ["Export", "as_export"]
-
-Totals = tuple[int, int, int, int]  # packets, bytes, reverse packets, reverse bytes (flow.Totals)
-
 
 @cython.dataclasses.dataclass
 @cython.cclass
