@@ -865,9 +865,6 @@ static PyMethodDef methods[] = {
      "apply_dump(buf, zones, Connection, connections, keys, labels, columns, generation, ordinal, slow, zone_counts, "
      "admission=None): "
      "one dump buffer decoded and applied to the store (see flow_exporter.store.table)."},
-    {"prepare_records", native_prepare_records, METH_VARARGS,
-     "prepare_records(exports, export_ms, static, encode, key_of, tcp_states, topic, framing): a batch's values, "
-     "keys and topics (see flow_exporter.sink.encoder and _records.c)."},
     {"build_records", native_build_records, METH_VARARGS,
      "build_records(slots, reasons, out, Export, slow, view, columns, keys, meta, prefix, pending, consts): the "
      "records of due slots (see flow_exporter.store.ledger and _records.c)."},
@@ -883,9 +880,6 @@ static PyMethodDef methods[] = {
     {"admit_rows", native_admit_rows, METH_VARARGS,
      "admit_rows(rows, start, Connection, connections, context): a run of new connections admitted; the index "
      "it stopped at (see flow_exporter.store.table and _admit.c)."},
-    {"encode_prefix", native_encode_prefix, METH_VARARGS,
-     "encode_prefix(export, context): a connection's record prefix, or NotImplemented (see "
-     "flow_exporter.sink.encoder and _prefix.c)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,4 +1,4 @@
-/* The compiled record path's entry points (flow_exporter/_records.c, _prefix.c), in flow_exporter._native's method table. */
+/* The compiled record path's entry points (flow_exporter/_records.c), in flow_exporter._native's method table. */
 #ifndef FLOW_EXPORTER_RECORDS_H
 #define FLOW_EXPORTER_RECORDS_H
 #include <Python.h>
@@ -74,12 +74,9 @@ int slot_cache(SlotCache *c, PyObject *type, const char *const *names, int n);
 int slots_set(const SlotCache *c, PyObject *o, int n);
 #define SLOT_AT(c, o, i) (*(PyObject **)((char *)(o) + (c).off[i]))
 
-PyObject *native_prepare_records(PyObject *self, PyObject *args);
 PyObject *native_build_records(PyObject *self, PyObject *args);
 PyObject *native_acknowledge_delivered(PyObject *self, PyObject *args);
 PyObject *native_due_slots(PyObject *self, PyObject *args);
-/* flow_exporter/_prefix.c */
-PyObject *native_encode_prefix(PyObject *self, PyObject *args);
 /* flow_exporter/_admit.c: admit_rows, and the admission it runs, which the fused poll (_native.c) runs too */
 PyObject *native_admit_rows(PyObject *self, PyObject *args);
 /* A new connection's values as the admission takes them, from a Connection or straight from a dump row. */

@@ -29,6 +29,7 @@ Py_ssize_t: TypeAlias = builtins.int
 bint: TypeAlias = bool
 double: TypeAlias = float
 p_char: TypeAlias = bytes  # pointers: only ever cast to in a source's `if cython.compiled:` branch
+p_const_char: TypeAlias = bytes
 p_uchar: TypeAlias = bytearray  # stored through, so a mutable buffer
 
 

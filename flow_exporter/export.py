@@ -12,7 +12,7 @@ at 250k connections, active 5 s: ``PyMember_GetOne``, ``_PyObject_GenericGetAttr
 ``_PyType_Lookup``), what took that issue's journal and delivery ports past the 10% gate.
 
 The fields stay Python objects (any int, or None where the annotation says so), as the slots dataclass
-had them: the hand-written C that builds and encodes records (``_records.c``, ``_prefix.c``) still fills
+had them: the hand-written C that builds records (``_records.c``) still fills
 and reads them at their offsets, which it finds once per type (``slot_offsets`` there) until it is ported.
 """
 

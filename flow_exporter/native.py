@@ -42,20 +42,6 @@ class Native(Protocol):
         admission: Callable[[], list[Any]] | None = None,
     ) -> NativeResult: ...
 
-    def prepare_records(
-        self,
-        exports: list[Any],
-        export_ms: int,
-        static: Callable[[Any], bytes],
-        encode: Callable[[Any, int], bytes],
-        key_of: Callable[[Any], bytes],
-        tcp_states: list[bytes],
-        topic: str | None,
-        framing: bytes,
-    ) -> Any: ...  # list of (export, exception), or NotImplemented
-
-    def encode_prefix(self, export: Any, context: tuple[Any, ...]) -> Any: ...  # bytes, or NotImplemented
-
     def build_records(
         self,
         slots: list[int],

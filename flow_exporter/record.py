@@ -1,7 +1,7 @@
-"""Flow records: the Avro schema that is the contract with consumers, and the message key.
+"""Flow records: the Avro schema that is the contract with consumers.
 
 Field names and meanings are in ``schemas/flow_record.avsc``; the hand-written encoder
-(:mod:`flow_exporter.sink.encoder`) writes them, and ``tests/support/reference.py`` holds the
+(:mod:`flow_exporter.record_bytes`, with the message key) writes them, and ``tests/support/reference.py`` holds the
 plain-dict reference it is tested against.
 """
 
@@ -12,8 +12,6 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
-
-from flow_exporter.flow import Export
 
 SCHEMA_FILE = "flow_record.avsc"
 
@@ -50,17 +48,3 @@ def load_schema(name: str = SCHEMA_FILE) -> dict[str, Any]:
     """The parsed JSON of a packaged schema (flow records by default; health and marker records by name)."""
     schema: dict[str, Any] = json.loads(schema_path(name).read_text())
     return schema
-
-
-def partition_key(export: Export) -> bytes:
-    """Direction-independent key: both ends of one connection land on one partition.
-
-    Two exporters that see the same connection (source node and destination
-    node) see the same post-DNAT endpoints, so sorting them gives equal keys.
-    """
-    assert export.conn_key is not None, "every export of a tracked connection has its key"
-    _zone, proto, src, sport, dst, dport = export.conn_key
-    a = (src, sport)
-    b = (dst, dport)
-    lo, hi = (a, b) if a <= b else (b, a)
-    return bytes((proto,)) + lo[0] + lo[1].to_bytes(2, "big") + hi[0] + hi[1].to_bytes(2, "big")

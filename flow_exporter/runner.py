@@ -57,9 +57,7 @@ def build_sink(cfg: Config, lifecycle: Lifecycle | None = None) -> KafkaSink:
         # Confluent framing if a registry is set, a subject per topic.
         with_registry(
             cfg,
-            RecordEncoder(
-                cfg.node_name, cfg["communityId.seed"], cfg["clusterName"], compiled_path=cfg["conntrack.compiled"]
-            ),
+            RecordEncoder(cfg.node_name, cfg["communityId.seed"], cfg["clusterName"]),
             [cfg["kafka.topic"], *(r.topic for r in routes)],
         ),
         routes,

@@ -47,7 +47,7 @@ echo "sanitize: the compiled paths' tests under the sanitizers"
 # rows' writers run under the sanitizers in test_checkpoint_rows.py, and make test must stay within its time.
 run -m pytest -q -p no:cacheprovider -p no:randomly --rootdir "$repo" \
     tests/unit/test_native.py tests/unit/test_native_admit.py \
-    tests/unit/test_native_records.py tests/unit/test_native_prefix.py tests/unit/test_native_hostile.py \
+    tests/unit/test_record_bytes.py tests/unit/test_native_hostile.py tests/unit/test_encoder.py \
     tests/unit/test_deadline_heap.py tests/unit/test_checkpoint_rows.py tests/unit/test_deliveries.py \
     tests/unit/test_export.py \
-    --deselect tests/unit/test_native_records.py::test_journal_rows_equal_pure
+    --deselect tests/unit/test_record_bytes.py::test_journal_rows_equal_interpreted

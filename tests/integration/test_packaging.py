@@ -35,8 +35,7 @@ from packaging.utils import canonicalize_name
 from bench.bench_export import synthetic_exports
 from devtools.kafka import KafkaBroker
 from flow_exporter import __version__
-from flow_exporter.record import partition_key
-from flow_exporter.sink.encoder import RecordEncoder
+from flow_exporter.sink.encoder import RecordEncoder, partition_key
 from tests.support.cli import from_json, settings_missing_from
 from tests.support.lockfile import locked
 from tests.support.paths import REPO

@@ -19,9 +19,8 @@ from flow_exporter.connection import PROTO_TCP, Connection
 from flow_exporter.flow import END_OF_FLOW
 from flow_exporter.metrics import Metrics
 from flow_exporter.ports import BrokerStats, DecodeResult
-from flow_exporter.record import partition_key
 from flow_exporter.sink import KafkaSink, Route
-from flow_exporter.sink.encoder import RecordEncoder
+from flow_exporter.sink.encoder import RecordEncoder, partition_key
 from flow_exporter.sink.kafka import client_stats
 from flow_exporter.store import ConnectionStore
 from flow_exporter.timeouts import Timeouts

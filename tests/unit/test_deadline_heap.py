@@ -40,7 +40,10 @@ def test_the_compiled_build_is_the_one_that_runs_here() -> None:
         pytest.skip("FLOW_EXPORTER_INTERPRETED is set: this run is the interpreted build's")
     assert compiled.is_compiled(BUILT), BUILT.__file__
     assert compiled.COMPILED
-    assert compiled.MODULES == ("checkpoint_rows", "deadline_heap", "deliveries", "export")  # the .pxd files, found
+    # the .pxd files, found
+    assert compiled.MODULES == (
+        "checkpoint_rows", "community_id", "deadline_heap", "deliveries", "export", "record_bytes",
+    )  # fmt: skip
     assert compiled.describe() == "compiled"  # the start-up line's build=
     assert not compiled.is_compiled(INTERPRETED)
 

@@ -265,7 +265,7 @@ class Lockstep:
         assert got[0] == got[1]
 
 
-ENCODER = RecordEncoder("lockstep", compiled_path=False)
+ENCODER = RecordEncoder("lockstep")
 
 
 def refers_back(obj: object) -> bool:

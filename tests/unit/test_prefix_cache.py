@@ -41,7 +41,7 @@ def test_no_cache_sends_the_same_bytes_and_keeps_no_prefix(
     stores = [
         ConnectionStore(TIMEOUTS, id_seed=b"P" * 8, compiled=compiled, cache_prefixes=cache) for cache in (True, False)
     ]
-    encoder = RecordEncoder("node-a", cluster="c1", compiled_path=compiled)
+    encoder = RecordEncoder("node-a", cluster="c1")
     conns = {i: (tcp(10 + i) if i % 2 else udp(20 + i)) for i in range(4)}
     now = 1000.0
     sent: list[list[bytes]] = [[], []]

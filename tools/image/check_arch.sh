@@ -39,7 +39,7 @@ podman run --rm --runtime runc --network none \
     -v "$repo/tests:/src/tests:ro" -v "$repo/devtools:/src/devtools:ro" -v "$work/deps:/deps:ro" \
     -e PYTHONPATH=/src:/deps -e PYTHONDONTWRITEBYTECODE=1 -w /src --entrypoint python "$image" \
     -m pytest -q -p no:cacheprovider -p emulated_profile --rootdir /src -o addopts="" \
-    tests/unit/test_native.py tests/unit/test_native_admit.py tests/unit/test_native_records.py \
-    tests/unit/test_native_prefix.py tests/unit/test_deliveries.py tests/unit/test_checkpoint_rows.py \
+    tests/unit/test_native.py tests/unit/test_native_admit.py tests/unit/test_record_bytes.py \
+    tests/unit/test_encoder.py tests/unit/test_deliveries.py tests/unit/test_checkpoint_rows.py \
     tests/unit/test_deadline_heap.py \
     tests/unit/test_decode.py

@@ -1,9 +1,10 @@
-"""The compiled record path (flow_exporter/_records.c) against the pure-Python one it must equal.
+"""A FlowRecord's bytes (flow_exporter/record_bytes.py): the compiled build against the interpreted one.
 
-On the same batch of records, ``RecordEncoder.prepare_all`` with the compiled module and
-``prepare_each`` with the pure encoder give every record the same value, key, topic, export time and
-cached prefix, and fail the same records with the same errors; ``Checkpoint.sent`` and ``delivered``
-write the same journal bytes with either build of ``checkpoint_rows``. The batches mix generated records
+On the same batch of records, ``RecordEncoder.prepare_all`` of the compiled build and of the interpreted
+build of the same source give every record the same value, key, topic, export time and cached prefix,
+and fail the same records with the same errors; ``Checkpoint.sent`` and ``delivered`` write the same
+journal bytes with either build of ``checkpoint_rows``. (Both builds are held to fastavro's bytes in
+tests/unit/test_encoder.py.) The batches mix generated records
 with hostile ones: integers past 64 bits, negative values, reasons and TCP states out of range, missing keys,
 prefixes that cannot be built, records prepared before, resends, odd topics.
 """
@@ -20,15 +21,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flow_exporter import checkpoint, compiled, native
+from flow_exporter import checkpoint, compiled
 from flow_exporter.checkpoint import Checkpoint
 from flow_exporter.flow import ROW_ENDED, ROW_GIVEN_UP, Export
-from flow_exporter.sink.encoder import RecordEncoder, prepare_each
 from tests.support.strategies import exports
+
+BUILT = compiled.load("record_bytes")
+INTERPRETED = compiled.interpreted("record_bytes", as_name="tests_interpreted_record_bytes")
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-# (field, value): each makes one record something the compiled code must hand to the pure one, or fail alike.
+# (field, value): each makes one record something both builds must encode alike, or fail alike.
 Change = tuple[str, Any]
 HOSTILE: list[Change] = [
     ("sequence", -1),
@@ -103,7 +106,7 @@ def batches(draw: st.DrawFn) -> list[Export]:
     One: a hostile record that makes the whole journal batch raise would hide the others.
     """
     out = draw(st.lists(exports(), min_size=1, max_size=8))
-    encoder = RecordEncoder("cache", compiled_path=False)
+    encoder = INTERPRETED.RecordEncoder("cache")
     for e in out:
         if draw(st.booleans()):
             encoder.static(e)  # the store's cached prefix
@@ -142,9 +145,11 @@ def outcome(batch: list[Export], failures: list[tuple[Export, Exception]]) -> tu
     )
 
 
-def test_the_record_path_is_built() -> None:
-    assert native.compiled() is not None, "flow_exporter._native is not built: pip install -e . with a C compiler"
-    assert RecordEncoder("n")._native is not None and RecordEncoder("n", compiled_path=False)._native is None
+def test_the_built_module_is_compiled() -> None:
+    if compiled.forced_interpreted():
+        pytest.skip("FLOW_EXPORTER_INTERPRETED is set: this run is the interpreted build's")
+    assert compiled.is_compiled(BUILT), BUILT.__file__
+    assert not compiled.is_compiled(INTERPRETED)
 
 
 @SETTINGS
@@ -155,25 +160,25 @@ def test_the_record_path_is_built() -> None:
     st.sampled_from([b"", b"\x00\x00\x00\x00\x07"]),
     st.sampled_from(["node-a", "ñode"]),
 )
-def test_prepare_all_equals_pure(
+def test_prepare_all_equals_interpreted(
     batch: list[Export], export_ms: int, topic: str | None, framing: bytes, node: str
 ) -> None:
     pure, fast = copy(batch), copy(batch)
-    want = prepare_each(RecordEncoder(node, 7, "c1", compiled_path=False).encode, pure, export_ms, topic, framing)
-    got = RecordEncoder(node, 7, "c1").prepare_all(fast, export_ms, topic, framing)
+    want = INTERPRETED.RecordEncoder(node, 7, "c1").prepare_all(pure, export_ms, topic, framing)
+    got = BUILT.RecordEncoder(node, 7, "c1").prepare_all(fast, export_ms, topic, framing)
     assert outcome(fast, got) == outcome(pure, want)
 
 
 @settings(max_examples=20, deadline=None)
 @given(exports())
-def test_a_record_past_64_bits_is_encoded_by_the_pure_encoder(e: Export) -> None:
-    """The compiled code hands it over instead of writing other bytes (or raising)."""
+def test_a_record_past_64_bits_fails_alike(e: Export) -> None:
+    """An Avro long is 64 bits: a value past them is no record (both builds refuse it, with one error)."""
     e.sequence = 2**64
-    e.totals = (2**70, 0, 0, 0)
-    pure, fast = copy([e]), copy([e])
-    assert prepare_each(RecordEncoder("n", compiled_path=False).encode, pure, 5, "t") == []
-    assert RecordEncoder("n").prepare_all(fast, 5, "t") == []
-    assert fast[0].value == pure[0].value and fast[0].value is not None
+    for build in (INTERPRETED, BUILT):
+        batch = copy([e])
+        ((failed, exc),) = build.RecordEncoder("n").prepare_all(batch, 5, "t")
+        assert failed is batch[0] and failed.value is None
+        assert (type(exc), str(exc)) == (OverflowError, f"{2**64} does not fit 64 signed bits")
 
 
 @settings(max_examples=5, deadline=None)
@@ -181,13 +186,12 @@ def test_a_record_past_64_bits_is_encoded_by_the_pure_encoder(e: Export) -> None
 def test_keyboard_interrupt_is_not_a_failed_record(e: Export) -> None:
     """Only an Exception fails a record; an interrupt stops the batch as it would in Python."""
 
-    class Interrupting(RecordEncoder):
-        def static(self, export: Export) -> bytes:
-            raise KeyboardInterrupt
+    def interrupting(export: Export, export_ms: int) -> bytes:
+        raise KeyboardInterrupt
 
-    e.prefix = None
-    with pytest.raises(KeyboardInterrupt):
-        Interrupting("n").prepare_all([e], 5, "t")
+    for build in (INTERPRETED, BUILT):
+        with pytest.raises(KeyboardInterrupt):
+            build.prepare(interrupting, copy([e]), 5, "t")
 
 
 ROWS = {  # checkpoint_rows' two builds (one source): the journal's bytes
@@ -226,9 +230,11 @@ def _journal(tmp: Path, batch: list[Export]) -> tuple[list[bytes], BaseException
 
 @SETTINGS
 @given(batches(), st.booleans())
-def test_journal_rows_equal_pure(tmp_path_factory: pytest.TempPathFactory, batch: list[Export], encode: bool) -> None:
+def test_journal_rows_equal_interpreted(
+    tmp_path_factory: pytest.TempPathFactory, batch: list[Export], encode: bool
+) -> None:
     if encode:
-        prepare_each(RecordEncoder("n", compiled_path=False).encode, batch, 1, "flows")
+        INTERPRETED.RecordEncoder("n").prepare_all(batch, 1, "flows")
     pure_bytes, pure_err = journal(tmp_path_factory.mktemp("pure"), False, copy(batch))
     fast_bytes, fast_err = journal(tmp_path_factory.mktemp("fast"), True, copy(batch))
     assert fast_bytes == pure_bytes
@@ -238,17 +244,17 @@ def test_journal_rows_equal_pure(tmp_path_factory: pytest.TempPathFactory, batch
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(exports(), min_size=1, max_size=3), st.booleans())
 @pytest.mark.parametrize("which", EVERY)
-def test_every_hostile_change_prepares_and_journals_as_pure(
+def test_every_hostile_change_prepares_and_journals_alike(
     tmp_path_factory: pytest.TempPathFactory, which: int, batch: list[Export], cached: bool
 ) -> None:
     if cached:
-        RecordEncoder("cache", compiled_path=False).static(batch[0])
+        INTERPRETED.RecordEncoder("cache").static(batch[0])
     all_changes = changes(batch[-1])
     assert len(all_changes) == len(EVERY)
     apply(batch[-1], all_changes[which])
     pure, fast = copy(batch), copy(batch)
-    want = prepare_each(RecordEncoder("n", compiled_path=False).encode, pure, 3, "flows")
-    got = RecordEncoder("n").prepare_all(fast, 3, "flows")
+    want = INTERPRETED.RecordEncoder("n").prepare_all(pure, 3, "flows")
+    got = BUILT.RecordEncoder("n").prepare_all(fast, 3, "flows")
     assert outcome(fast, got) == outcome(pure, want)
     for sent in (batch, pure):  # unprepared, and prepared
         pure_bytes, pure_err = journal(tmp_path_factory.mktemp("pure"), False, copy(sent))
