@@ -27,6 +27,8 @@ cdef class _Out:
     cdef bytes take_after(self, bytes head, bytes prefix)
     cdef bytes take(self)
 
+cdef void _put_address(_Out o, long long family, object packed) except *
+
 cdef class RecordEncoder:
     cdef readonly str node
     cdef readonly object seed
