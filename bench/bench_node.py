@@ -75,13 +75,15 @@ def measure(
            "--topic", topic, "--node-name", "bench-node", "--set", f"state.dir={tmp}/{topic}-state",
            "--set", f"metrics.port={port}", "--set", "metrics.address=127.0.0.1",
            "--set", f"expiry.activeTimeout={active}", "--set", f"expiry.idleTimeout={idle}",
-           "--set", f"conntrack.compiled={'false' if pure else 'true'}",
            # the DaemonSet's limits (k8s/config.yaml), the cap raised to the table when it is larger, the records
            # in flight raised with --max-in-flight
            "--set", f"limits.maxConnections={max(n, 250_000)}",
            "--set", f"limits.maxInFlight={max_in_flight}", "--set", f"export.prefixCache={prefix_cache}"]  # fmt: skip
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        # the interpreted build: chosen once, by the environment (a tree before issue 39 reads the setting)
+        pure_env = {**os.environ, "FLOW_EXPORTER_INTERPRETED": "1"} if pure else None
+        cmd += ["--set", "conntrack.compiled=false"] if pure else []
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=pure_env)
     try:
         t_start = time.monotonic()
         while not ready(port):
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle", default="15s",
                     help="expiry.idleTimeout (default 15s: quiet entries stop after it; 1h keeps every entry due "
                          "once per active timeout, the table's full demand)")  # fmt: skip
-    ap.add_argument("--pure", action="store_true", help="conntrack.compiled=false: the pure-Python poll path")
+    ap.add_argument("--pure", action="store_true", help="the interpreted build (FLOW_EXPORTER_INTERPRETED=1)")
     ap.add_argument("--max-in-flight", type=int, default=50_000,
                     help="limits.maxInFlight (the DaemonSet's 50000: 6 s of records at 500k, active 60s)")  # fmt: skip
     ap.add_argument("--prefix-cache", default="auto", choices=["auto", "true", "false"],

@@ -87,7 +87,7 @@ class ExporterOptions:
     grace: float = DEFAULTS["shutdown.grace"]
     max_connections: int = DEFAULTS["limits.maxConnections"]
     max_in_flight: int = DEFAULTS["limits.maxInFlight"]
-    compiled: bool = True  # the compiled poll path, when built (conntrack.compiled)
+    compiled: bool = True  # the compiled poll path, when built (a test seam: the build is chosen once)
     cache_prefixes: bool = True  # keep active connections' record prefixes (export.prefixCache, resolved)
     adopt: bool = True  # no state to continue from: connections found live are flagged adopted
 

@@ -24,7 +24,6 @@ from array import array
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from flow_exporter import flow  # noqa: F401  (imported first: it chooses the build of flow_exporter.export)
 from flow_exporter.export import Export
 from flow_exporter.flow import ReportedRows
 

@@ -11,9 +11,12 @@ Components are handed what this module loaded; they never ask which build it is.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -51,13 +54,9 @@ def interpreted(name: str, *, as_name: str | None = None) -> ModuleType:
 
 
 def load(name: str) -> ModuleType:
-    """``flow_exporter.<name>``: compiled when built and not forced off, else interpreted."""
-    qualified = f"{__package__}.{name}"
-    if qualified in sys.modules:
-        return sys.modules[qualified]
-    if forced_interpreted():
-        return interpreted(name)
-    return importlib.import_module(qualified)
+    """``flow_exporter.<name>``: compiled when built and not forced off, else interpreted (a plain import does the
+    same: the choice is this module's, made when the package is imported)."""
+    return importlib.import_module(f"{__package__}.{name}")
 
 
 # The Cython-compiled sources: a .py with its .pxd beside it (setup.py compiles them; the wheel carries both).
@@ -73,6 +72,24 @@ def _built(name: str) -> bool:
 NOT_BUILT = tuple(m for m in MODULES if not _built(m))
 COMPILED = bool(MODULES) and not NOT_BUILT and not forced_interpreted()
 """Whether the compiled build of every hot module is the one running (the start-up line says which)."""
+
+
+class _Sources(importlib.abc.MetaPathFinder):
+    """With ``FLOW_EXPORTER_INTERPRETED`` set: every import of a hot module finds its Python source, never its
+    extension module. One finder, placed when the package is imported (flow_exporter/__init__.py), so a plain
+    ``from flow_exporter.export import Export`` anywhere gets the chosen build; nothing depends on import order."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        package, _, name = fullname.rpartition(".")
+        if package != __package__ or name not in MODULES:
+            return None
+        return importlib.util.spec_from_file_location(fullname, _PACKAGE / f"{name}.py")
+
+
+if forced_interpreted() and not any(isinstance(f, _Sources) for f in sys.meta_path):
+    sys.meta_path.insert(0, _Sources())
 
 
 def describe() -> str:

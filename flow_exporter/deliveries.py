@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from flow_exporter import flow  # noqa: F401  (imported first: it chooses the build of flow_exporter.export)
 from flow_exporter.export import Export
 
 if TYPE_CHECKING:  # Cython's top-level `cython` module has no type information; the shim states the same names

@@ -18,9 +18,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
-from flow_exporter.compiled import load
 from flow_exporter.connection import Connection, ConnectionKey
 
 # flowEndReason codes (IPFIX; README, "Record codes").
@@ -84,10 +83,7 @@ Totals = tuple[int, int, int, int]  # packets, bytes, reverse packets, reverse b
 ZERO: Totals = (0, 0, 0, 0)
 
 # One record on its way out (compiled where built: flow_exporter/export.py says why).
-if TYPE_CHECKING:
-    from flow_exporter.export import Export as Export
-else:
-    Export = load("export").Export
+from flow_exporter.export import Export as Export  # noqa: E402  (after Totals, which export.py names)
 
 
 class IdAllocator:

@@ -1,8 +1,9 @@
 """The compiled poll and record paths (``flow_exporter/_native.c``, ``_records.c``, ``_admit.c``...), when built.
 
-The extension is optional: a build without a C compiler leaves it out, and ``conntrack.compiled: false``
-turns it off. Either way the pure-Python decoder and store update do the same work (the property tests
-in ``tests/unit/test_native.py`` hold both to the same Connections, store state and records), slower.
+The extension is optional: a build without a C compiler leaves it out, and ``FLOW_EXPORTER_INTERPRETED=1``
+turns it off (flow_exporter.compiled makes that choice once). Either way the pure-Python decoder and store
+update do the same work (the property tests in ``tests/unit/test_native.py`` hold both to the same
+Connections, store state and records), slower.
 """
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from flow_exporter import flow  # noqa: F401  (imported first: it chooses the build of flow_exporter.export)
 from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, TCP_STATE_NAMES
 from flow_exporter.export import Export
 from flow_exporter.record import K8S_FIELDS

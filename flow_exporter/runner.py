@@ -89,7 +89,6 @@ def options_from(cfg: Config, *, adopt: bool) -> ExporterOptions:
         grace=cfg["shutdown.grace"],
         max_connections=cfg["limits.maxConnections"],
         max_in_flight=cfg["limits.maxInFlight"],
-        compiled=cfg["conntrack.compiled"],
         cache_prefixes=timeouts.active < PREFIX_CACHE_BELOW if cache is None else cache,
         adopt=adopt,
     )
@@ -209,7 +208,6 @@ def start_events(cfg: Config, exporter: Exporter) -> ConntrackEvents | None:
             zones=cfg["conntrack.zones"] or None,
             rcvbuf=cfg["conntrack.eventBuffer"],
             rcvbuf_max=cfg["conntrack.eventBufferMax"],
-            compiled=cfg["conntrack.compiled"],
         )
     except OSError as exc:
         log.warning("conntrack events unavailable (%s); short-lived flows may be missed", exc)
@@ -269,11 +267,17 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         cfg["kafka.topic"],
         compiled.describe(),
     )
+    if not cfg["conntrack.compiled"]:
+        log.warning(
+            "conntrack.compiled: false has no effect: the build is chosen once, at start (build=%s above); "
+            "FLOW_EXPORTER_INTERPRETED=1 runs the interpreted one",
+            compiled.describe(),
+        )
     if cfg["conntrack.setSysctls"]:
         for warning in enable_accounting(netns):
             log.warning("%s", warning)
     try:
-        source = ConntrackDumper(netns=netns, compiled=cfg["conntrack.compiled"])
+        source = ConntrackDumper(netns=netns)
     except ConntrackError as exc:
         log.error("cannot open conntrack: %s", exc)
         return 1

@@ -380,8 +380,8 @@ SETTINGS: tuple[Setting, ...] = (
         "conntrack.compiled",
         parse_bool,
         True,
-        "Decode and apply dumps, and build, encode, journal and settle records, with the compiled paths when the "
-        "package has them; false: the pure-Python paths.",
+        "Unused; kept so older configs load (false is warned about): the build is chosen once, at start: the "
+        "compiled modules when installed; FLOW_EXPORTER_INTERPRETED=1 forces the interpreted ones.",
     ),
     Setting("conntrack.setSysctls", parse_bool, True, "Turn on nf_conntrack_acct and _timestamp at start."),
     Setting("expiry.activeTimeout", positive_duration, 5.0, "A record every this long while a flow is active."),

@@ -8,19 +8,17 @@ with the encoder's own batch pass when it has one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-from flow_exporter.compiled import load
 from flow_exporter.flow import Export
-
-if TYPE_CHECKING:
-    from flow_exporter.record_bytes import Encode, Failures, RecordEncoder, partition_key, prepare, zigzag_varint
-else:
-    _record_bytes = load("record_bytes")  # the FlowRecord's bytes, written once (compiled where built)
-    Encode, Failures, RecordEncoder = _record_bytes.Encode, _record_bytes.Failures, _record_bytes.RecordEncoder
-    partition_key, prepare, zigzag_varint = (
-        _record_bytes.partition_key, _record_bytes.prepare, _record_bytes.zigzag_varint
-    )  # fmt: skip
+from flow_exporter.record_bytes import (  # the FlowRecord's bytes, written once (compiled where built)
+    Encode,
+    Failures,
+    RecordEncoder,
+    partition_key,
+    prepare,
+    zigzag_varint,
+)
 
 __all__ = [
     "BatchEncoder", "Encode", "Failures", "RecordEncoder", "partition_key", "prepare_each", "prepare_with",
