@@ -865,12 +865,6 @@ static PyMethodDef methods[] = {
      "apply_dump(buf, zones, Connection, connections, keys, labels, columns, generation, ordinal, slow, zone_counts, "
      "admission=None): "
      "one dump buffer decoded and applied to the store (see flow_exporter.store.table)."},
-    {"build_records", native_build_records, METH_VARARGS,
-     "build_records(slots, reasons, out, Export, slow, view, columns, keys, meta, prefix, pending, consts): the "
-     "records of due slots (see flow_exporter.store.ledger and _records.c)."},
-    {"acknowledge_delivered", native_acknowledge_delivered, METH_VARARGS,
-     "acknowledge_delivered(exports, pending, prefix, columns, active_bit, slow): delivered records settled "
-     "(see flow_exporter.store.ledger and _records.c)."},
     {"due_slots", native_due_slots, METH_VARARGS,
      "due_slots(heap, columns, now, active_timeout, limit, todo, why, retry, taken, pending, keys, idle_order, "
      "push, constants): what is due, sorted (see flow_exporter.store.ledger and _records.c)."},

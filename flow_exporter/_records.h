@@ -57,9 +57,8 @@ static inline int as_u64(PyObject *o, uint64_t *out) {
 int columns_acquire(Py_buffer *b, PyObject *columns, int n, const Py_ssize_t *sizes);
 void columns_release(Py_buffer *b, int n);
 
-/* Shared by the C files: the offsets of a slots dataclass's fields or of an extension type's object fields (1
- * if every one is a plain object field of the type or a base, 0 if not, -1 with an error set when the lookup
- * failed). */
+/* Shared by the C files: the offsets of a slots dataclass's fields (1 if every one is a plain object slot of the
+ * type or a base, 0 if not, -1 with an error set when the lookup failed). */
 int slot_offsets(PyObject *type, const char *const *names, int n, Py_ssize_t *offsets);
 
 /* slot_offsets of the last type seen, kept: resolved again only when another type comes (or after a failed
@@ -70,12 +69,8 @@ typedef struct {
     Py_ssize_t off[32];
 } SlotCache;
 int slot_cache(SlotCache *c, PyObject *type, const char *const *names, int n);
-/* 1 if the first n fields of o (of c's type, direct) are all set; an unset slot reads as NULL. */
-int slots_set(const SlotCache *c, PyObject *o, int n);
 #define SLOT_AT(c, o, i) (*(PyObject **)((char *)(o) + (c).off[i]))
 
-PyObject *native_build_records(PyObject *self, PyObject *args);
-PyObject *native_acknowledge_delivered(PyObject *self, PyObject *args);
 PyObject *native_due_slots(PyObject *self, PyObject *args);
 /* flow_exporter/_admit.c: admit_rows, and the admission it runs, which the fused poll (_native.c) runs too */
 PyObject *native_admit_rows(PyObject *self, PyObject *args);

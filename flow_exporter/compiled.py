@@ -22,7 +22,7 @@ from types import ModuleType
 
 __all__ = [
     "COMPILED", "INTERPRETED_ENV", "MODULES", "NOT_BUILT", "describe", "forced_interpreted", "interpreted",
-    "is_compiled", "load",
+    "is_compiled", "load", "reference",
 ]  # fmt: skip
 
 INTERPRETED_ENV = "FLOW_EXPORTER_INTERPRETED"
@@ -51,6 +51,13 @@ def interpreted(name: str, *, as_name: str | None = None) -> ModuleType:
     sys.modules[qualified] = module  # before it runs: its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+def reference(name: str) -> ModuleType:
+    """The interpreted build of ``flow_exporter.<name>``, loaded once beside whichever build runs (a component's
+    ``compiled=False`` test seam takes it, so the lockstep tests hold the two builds of one source together)."""
+    qualified = f"{__package__}._interpreted_{name}"
+    return sys.modules.get(qualified) or interpreted(name, as_name=qualified)
 
 
 def load(name: str) -> ModuleType:

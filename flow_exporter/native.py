@@ -43,22 +43,6 @@ class Native(Protocol):
         admission: Callable[[], list[Any]] | None = None,
     ) -> NativeResult: ...
 
-    def build_records(
-        self,
-        slots: list[int],
-        reasons: bytes,
-        out: list[Any],
-        export: type,
-        slow: Callable[[int, int], Any],
-        view: Callable[[int], Any],
-        columns: tuple[Any, ...],
-        keys: list[Any],
-        meta: list[Any],
-        prefix: list[Any],
-        pending: list[Any],
-        constants: tuple[int, ...],
-    ) -> Any: ...  # records built (int), or NotImplemented (nothing built: the caller builds them in Python)
-
     def swept(
         self, connections: dict[Any, int], seen: Any, bits: Any, generation: int, present: int, destroyed: int
     ) -> list[int]: ...
@@ -66,16 +50,6 @@ class Native(Protocol):
     def admit_rows(
         self, rows: list[Any], start: int, connection: type, connections: dict[Any, int], admission: list[Any]
     ) -> int: ...  # the index of the first row it left to the caller
-
-    def acknowledge_delivered(
-        self,
-        exports: list[Any],
-        pending: list[Any],
-        prefix: list[Any],
-        columns: tuple[Any, ...],
-        active_bit: int,
-        slow: Callable[[Any], None],
-    ) -> int: ...
 
     def due_slots(
         self,

@@ -16,10 +16,10 @@ import heapq
 import itertools
 from collections.abc import Iterable, Iterator
 
+from flow_exporter import compiled as compiled_build
+from flow_exporter import ledger_core as _core  # a record built and settled, written once (compiled where built)
 from flow_exporter.connection import (
     IPS_DYING,
-    IPS_HW_OFFLOAD,
-    IPS_OFFLOAD,
     PROTO_TCP,
     TCP_CLOSE,
     TCP_TIME_WAIT,
@@ -31,11 +31,8 @@ from flow_exporter.flow import (
     ADOPTED,
     COUNTERS_RESET,
     END_OF_FLOW,
-    FORCED_END,
     IDLE_TIMEOUT,
     LACK_OF_RESOURCES,
-    NO_COUNTERS,
-    OFFLOADED,
     RECORD_FLAGS,
     ROW_ENDED,
     ROW_GIVEN_UP,
@@ -47,11 +44,9 @@ from flow_exporter.flow import (
 )
 from flow_exporter.store.columns import (
     ACTIVE,
-    DESTROYED,
     FINAL_DUE,
     LAST_ACTIVE,
     ORPHAN,
-    UNCOUNTED,
 )
 from flow_exporter.store.table import GivenUp, Table, Tombstone
 
@@ -67,17 +62,8 @@ class Ledger(Table):
     cache_prefixes: bool
 
     def _init_ledger(self) -> None:
-        # The columns the compiled build reads and writes, in the order _records.c names them, and the
-        # bits and codes it needs (passed, not restated there).
-        self._build_columns = (
-            self._op, self._ob, self._rp, self._rb, self._bp, self._bb, self._brp, self._brb, self._seq, self._tcp,
-            self._status, self._last_active, self._fid, self._first, self._ct, self._start, self._epoch,
-            self._flags, self._reason, self._bits,
-        )  # fmt: skip
-        self._build_constants = (
-            UNCOUNTED, DESTROYED, FINAL_DUE, LAST_ACTIVE, NO_COUNTERS, OFFLOADED, IPS_OFFLOAD | IPS_HW_OFFLOAD,
-            ACTIVE_TIMEOUT, FORCED_END, LACK_OF_RESOURCES, ROW_ENDED, ROW_GIVEN_UP, ROW_RESET,
-        )  # fmt: skip
+        # The compiled build of the record rules, or (compiled=False, a test seam) the interpreted one beside it.
+        self._core = _core if self.compiled else compiled_build.reference("ledger_core")
         self._due_constants = (
             FINAL_DUE, ACTIVE, END_OF_FLOW, IDLE_TIMEOUT, ACTIVE_TIMEOUT, PROTO_TCP, TCP_TIME_WAIT, TCP_CLOSE,
             IPS_DYING,
@@ -273,88 +259,12 @@ class Ledger(Table):
         queue.counted(moved)
 
     def _build_all(self, slots: list[int], reasons: bytes, out: list[Export], now: float) -> None:
-        """The records of ``slots`` (for ``reasons``), appended to ``out`` in order: compiled when built."""
-        nat = self._native
-        if nat is None:
-            build = self._build
-            out.extend([build(s, r, now) for s, r in zip(slots, reasons, strict=True)])
-            return
-        built = nat.build_records(
-            slots, reasons, out, Export, lambda s, r: self._build(s, r, now), self._view, self._build_columns,
-            self._keys, self._meta, self._prefix, self._pending, self._build_constants,
-        )  # fmt: skip
-        if built is NotImplemented:  # Export's fields are not plain slots to the compiled code: built none of them
-            build = self._build
-            out.extend([build(s, r, now) for s, r in zip(slots, reasons, strict=True)])
-            return
-        self.stats.records_built += built
-
-    def _build(self, s: int, reason: int, now: float) -> Export:
-        # One call per record (bench/bench_app_export.py): column reads and conditionals, no max() calls.
-        o0 = self._op[s]
-        o1 = self._ob[s]
-        o2 = self._rp[s]
-        o3 = self._rb[s]
-        d0 = o0 - self._bp[s]
-        d1 = o1 - self._bb[s]
-        d2 = o2 - self._brp[s]
-        d3 = o3 - self._brb[s]
-        end_reason = self._reason[s]
-        prefix = self._prefix[s]
-        flags = self._flags[s]
-        # Counter fidelity (flow.NO_COUNTERS, flow.OFFLOADED): kept once seen; the cached
-        # prefix holds the old flags, so it goes.
-        b = self._bits[s]
-        seen = (NO_COUNTERS if b & UNCOUNTED else 0) | (
-            OFFLOADED if self._status[s] & (IPS_OFFLOAD | IPS_HW_OFFLOAD) else 0
-        )
-        if seen & ~flags:
-            flags = self._flags[s] = flags | seen
-            prefix = self._prefix[s] = None
-        seq = self._seq[s]
-        ts = self._tcp[s]
-        # Over for good (not a give-up of a live entry): the journal lets its row go.
-        ended = end_reason != 0 and (end_reason != LACK_OF_RESOURCES or bool(b & DESTROYED))
-        e = Export(
-            reason,
-            seq,
-            (o0, o1, o2, o3),
-            (d0 if d0 > 0 else 0, d1 if d1 > 0 else 0, d2 if d2 > 0 else 0, d3 if d3 > 0 else 0),
-            end_reason != 0,
-            self._last_active[s],
-            self._fid[s],
-            self._first[s],
-            self._keys[s],
-            self._ct[s],
-            self._start[s],
-            flags,
-            ended,
-            None if ts < 0 else ts,
-            self._meta[s],
-            None if prefix is not None else self._view(s),
-            prefix,
-            s,
-            self._epoch[s],
-        )
-        self._seq[s] = seq + 1
-        self._bp[s] = o0
-        self._bb[s] = o1
-        self._brp[s] = o2
-        self._brb[s] = o3
-        self._pending[s] = e
-        # An active-timeout record leaves the connection's end unreported: its end owes one more record.
-        b = b | LAST_ACTIVE if reason == ACTIVE_TIMEOUT else b & ~LAST_ACTIVE
-        if end_reason:
-            b &= ~FINAL_DUE
-            if b & DESTROYED:
-                pass  # a destroyed entry cannot be met again: its row can go (also one given up at its DESTROY)
-            elif end_reason == LACK_OF_RESOURCES:
-                e.row_kind = ROW_GIVEN_UP
-            else:
-                e.row_kind = ROW_ENDED | (ROW_RESET if end_reason == FORCED_END else 0)
-        self._bits[s] = b
-        self.stats.records_built += 1
-        return e
+        """The records of ``slots`` (for ``reasons``), appended to ``out`` in order (ledger_core.build_records)."""
+        before = len(out)
+        try:
+            self._core.build_records(self, slots, reasons, out, self._view)
+        finally:
+            self.stats.records_built += len(out) - before
 
     def acknowledge(self, export: Export, delivered: bool, now: float, *, permanent: bool = False) -> None:
         """Settle a record after Kafka's delivery report.
@@ -370,6 +280,16 @@ class Ledger(Table):
             export.attempts += 1
             heapq.heappush(self._resend, (now + delay, next(self._resend_seq), export))
             return
+        # a live connection's record: ledger_core; the rest here
+        self._core.settle_delivered(self, [export], self._keep_prefix, lambda e: self._settle_other(e, now))
+
+    def acknowledge_delivered(self, exports: list[Export], now: float) -> None:
+        """:meth:`acknowledge` of delivered records, a batch in one call (ledger_core.settle_delivered), in order."""
+        self._core.settle_delivered(self, exports, self._keep_prefix, lambda e: self._settle_other(e, now))
+
+    def _settle_other(self, export: Export, now: float) -> None:
+        """A settled record that is not a live connection's one in flight: restored from a checkpoint (no slot),
+        stale (its slot holds another record), or of a connection that ended (it may be forgotten now)."""
         s = export.slot
         if s < 0:
             self._loose.pop((export.flow_id, export.sequence), None)
@@ -378,32 +298,14 @@ class Ledger(Table):
             return
         self._pending[s] = None
         b = self._bits[s]
-        if self._reason[s]:
-            if b & FINAL_DUE or self._totals_of(s) != self._base_of(s):
-                self._bits[s] = b | FINAL_DUE  # more counts arrived (a late DESTROY) after its record was built
-                if b & ORPHAN:
-                    self._orphan_due.append(s)
-                elif s not in self.queue:
-                    self.queue.push(s, now, now)
-            elif self._settled(s):
-                self._forget(s, now)
-        elif b & self._keep_prefix:
-            if export.prefix is not None and export.epoch == self._epoch[s]:
-                self._prefix[s] = export.prefix  # the encoder's work, kept for the next record
-        else:
-            self._prefix[s] = None  # idle (or no cache): free the record prefix until it is needed again
-
-    def acknowledge_delivered(self, exports: list[Export], now: float) -> None:
-        """:meth:`acknowledge` of delivered records, a batch in one call (compiled when built, in order)."""
-        nat = self._native
-        if nat is None:
-            for e in exports:
-                self.acknowledge(e, True, now)
-            return
-        nat.acknowledge_delivered(
-            exports, self._pending, self._prefix, (self._reason, self._bits, self._epoch), self._keep_prefix,
-            lambda e: self.acknowledge(e, True, now),
-        )  # fmt: skip
+        if b & FINAL_DUE or self._totals_of(s) != self._base_of(s):
+            self._bits[s] = b | FINAL_DUE  # more counts arrived (a late DESTROY) after its record was built
+            if b & ORPHAN:
+                self._orphan_due.append(s)
+            elif s not in self.queue:
+                self.queue.push(s, now, now)
+        elif self._settled(s):
+            self._forget(s, now)
 
     def reported(self) -> ReportedRows:
         """What a checkpoint keeps: every connection a restarted exporter may meet again with a record built.

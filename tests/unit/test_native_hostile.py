@@ -2,7 +2,7 @@
 
 A type lookup that fails for a moment (a MemoryError) is no answer about the type: the slot caches of
 every C file must not keep it, or the compiled path stays off for that type for the life of the process.
-A NotImplemented from build_records builds every record in Python. An Export with a field deleted (or
+An Export with a field deleted (or
 never set) and a class that borrows Export's (or Connection's) member descriptors
 must be handed back or refused with a Python exception by every compiled entry point, never read at
 offsets it does not have: those run in a child process, where a crash fails the test instead of pytest.
@@ -21,12 +21,13 @@ from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import astuple, fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from flow_exporter import compiled as builds
-from flow_exporter import native
+from flow_exporter import ledger_core, native
 from flow_exporter.connection import Connection
 from flow_exporter.flow import Export
 from flow_exporter.sink.encoder import RecordEncoder
@@ -150,44 +151,6 @@ def test_a_failed_type_lookup_raises_and_is_not_kept(where: str) -> None:
     assert compiled(got), got
 
 
-class Declining:
-    """The compiled module, but build_records declines every batch (as for an Export whose fields are not slots)."""
-
-    def __init__(self, nat: Any) -> None:
-        self._nat = nat
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._nat, name)
-
-    def build_records(self, *args: Any) -> Any:
-        return NotImplemented
-
-
-def test_build_records_declined_builds_every_record_in_python() -> None:
-    """Ledger._build_all builds them with the pure _build, in order: the ended connection's final record too."""
-    got = []
-    for declining in (False, True):
-        store = ConnectionStore(TIMEOUTS, compiled=True, id_seed=b"S" * 8)
-        if declining:
-            store._native = Declining(store._native)
-        clock = Clock()
-        conns = [udp(5000 + k, packets=k + 1) for k in range(3)]
-        poll(store, clock, *conns)
-        clock.tick(1)
-        store.apply_events([], [udp(5001, packets=9)], clock.now, clock.wall())  # destroyed: a final record
-        clock.tick(TIMEOUTS.active + 1)
-        out = store.expire(clock.now, clock.wall())
-        got.append(
-            (
-                [(e.flow_id, e.reason, e.sequence, e.final, e.ended, e.totals, e.deltas, e.row_kind) for e in out],
-                store.stats.records_built,
-                len(store.queue),
-            )
-        )
-    assert len(got[0][0]) == 3 and any(final for _, _, _, final, *_ in got[0][0])
-    assert got[1] == got[0]
-
-
 # -- 7: hostile objects: handed back or refused, never read where they have no slot -------------------------
 
 
@@ -219,16 +182,18 @@ def outcome(call: Callable[[], Any]) -> str:
     return f"gave {type(got).__name__}"
 
 
-def _acknowledge_delivered(e: Any) -> Any:
-    """Settled here, or "fell back" to the Python method."""
+def _settle_delivered(e: Any) -> Any:
+    """Settled by ledger_core, or "fell back" to the ledger's own method."""
     slow: list[Any] = []
-    done = nat().acknowledge_delivered([e], [e], [None], (bytearray(1), bytearray(b"\x01"), array("I", [0])), 1,
-                                       slow.append)  # fmt: skip
-    return None if slow else done
+    store = SimpleNamespace(
+        _pending=[e], _prefix=[None], _reason=bytearray(1), _bits=bytearray(b"\x01"), _epoch=array("I", [0])
+    )
+    ledger_core.settle_delivered(store, [e], 1, slow.append)
+    return None if slow else store._prefix[0] or "settled"
 
 
 RECORD_ENTRIES: dict[str, Callable[[Any], Any]] = {
-    "acknowledge_delivered": _acknowledge_delivered,
+    "settle_delivered": _settle_delivered,
     "prepare_all": lambda e: RecordEncoder("n").prepare_all([e], 5, "t"),
 }
 
@@ -249,21 +214,11 @@ def _run_records(check: Callable[[str, str, Any], None]) -> None:
 def _run_types(check: Callable[[str, str, Any], None]) -> None:
     """The entry points that fill or read objects of a type they are given."""
     n = nat()
-    export_b = borrowing(Export, "BorrowingExport")
     conn_b = borrowing(Connection, "BorrowingConnection")
     store = ConnectionStore(TIMEOUTS, compiled=True)
     clock = Clock()
     poll(store, clock, tcp(1))
     clock.tick(TIMEOUTS.active + 1)
-    s = next(iter(store.connections.values()))
-    out: list[Any] = []
-    built = outcome(
-        lambda: n.build_records(
-            [s], bytes([2]), out, export_b, lambda *a: None, store._view, store._build_columns, store._keys,
-            store._meta, store._prefix, store._pending, store._build_constants,
-        )
-    )  # fmt: skip
-    check("build_records of a borrowing type", built, False)
     buf = encode_connection(tcp())
     check("decode into a borrowing type", outcome(lambda: n.decode(buf, [], None, None, conn_b)), False)
     context = store._admission_context(clock.now, clock.wall(), None)
