@@ -287,7 +287,7 @@ def record(e: Export) -> tuple[Any, ...]:
 
 
 HEAP: Any = compiled.load("deadline_heap").DeadlineHeap  # the queue's heap (compiled or interpreted)
-SKIP = {"_native", "_core", "_fused_columns", "on_new", "compiled", "_dump_order", "_dump_rows"}  # the builds, their own
+SKIP = {"_native", "_core", "_fused_columns", "on_new", "compiled", "_dump_order", "_dump_rows"}  # builds; own
 
 
 def state(obj: Any) -> Any:
