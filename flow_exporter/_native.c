@@ -865,9 +865,6 @@ static PyMethodDef methods[] = {
      "apply_dump(buf, zones, Connection, connections, keys, labels, columns, generation, ordinal, slow, zone_counts, "
      "admission=None): "
      "one dump buffer decoded and applied to the store (see flow_exporter.store.table)."},
-    {"due_slots", native_due_slots, METH_VARARGS,
-     "due_slots(heap, columns, now, active_timeout, limit, todo, why, retry, taken, pending, keys, idle_order, "
-     "push, constants): what is due, sorted (see flow_exporter.store.ledger and _records.c)."},
     {"swept", native_swept, METH_VARARGS,
      "swept(connections, seen, bits, generation, present, destroyed): the slots a dump did not show (see "
      "flow_exporter.store.table)."},
@@ -889,14 +886,7 @@ int heap_check(PyObject *o) {
     PyErr_Format(PyExc_TypeError, "expected a DeadlineHeap, got %.100s", Py_TYPE(o)->tp_name);
     return 0;
 }
-Py_ssize_t heap_len(PyObject *heap) { return entry_count(heap); }
 int heap_push(PyObject *heap, int64_t ms, uint32_t slot) { return push_entry(heap, ms, slot); }
-int64_t heap_min_ms(PyObject *heap) { return min_ms(heap); }
-HeapEntry heap_pop(PyObject *heap) {
-    HeapEntry e = {min_ms(heap), 0};
-    e.slot = pop_min(heap);
-    return e;
-}
 
 PyMODINIT_FUNC PyInit__native(void) {
     if (import_flow_exporter__deadline_heap() < 0) return NULL;

@@ -92,17 +92,10 @@ int admission_resume(Admission *a); /* after it; 0 or -1 */
 int admission_close(Admission *a);  /* pause and free; 0 or -1 */
 /* The expiry queue's heap (flow_exporter/deadline_heap.py, compiled by Cython), through the C interface it
  * exports (deadline_heap_api.h, imported when _native loads): (deadline millisecond, slot) pairs ordered as the
- * ints `ms << 32 | slot` are. */
-typedef struct {
-    int64_t ms;
-    uint32_t slot;
-} HeapEntry;
+ * ints `ms << 32 | slot` are. The admission pushes a new connection's entry. */
 int heap_check(PyObject *o);                              /* 1 if o is a DeadlineHeap, else 0 with TypeError set */
-Py_ssize_t heap_len(PyObject *heap);
 int heap_push(PyObject *heap, int64_t ms, uint32_t slot); /* 0, or -1 with MemoryError */
-int64_t heap_min_ms(PyObject *heap);                      /* the heap must not be empty */
-HeapEntry heap_pop(PyObject *heap);                        /* the heap must not be empty */
-/* expiry.py _ms: a deadline's millisecond, the heap's first key */
+/* deadline_heap.ms_of: a deadline's millisecond, the heap's first key (until the admission is ported) */
 static inline int64_t ms_of(double deadline) { return (int64_t)floor(deadline * 1000.0); }
 
 #endif

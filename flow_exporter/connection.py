@@ -100,14 +100,3 @@ class Connection:
         if proto in (PROTO_ICMP, PROTO_ICMPV6):
             return (self.zone, proto, self.orig_src, self.orig_sport, self.reply_src, self.orig_dport)
         return (self.zone, proto, self.orig_src, self.orig_sport, self.reply_src, self.reply_sport)
-
-    @property
-    def dying(self) -> bool:
-        return is_dying(self.proto, self.tcp_state, self.status)
-
-
-def is_dying(proto: int, tcp_state: int | None, status: int) -> bool:
-    """Antrea's rule: TIME_WAIT/CLOSE for TCP, the DYING status bit otherwise (rows and the store's columns)."""
-    if proto == PROTO_TCP and tcp_state is not None:
-        return tcp_state in (TCP_TIME_WAIT, TCP_CLOSE)
-    return bool(status & IPS_DYING)

@@ -19,3 +19,17 @@ cdef api Py_ssize_t entry_count(object heap) noexcept
 cdef api long long min_ms(object heap) noexcept
 cdef api unsigned int pop_min(object heap) noexcept
 cdef api bint is_heap(object heap) noexcept
+
+cpdef long long ms_of(double deadline) noexcept
+
+cdef class DueSlots:
+    cdef DeadlineHeap heap
+    cdef unsigned char[::1] queued
+    cdef double[::1] active, idle
+    cdef double now
+    cdef long long last_ms
+    cdef list early
+    cdef public Py_ssize_t change
+    cpdef Py_ssize_t take(self) except -2
+    cpdef requeue(self, Py_ssize_t slot, double active, double idle)
+    cpdef close(self)

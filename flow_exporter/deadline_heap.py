@@ -30,6 +30,10 @@ else:
         import cython
     except ModuleNotFoundError:  # interpreted without Cython installed
         from flow_exporter import cython_shim as cython
+if cython.compiled:  # the C library's floor: a double, truncated to the key's int64 (no Python int)
+    from cython.cimports.libc.math import floor  # type: ignore[import-untyped,import-not-found,unused-ignore]
+else:
+    from math import floor
 
 _SLOT_MASK = 0xFFFFFFFF
 _GROW_MIN = 64
@@ -154,6 +158,89 @@ def _grow(h: DeadlineHeap) -> None:
     ms.frombytes(bytes(8 * more))
     slot.frombytes(bytes(4 * more))
     h._adopt(ms, slot)
+
+
+def ms_of(deadline: cython.double) -> cython.longlong:
+    """A deadline's millisecond, the heap's key (a slot due at ``now`` has a key up to ``ms_of(now)``)."""
+    ms: cython.longlong = cython.cast(cython.longlong, floor(deadline * 1000.0))
+    return ms
+
+
+@cython.final
+@cython.cclass
+class DueSlots:
+    """The expiry queue's slots due at ``now``, taken off one by one, earliest first: the queue's pop rule, once.
+
+    ``queued``, ``active``, ``idle``: the queue's per-slot flags and deadlines (compiled: typed views of them,
+    held until :meth:`close`; the queue grows them only between two loops). An entry is stale when its slot
+    is no longer queued or its deadline moved to another millisecond (the queue updates lazily); a live one
+    of ``now``'s millisecond whose exact deadline is later than ``now`` is held back and goes back into the
+    heap at :meth:`close`, which the caller must reach (``try``/``finally``). ``change`` counts the queued
+    slots taken off (-1 each) and queued again (+1 each), for the queue's count, exact after an error too.
+    """
+
+    def __init__(
+        self, heap: DeadlineHeap, queued: bytearray, active: array[float], idle: array[float], now: float
+    ) -> None:
+        if not isinstance(heap, DeadlineHeap):  # (compiled, the argument's type is checked before: same error)
+            raise TypeError(f"expected a DeadlineHeap, got {type(heap).__name__}")
+        self.heap = heap
+        self.queued = queued
+        self.active = active
+        self.idle = idle
+        self.now = now
+        self.last_ms = ms_of(now)
+        self.early: list[int] = []
+        self.change = 0
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    @cython.initializedcheck(False)
+    def take(self) -> cython.Py_ssize_t:
+        """The next due slot, taken off the queue; -1 when none is left."""
+        h: DeadlineHeap = self.heap
+        ms: cython.longlong
+        slot: cython.Py_ssize_t
+        a: cython.double
+        i: cython.double
+        while h.n > 0 and min_ms(h) <= self.last_ms:
+            ms = min_ms(h)
+            slot = pop_min(h)
+            if not self.queued[slot]:
+                continue
+            a = self.active[slot]
+            i = self.idle[slot]
+            if i < a:
+                a = i
+            if ms_of(a) != ms:
+                continue  # stale: the slot's deadline moved
+            if a > self.now:
+                self.early.append(_entry_of(ms, slot))
+                continue
+            self.queued[slot] = 0
+            self.change -= 1
+            return slot
+        return -1
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    @cython.initializedcheck(False)
+    def requeue(self, slot: cython.Py_ssize_t, active: cython.double, idle: cython.double) -> None:
+        """Queue again a slot :meth:`take` took, with these deadlines (a deadline still due at ``now`` would
+        come back from :meth:`take` at once: the caller moves it forward)."""
+        self.active[slot] = active
+        self.idle[slot] = idle
+        self.queued[slot] = 1
+        self.change += 1
+        push_entry(self.heap, ms_of(active if active < idle else idle), slot)
+
+    def close(self) -> None:
+        """The held-back entries back into the heap, and the queue's columns let go."""
+        early = self.early
+        self.early = []
+        for entry in early:
+            self.heap.push(entry)
+        self.queued = self.active = self.idle = None  # type: ignore[assignment]  # (compiled: views released)
 
 
 # The C interface of the compiled module (deadline_heap_api.h): the heap as a PyObject the caller knows is one.

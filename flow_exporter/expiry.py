@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator
-from math import floor
 from typing import Any
 
 from flow_exporter import compiled
@@ -33,8 +32,7 @@ _SLOT_BITS = 32
 _SLOT_MASK = (1 << _SLOT_BITS) - 1
 
 
-def _ms(deadline: float) -> int:
-    return floor(deadline * 1000.0)
+_ms = _heap_module.ms_of  # a deadline's millisecond: the heap's key
 
 
 class ExpiryQueue:
@@ -74,15 +72,6 @@ class ExpiryQueue:
         if replaced:  # only a replaced slot leaves a stale heap entry (a new one is the first poll's hot path)
             self._maybe_compact()
 
-    def requeue(self, slot: int, active_expire: float, idle_expire: float) -> None:
-        """Queue again a slot ``pop_due`` just yielded: the export hot path, no compaction check needed."""
-        self.active[slot] = active_expire
-        self.idle[slot] = idle_expire
-        self._queued[slot] = 1
-        self._live += 1
-        deadline = active_expire if active_expire < idle_expire else idle_expire
-        self._heap.push(_ms(deadline) << _SLOT_BITS | slot)
-
     def update(self, slot: int, *, active_expire: float | None = None, idle_expire: float | None = None) -> None:
         """Move a queued slot's deadlines; a new heap entry only when its minimum moves to another millisecond."""
         a = self.active[slot]
@@ -121,43 +110,24 @@ class ExpiryQueue:
         return None
 
     def pop_due(self, now: float) -> Iterator[int]:
-        """Yield every slot due at ``now``, earliest first, removing each from the queue.
+        """Yield every slot due at ``now``, earliest first, removing each from the queue (deadline_heap.DueSlots,
+        the rule the compiled due loop takes them by).
 
         The caller re-queues the ones that stay queued; a re-queued slot whose new
         deadline is still <= now is yielded again, so callers must move deadlines forward.
         """
-        heap = self._heap
-        queued = self._queued
-        active = self.active
-        idle = self.idle
-        limit = (_ms(now) + 1) << _SLOT_BITS
-        early: list[int] = []  # live entries of now's millisecond whose exact deadline is later than now
+        due = _heap_module.DueSlots(self._heap, self._queued, self.active, self.idle, now)
         try:
-            while heap and heap[0] < limit:
-                entry = heap.pop()
-                slot = entry & _SLOT_MASK
-                if not queued[slot]:
-                    continue
-                a = active[slot]
-                i = idle[slot]
-                deadline = a if a < i else i
-                if _ms(deadline) != entry >> _SLOT_BITS:
-                    continue  # stale: the slot's deadline moved
-                if deadline > now:
-                    early.append(entry)
-                    continue
-                queued[slot] = 0
+            while (slot := due.take()) >= 0:
                 self._live -= 1
                 yield slot
         finally:
-            for entry in early:
-                heap.push(entry)
+            due.close()
 
     def parts(self) -> tuple[Any, bytearray, array[float], array[float]]:
-        """The heap, queued flags and deadlines, for the compiled loop over what is due (store.ledger).
-
-        It pops and pushes entries exactly as :meth:`pop_due` and :meth:`requeue` do, and reports
-        the change in the number of queued slots through :meth:`counted`.
+        """The heap, queued flags and deadlines, for the loops that queue slots in batches (the due loop in
+        ledger_core takes them through deadline_heap.DueSlots, as :meth:`pop_due` does), which report the
+        change in the number of queued slots through :meth:`counted`.
         """
         return self._heap, self._queued, self.active, self.idle
 

@@ -20,10 +20,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from flow_exporter.connection import IPS_HW_OFFLOAD, IPS_OFFLOAD
+from flow_exporter.deadline_heap import DueSlots
 from flow_exporter.export import Export
 from flow_exporter.flow import (
     ACTIVE_TIMEOUT,
+    END_OF_FLOW,
     FORCED_END,
+    IDLE_TIMEOUT,
     LACK_OF_RESOURCES,
     NO_COUNTERS,
     OFFLOADED,
@@ -31,7 +34,7 @@ from flow_exporter.flow import (
     ROW_GIVEN_UP,
     ROW_RESET,
 )
-from flow_exporter.store.columns import DESTROYED, FINAL_DUE, LAST_ACTIVE, UNCOUNTED
+from flow_exporter.store.columns import ACTIVE, DESTROYED, FINAL_DUE, LAST_ACTIVE, UNCOUNTED
 
 if TYPE_CHECKING:  # Cython's top-level `cython` module has no type information; the shim states the same names
     from collections.abc import Callable
@@ -43,14 +46,18 @@ else:
         import cython
     except ModuleNotFoundError:  # interpreted without Cython installed
         from flow_exporter import cython_shim as cython
-if cython.compiled:  # a record's fields as struct members, once checked to be an Export
+if cython.compiled:  # a record's fields as struct members, once checked to be an Export; the dying rule, a C call
+    from cython.cimports.flow_exporter.dying import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        is_dying,
+    )
     from cython.cimports.flow_exporter.export import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
         as_export,
     )
 else:
+    from flow_exporter.dying import is_dying
     from flow_exporter.export import as_export
 
-__all__ = ["build_records", "settle_delivered"]
+__all__ = ["build_records", "due", "settle_delivered"]
 
 _UNCOUNTED: cython.uchar = UNCOUNTED
 _DESTROYED: cython.uchar = DESTROYED
@@ -66,6 +73,90 @@ _ROW_ENDED: cython.int = ROW_ENDED
 _ROW_GIVEN_UP: cython.int = ROW_GIVEN_UP
 _ROW_RESET: cython.int = ROW_RESET
 _SEQ_MAX: cython.uint = 0xFFFFFFFF
+_ACTIVE: cython.uchar = ACTIVE
+_END_OF_FLOW: cython.uchar = END_OF_FLOW
+_IDLE_TIMEOUT: cython.uchar = IDLE_TIMEOUT
+_ACTIVE_TIMEOUT_CODE: cython.uchar = ACTIVE_TIMEOUT
+
+
+@cython.final
+@cython.cclass
+class _DueColumns:
+    """The columns the due loop reads (compiled: typed views), taken once per loop."""
+
+    def __init__(self, store: Any, idle: Any) -> None:
+        self.reason, self.bits, self.tcp, self.status = store._reason, store._bits, store._tcp, store._status
+        self.idle = idle
+        self.keys, self.pending = store._keys, store._pending
+        self.rows = min(len(self.keys), len(self.pending), len(self.reason), len(self.bits), len(self.tcp),
+                        len(self.status), len(idle))  # fmt: skip
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def due(
+    store: Any,
+    now: cython.double,
+    limit: cython.Py_ssize_t,
+    todo: list[int],
+    why: bytearray,
+    retry: list[int],
+    taken: set[int],
+) -> None:
+    """What the store's expiry queue has due at ``now``, earliest first, sorted into records to build (``todo``,
+    with the reason of each in ``why``) and retries (``retry``: the slot's record, or one taken before in this
+    round, in ``taken``, is in flight); at most ``limit`` records (-1: no limit), the one past it queued again.
+
+    A live connection's slot is over (the dying rule: END_OF_FLOW), idle (IDLE_TIMEOUT: it leaves the queue,
+    oldest-idle order) or active (ACTIVE_TIMEOUT: queued again for its next active timeout). A slot with an
+    end reason gets its final record once (FINAL_DUE) and nothing after. The queue's count stays exact when a
+    key's protocol cannot be read (an error stops the loop where it is).
+    """
+    queue = store.queue
+    heap, queued, active_at, idle_at = queue.parts()
+    c = _DueColumns(store, idle_at)
+    d: DueSlots = DueSlots(heap, queued, active_at, idle_at, now)
+    every: cython.double = store.timeouts.active
+    idle_order: dict[int, None] = store._idle
+    some_taken: cython.bint = len(taken) > 0
+    s: cython.Py_ssize_t
+    r: cython.uchar
+    try:
+        while True:
+            s = d.take()
+            if s < 0:
+                break
+            if s >= c.rows:
+                raise IndexError(f"slot {s} past the columns ({c.rows} rows)")
+            if limit >= 0 and len(todo) >= limit:
+                d.requeue(s, active_at[s], c.idle[s])
+                break
+            if c.pending[s] is not None or (some_taken and s in taken):
+                retry.append(s)
+                continue
+            r = c.reason[s]
+            if r:
+                if c.bits[s] & _FINAL_DUE:
+                    todo.append(s)
+                    why.append(r)
+                continue
+            key = c.keys[s]
+            if key is not None and is_dying(key[1], c.tcp[s], c.status[s]):
+                # TIME_WAIT or CLOSE: still in the table, but over; later movement queues it again.
+                todo.append(s)
+                why.append(_END_OF_FLOW)
+            elif c.idle[s] <= now:
+                todo.append(s)
+                c.bits[s] &= ~_ACTIVE
+                idle_order[s] = None
+                why.append(_IDLE_TIMEOUT)
+            else:
+                todo.append(s)
+                why.append(_ACTIVE_TIMEOUT_CODE)
+                d.requeue(s, now + every, c.idle[s])
+    finally:
+        d.close()
+        queue.counted(d.change)
 
 
 @cython.final
@@ -108,9 +199,7 @@ def _build(c: _Columns, s: cython.Py_ssize_t, reason: cython.int, view: Callable
     # Counter fidelity (flow.NO_COUNTERS, flow.OFFLOADED): kept once seen; the cached prefix holds the old
     # flags, so it goes.
     b: cython.uchar = c.bits[s]
-    seen: cython.uchar = (_NO_COUNTERS if b & _UNCOUNTED else 0) | (
-        _OFFLOADED if c.status[s] & _OFFLOAD_STATUS else 0
-    )
+    seen: cython.uchar = (_NO_COUNTERS if b & _UNCOUNTED else 0) | (_OFFLOADED if c.status[s] & _OFFLOAD_STATUS else 0)
     if seen & ~flags:
         flags = flags | seen
         c.flags[s] = flags

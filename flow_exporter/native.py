@@ -51,24 +51,6 @@ class Native(Protocol):
         self, rows: list[Any], start: int, connection: type, connections: dict[Any, int], admission: list[Any]
     ) -> int: ...  # the index of the first row it left to the caller
 
-    def due_slots(
-        self,
-        heap: Any,  # DeadlineHeap
-        columns: tuple[Any, ...],
-        now: float,
-        active_timeout: float,
-        limit: int,
-        todo: list[int],
-        why: bytearray,
-        retry: list[int],
-        taken: set[int],
-        pending: list[Any],
-        keys: list[Any],
-        idle_order: dict[int, None],
-        push: Callable[[int, float, float], None],
-        constants: tuple[int, ...],
-    ) -> int: ...
-
 
 _loaded: Native | None = None
 if not compiled_build.forced_interpreted() and "deadline_heap" not in compiled_build.NOT_BUILT:  # the C calls it

@@ -21,7 +21,8 @@ import struct
 from array import array
 from typing import Any
 
-from flow_exporter.connection import Connection, ConnectionKey, is_dying
+from flow_exporter.connection import Connection, ConnectionKey
+from flow_exporter.dying import is_dying
 from flow_exporter.expiry import ExpiryQueue
 from flow_exporter.flow import (
     ZERO,
@@ -252,8 +253,7 @@ class Columns:
 
     def _dying(self, s: int) -> bool:
         key = self._keys[s]
-        ts = self._tcp[s]
-        return key is not None and is_dying(key[1], None if ts < 0 else ts, self._status[s])
+        return key is not None and is_dying(key[1], self._tcp[s], self._status[s])
 
     def _went_down(self, s: int, new: Connection) -> bool:
         return (

@@ -19,19 +19,12 @@ from collections.abc import Iterable, Iterator
 from flow_exporter import compiled as compiled_build
 from flow_exporter import ledger_core as _core  # a record built and settled, written once (compiled where built)
 from flow_exporter.connection import (
-    IPS_DYING,
-    PROTO_TCP,
-    TCP_CLOSE,
-    TCP_TIME_WAIT,
     Connection,
     ConnectionKey,
 )
 from flow_exporter.flow import (
-    ACTIVE_TIMEOUT,
     ADOPTED,
     COUNTERS_RESET,
-    END_OF_FLOW,
-    IDLE_TIMEOUT,
     LACK_OF_RESOURCES,
     RECORD_FLAGS,
     ROW_ENDED,
@@ -64,10 +57,6 @@ class Ledger(Table):
     def _init_ledger(self) -> None:
         # The compiled build of the record rules, or (compiled=False, a test seam) the interpreted one beside it.
         self._core = _core if self.compiled else compiled_build.reference("ledger_core")
-        self._due_constants = (
-            FINAL_DUE, ACTIVE, END_OF_FLOW, IDLE_TIMEOUT, ACTIVE_TIMEOUT, PROTO_TCP, TCP_TIME_WAIT, TCP_CLOSE,
-            IPS_DYING,
-        )  # fmt: skip
         # The bit that keeps a delivered record's prefix for the connection's next one: ACTIVE, or 0 when
         # prefixes are not cached (every record rebuilds its own; export.prefixCache).
         self._keep_prefix = ACTIVE if self.cache_prefixes else 0
@@ -190,73 +179,13 @@ class Ledger(Table):
                     taken.add(s)
             self._orphan_due = waiting
         retry: list[int] = []
-        due = self._due_compiled if self._native is not None else self._due
-        due(now, limit, todo, why, retry, taken)
+        self._core.due(self, now, -1 if limit is None else limit, todo, why, retry, taken)
         queue = self.queue
         for s in retry:
             queue.push(s, now + RETRY_DELAY, now + RETRY_DELAY)
         if todo:
             self._build_all(todo, bytes(why), out, now)
         return out
-
-    def _due(
-        self, now: float, limit: int | None, todo: list[int], why: bytearray, retry: list[int], taken: set[int]
-    ) -> None:
-        """What the queue has due at ``now``, sorted into records to build (``todo``, ``why``) and retries."""
-        pending = self._pending
-        bits = self._bits
-        reason = self._reason
-        active = self.timeouts.active
-        queue = self.queue
-        requeue = queue.requeue
-        idle_expire = queue.idle
-        add = todo.append
-        because = why.append
-        for s in queue.pop_due(now):
-            if limit is not None and len(todo) >= limit:
-                queue.push(s, queue.active[s], idle_expire[s])
-                break
-            if pending[s] is not None or (taken and s in taken):
-                retry.append(s)
-                continue
-            r = reason[s]
-            if r:
-                if bits[s] & FINAL_DUE:
-                    add(s)
-                    because(r)
-                continue
-            add(s)
-            if self._dying(s):
-                # TIME_WAIT or CLOSE: still in the table, but over; later movement queues it again.
-                because(END_OF_FLOW)
-                continue
-            if idle_expire[s] <= now:
-                bits[s] &= ~ACTIVE
-                self._idle[s] = None
-                because(IDLE_TIMEOUT)
-                continue
-            because(ACTIVE_TIMEOUT)
-            requeue(s, now + active, idle_expire[s])
-
-    def _due_compiled(
-        self, now: float, limit: int | None, todo: list[int], why: bytearray, retry: list[int], taken: set[int]
-    ) -> None:
-        """:meth:`_due` in one compiled call (_records.c due_slots)."""
-        assert self._native is not None
-        queue = self.queue
-        heap, queued, active, idle = queue.parts()
-        try:
-            moved = self._native.due_slots(
-                heap, (self._reason, self._bits, self._tcp, self._status, queued, active, idle), now,
-                self.timeouts.active, -1 if limit is None else limit, todo, why, retry, taken, self._pending,
-                self._keys, self._idle, queue.push, self._due_constants,
-            )  # fmt: skip
-        except BaseException:
-            # Stopped part-way, its count of the slots it took lost with it: the queued flags say how many are left
-            # (pop_due's count stays exact through an error too).
-            queue.counted(queued.count(1) - len(queue))
-            raise
-        queue.counted(moved)
 
     def _build_all(self, slots: list[int], reasons: bytes, out: list[Export], now: float) -> None:
         """The records of ``slots`` (for ``reasons``), appended to ``out`` in order (ledger_core.build_records)."""

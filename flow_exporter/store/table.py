@@ -30,6 +30,7 @@ from typing import Any
 
 from flow_exporter import native
 from flow_exporter.connection import Connection, ConnectionKey
+from flow_exporter.dying import NO_TCP_STATE, is_dying
 from flow_exporter.flow import (
     ADOPTED,
     COUNTERS_RESET,
@@ -589,7 +590,8 @@ class Table(Columns):
             if moved:
                 bits[s] = b | ACTIVE
                 last_active[s] = conn.stop_ns or wall_ns
-                if conn.dying:
+                ts = conn.tcp_state
+                if is_dying(conn.proto, NO_TCP_STATE if ts is None else ts, conn.status):
                     # Just ended (TIME_WAIT, CLOSE, DYING): its record need not wait for a timeout.
                     if s in queue:
                         queue.update(s, active_expire=now)

@@ -9,9 +9,11 @@ than 24.8 days) and past 2^32 are drawn on purpose: ``ms << 32`` no longer fits 
 from __future__ import annotations
 
 import heapq
+import math
 import os
 import subprocess
 import sys
+from array import array
 from types import ModuleType
 from typing import Any
 
@@ -19,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flow_exporter import compiled, native
+from flow_exporter import compiled
 
 BUILT = compiled.load("deadline_heap")
 INTERPRETED = compiled.interpreted("deadline_heap", as_name="tests_interpreted_deadline_heap")
@@ -42,7 +44,8 @@ def test_the_compiled_build_is_the_one_that_runs_here() -> None:
     assert compiled.COMPILED
     # the .pxd files, found
     assert compiled.MODULES == (
-        "checkpoint_rows", "community_id", "deadline_heap", "deliveries", "export", "ledger_core", "record_bytes",
+        "checkpoint_rows", "community_id", "deadline_heap", "deliveries", "dying", "export", "ledger_core",
+        "record_bytes",
     )  # fmt: skip
     assert compiled.describe() == "compiled"  # the start-up line's build=
     assert not compiled.is_compiled(INTERPRETED)
@@ -82,13 +85,84 @@ def test_it_grows_past_its_first_room_and_empties_in_order(build: ModuleType) ->
         heap[0]
 
 
-def test_the_compiled_loops_refuse_what_is_not_a_heap() -> None:
-    """The C (due_slots, the admission) takes the heap through its C interface: anything else is a TypeError."""
-    nat = native.compiled()
-    if nat is None:
-        pytest.skip("the hand-written C is not built in this run (interpreted build)")
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_due_loop_refuses_what_is_not_a_heap(build: ModuleType) -> None:
+    """DueSlots (the due loop's pop) takes the queue's DeadlineHeap and nothing else, in both builds."""
     with pytest.raises(TypeError, match="DeadlineHeap"):
-        nat.due_slots([], (), 0.0, 5.0, 10, [], bytearray(), [], set(), [], [], {}, None, ())
+        build.DueSlots([], bytearray(1), array("d", [0.0]), array("d", [0.0]), 1.0)
+
+
+def _model_due(
+    heap: list[int], queued: bytearray, active: list[float], idle: list[float], now: float, requeue: dict[int, float]
+) -> list[int]:
+    """The queue's pop rule as it was stated over a heapq list (before issue 39): every due slot, earliest first;
+    an entry of a slot no longer queued, or whose deadline moved to another millisecond, is dropped; a live one
+    of now's millisecond due later than now goes back; ``requeue[slot]``: queued again at that active deadline."""
+    taken, early = [], []
+    limit = (math.floor(now * 1000.0) + 1) << 32
+    while heap and heap[0] < limit:
+        entry = heapq.heappop(heap)
+        slot = entry & 0xFFFFFFFF
+        deadline = min(active[slot], idle[slot])
+        if not queued[slot] or math.floor(deadline * 1000.0) != entry >> 32:
+            continue
+        if deadline > now:
+            early.append(entry)
+            continue
+        queued[slot] = 0
+        taken.append(slot)
+        if slot in requeue:
+            active[slot] = requeue.pop(slot)
+            queued[slot] = 1
+            heapq.heappush(heap, math.floor(min(active[slot], idle[slot]) * 1000.0) << 32 | slot)
+    for entry in early:
+        heapq.heappush(heap, entry)
+    return taken
+
+
+deadlines = st.floats(0.0, 3.0).map(lambda x: round(x, 4))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(deadlines, deadlines, st.booleans()), min_size=1, max_size=40),
+    st.lists(st.tuples(st.integers(0, 39), deadlines), max_size=20),
+    st.floats(0.0, 3.0).map(lambda x: round(x, 4)),
+    st.dictionaries(st.integers(0, 39), st.floats(3.001, 9.0)),
+)
+def test_due_slots_takes_what_the_queue_rule_says_in_both_builds(
+    slots: list[tuple[float, float, bool]], moves: list[tuple[int, float]], now: float, requeue: dict[int, float]
+) -> None:
+    """Queued slots with their heap entries, some made stale by later moves (the queue updates lazily), popped at
+    ``now`` with some queued again: both builds take the model's slots in its order and leave its heap."""
+    n = len(slots)
+    active = [a for a, _, _ in slots]
+    idle = [i for _, i, _ in slots]
+    queued = bytearray(int(q) for _, _, q in slots)
+    entries = [math.floor(min(active[s], idle[s]) * 1000.0) << 32 | s for s in range(n)]
+    for s, d in moves:  # a move: the active deadline changes, a new entry, the old one stale
+        if s < n:
+            active[s] = d
+            entries.append(math.floor(min(d, idle[s]) * 1000.0) << 32 | s)
+    model_heap = list(entries)
+    heapq.heapify(model_heap)
+    m_queued, m_active = bytearray(queued), list(active)
+    want = _model_due(model_heap, m_queued, m_active, list(idle), now, dict(requeue))
+    for build in (BUILT, INTERPRETED):
+        heap = build.DeadlineHeap(entries)
+        q, act, idl = bytearray(queued), array("d", active), array("d", idle)
+        due = build.DueSlots(heap, q, act, idl, now)
+        got, again = [], dict(requeue)
+        try:
+            while (s := due.take()) >= 0:
+                got.append(s)
+                if s in again:
+                    due.requeue(s, again.pop(s), idl[s])
+        finally:
+            due.close()
+        assert got == want
+        assert heap.tolist() == model_heap and q == m_queued and list(act) == m_active
+        assert due.change == -len(got) + len(requeue) - len(again)  # taken off, queued again
 
 
 def test_the_environment_variable_forces_the_interpreted_build() -> None:
