@@ -9,7 +9,7 @@
  * builds with setuptools and the compiler every Linux image already uses for wheels, and adds no
  * toolchain to a fresh machine, CI or the image's build stage (measured in BENCHMARKS.md).
  *
- * Two functions here, two more in _records.c (the record path: values, keys, journal rows):
+ * Two functions here (the admission apply_dump calls is _admit.c's; what they share, _records.c's):
  *
  *   decode(buf, out, zones, destroyed, Connection) -> (decoded, skipped, ignored, done, errno,
  *       interrupted, kept)
@@ -815,49 +815,6 @@ fail:
     return NULL;
 }
 
-/* Table._sweep's scan, one pass over the keyed table in its order: the slots this dump did not show (seen !=
- * generation) that are still present and not destroyed. The Python comprehension cost ~0.4 s per poll at 1M. */
-static PyObject *native_swept(PyObject *self, PyObject *args) {
-    (void)self;
-    PyObject *conns, *seen_col, *bits_col;
-    unsigned long long gen;
-    int present, destroyed;
-    if (!PyArg_ParseTuple(args, "O!OOKii", &PyDict_Type, &conns, &seen_col, &bits_col, &gen, &present, &destroyed))
-        return NULL;
-    Py_buffer seen, bits;
-    if (PyObject_GetBuffer(seen_col, &seen, PyBUF_FORMAT | PyBUF_ND)) return NULL;
-    if (PyObject_GetBuffer(bits_col, &bits, PyBUF_FORMAT | PyBUF_ND)) {
-        PyBuffer_Release(&seen);
-        return NULL;
-    }
-    PyObject *out = NULL;
-    if (seen.itemsize != 4 || bits.itemsize != 1) {
-        PyErr_SetString(PyExc_TypeError, "swept: expected the seen (4-byte) and bits (1-byte) columns");
-        goto done;
-    }
-    const uint32_t *sv = seen.buf;
-    const uint8_t *bv = bits.buf;
-    Py_ssize_t nseen = seen.len / 4, nbits = bits.len, pos = 0;
-    PyObject *k, *v;
-    out = PyList_New(0);
-    while (out != NULL && PyDict_Next(conns, &pos, &k, &v)) {
-        Py_ssize_t s = PyLong_AsSsize_t(v);
-        if (s == -1 && PyErr_Occurred()) goto fail;
-        if (s < 0 || s >= nseen || s >= nbits) {
-            PyErr_SetString(PyExc_IndexError, "swept: a slot past the columns");
-            goto fail;
-        }
-        if ((uint64_t)sv[s] != gen && (bv[s] & present) && !(bv[s] & destroyed) && PyList_Append(out, v)) goto fail;
-    }
-    goto done;
-fail:
-    Py_CLEAR(out);
-done:
-    PyBuffer_Release(&seen);
-    PyBuffer_Release(&bits);
-    return out;
-}
-
 static PyMethodDef methods[] = {
     {"decode", native_decode, METH_VARARGS,
      "decode(buf, out, zones, destroyed, Connection): the ctnetlink decoder (see flow_exporter.conntrack.decode)."},
@@ -865,9 +822,6 @@ static PyMethodDef methods[] = {
      "apply_dump(buf, zones, Connection, connections, keys, labels, columns, generation, ordinal, slow, zone_counts, "
      "admission=None): "
      "one dump buffer decoded and applied to the store (see flow_exporter.store.table)."},
-    {"swept", native_swept, METH_VARARGS,
-     "swept(connections, seen, bits, generation, present, destroyed): the slots a dump did not show (see "
-     "flow_exporter.store.table)."},
     {"admit_rows", native_admit_rows, METH_VARARGS,
      "admit_rows(rows, start, Connection, connections, context): a run of new connections admitted; the index "
      "it stopped at (see flow_exporter.store.table and _admit.c)."},

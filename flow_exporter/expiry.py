@@ -24,9 +24,7 @@ from array import array
 from collections.abc import Iterator
 from typing import Any
 
-from flow_exporter import compiled
-
-_heap_module = compiled.load("deadline_heap")
+from flow_exporter import deadline_heap as _heap_module  # compiled where built (flow_exporter.compiled chooses)
 
 _SLOT_BITS = 32
 _SLOT_MASK = (1 << _SLOT_BITS) - 1

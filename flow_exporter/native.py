@@ -43,10 +43,6 @@ class Native(Protocol):
         admission: Callable[[], list[Any]] | None = None,
     ) -> NativeResult: ...
 
-    def swept(
-        self, connections: dict[Any, int], seen: Any, bits: Any, generation: int, present: int, destroyed: int
-    ) -> list[int]: ...
-
     def admit_rows(
         self, rows: list[Any], start: int, connection: type, connections: dict[Any, int], admission: list[Any]
     ) -> int: ...  # the index of the first row it left to the caller

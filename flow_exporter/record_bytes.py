@@ -385,22 +385,16 @@ class RecordEncoder:
         o.varint(odport)
         # translatedSourceAddress, translatedSourcePort: where the reply goes (after SNAT), when it is not the
         # source. ICMP has no ports: its address only.
-        if icmp:
-            if rdst == osrc:
-                o.u8(0)
-                o.u8(0)
-            else:
-                o.u8(2)
-                _put_address(o, fam, rdst)
-                o.u8(0)
+        rdport: cython.longlong = 0 if icmp else _small(c.reply_dport, 16)
+        if rdst == osrc and (icmp or rdport == osport):
+            o.u8(0)
+            o.u8(0)
         else:
-            rdport: cython.longlong = _small(c.reply_dport, 16)
-            if rdst == osrc and rdport == osport:
-                o.u8(0)
+            o.u8(2)
+            _put_address(o, fam, rdst)
+            if icmp:
                 o.u8(0)
             else:
-                o.u8(2)
-                _put_address(o, fam, rdst)
                 o.u8(2)
                 o.varint(rdport)
         icmp_type = c.icmp_type if icmp else None

@@ -28,7 +28,9 @@ from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from flow_exporter import compiled as compiled_build
 from flow_exporter import native
+from flow_exporter import poll_core as _poll_core  # the sweep's scan, written once (compiled where built)
 from flow_exporter.connection import Connection, ConnectionKey
 from flow_exporter.dying import NO_TCP_STATE, is_dying
 from flow_exporter.flow import (
@@ -206,6 +208,8 @@ class Table(Columns):
 
     def _init_table(self) -> None:
         self._native = native.compiled(self.compiled)
+        # The poll's rules written once (compiled where built), or (compiled=False, a test seam) the interpreted build.
+        self._poll_core = _poll_core if self.compiled else compiled_build.reference("poll_core")
         # The compiled path's memory of the dump's order: the slot each row position held last poll (-1: none).
         self._dump_order = array("q")
         self._dump_rows = 0  # rows of the current dump applied so far
@@ -1020,16 +1024,8 @@ class Table(Columns):
 
     def _sweep(self, now: float, gen: int) -> None:
         """Connections missing from this dump left the table: report them now, not at a deadline."""
-        seen = self._seen
         bits = self._bits
-        if self._native is not None:
-            gone = self._native.swept(self.connections, seen, bits, gen, PRESENT, DESTROYED)
-        else:
-            gone = [
-                s for s in self.connections.values()
-                if seen[s] != gen and bits[s] & PRESENT and not bits[s] & DESTROYED
-            ]  # fmt: skip
-        for s in gone:
+        for s in self._poll_core.swept(self.connections, self._seen, bits, gen):
             bits[s] &= ~PRESENT
             if not self._reason[s]:
                 self._end(s, END_OF_FLOW, now)

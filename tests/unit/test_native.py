@@ -287,7 +287,8 @@ def record(e: Export) -> tuple[Any, ...]:
 
 
 HEAP: Any = compiled.load("deadline_heap").DeadlineHeap  # the queue's heap (compiled or interpreted)
-SKIP = {"_native", "_core", "_fused_columns", "on_new", "compiled", "_dump_order", "_dump_rows"}  # builds; own
+SKIP = {"_native", "_core", "_poll_core", "_fused_columns", "on_new", "compiled", "_dump_order",
+        "_dump_rows"}  # builds; own
 
 
 def state(obj: Any) -> Any:
