@@ -3,8 +3,8 @@
 Written once (issue 39), in Cython's pure-Python mode: compiled, the pairs live in two typed arrays and
 every comparison is two C integer compares; interpreted (no compiler, or ``FLOW_EXPORTER_INTERPRETED``),
 the same code runs on the same arrays, slower. ``deadline_heap.pxd`` gives the C types and exports the
-push and pop the compiled poll and expire loops (``_records.c``, ``_admit.c``) call without a Python call
-per entry.
+push the compiled admission (``_admit.c``) calls without a Python call per entry; :class:`DueSlots` is the
+expiry queue's pop rule, which the due loop (``ledger_core.due``) and ``ExpiryQueue.pop_due`` both take.
 
 Why not a list of ints and :mod:`heapq`: at 250k connections and an active timeout of 5 s, heapq's
 sifts and the int comparisons they call were 11% of the exporter's CPU (perf), every entry an object of

@@ -1,4 +1,4 @@
-"""The compiled poll and record paths (``flow_exporter/_native.c``, ``_records.c``, ``_admit.c``...), when built.
+"""The compiled poll path (``flow_exporter/_native.c``, ``_admit.c``, ``_records.c``), when built.
 
 The extension is optional: a build without a C compiler leaves it out, and ``FLOW_EXPORTER_INTERPRETED=1``
 turns it off (flow_exporter.compiled makes that choice once). Either way the pure-Python decoder and store

@@ -7,8 +7,8 @@ re-created with the same or a new conntrack id, counting, TCP states, labels and
 counters zeroed, entries destroyed with their events, stop stamps, zones filtered, duplicate rows,
 a connection cap), one decoding dumps into Connections and calling ``update_batch``, the other
 applying the same netlink buffers with ``apply_dump_buffer``; after every step their whole state is
-equal, and so is every record they build (the compiled store building them in _records.c once a
-record's prefix is cached, as the encoder leaves it).
+equal, and so is every record they build (the compiled store with the compiled build of ledger_core, the
+other with its interpreted build, once a record's prefix is cached as the encoder leaves it too).
 """
 
 from __future__ import annotations
@@ -403,8 +403,8 @@ def test_shutdown_rounds_build_the_same_final_records(ops: list[tuple[str, int, 
         w.now += 60  # past the resends' backoff
 
 
-# Connections that live across several active timeouts with their records delivered: the compiled build
-# (_records.c) runs once a record's prefix is cached, which the random walk above reaches rarely.
+# Connections that live across several active timeouts with their records delivered: the record rules
+# (ledger_core) take their cached-prefix branch then, which the random walk above reaches rarely.
 RECORD_OPS = st.sampled_from(["create", "traffic", "traffic", "reply", "tcp", "status", "offload", "acct", "zero",
                               "race", "destroy", "labels", "poll", "poll", "poll", "expire", "expire", "tick"])
 
