@@ -40,7 +40,12 @@ def extensions() -> list[Extension]:
     native = Extension(
         "flow_exporter._native",
         sources=C_SOURCES,
-        depends=["flow_exporter/_records.h", *(p[:-3] + "_api.h" for p in CYTHON_MODULES)],
+        # the headers Cython writes: the api ones (deadline_heap_api.h) and Connection's struct (connection.h)
+        depends=[
+            "flow_exporter/_records.h",
+            "flow_exporter/connection.h",
+            *(p[:-3] + "_api.h" for p in CYTHON_MODULES),
+        ],
         optional=not REQUIRED,
         extra_compile_args=["-O2"],
     )

@@ -130,15 +130,14 @@ def main(argv: list[str] | None = None) -> int:
             total = dumper.count()
             print(f"count() = {total:,}; python {sys.version.split()[0]}, kernel {os.uname().release}, "
                   f"load average {os.getloadavg()[0]:.2f} (other load skews every number below)")
-            dumper.dump()  # warm-up: learns the layouts
+            dumper.dump()  # warm-up
             cpu0 = os.times()
             res = timed(lambda: len(dumper.dump()), args.runs)
             cpu1 = os.times()
             report("ConntrackDumper.dump()", res)
             user, system = (cpu1.user - cpu0.user) / args.runs, (cpu1.system - cpu0.system) / args.runs
             print(f"{'':<34} cpu per dump: user {user:.3f} s + sys {system:.3f} s = "
-                  f"{total / (user + system):,.0f} entries per cpu-second; "
-                  f"{dumper.decoder.template_count} layouts learned")
+                  f"{total / (user + system):,.0f} entries per cpu-second")
             five = timed(lambda: len(dumper.dump(zones={5})), args.runs)
             print(f"{'dump(zones={5})':<34} median {statistics.median(dt for dt, _ in five):.3f} s "
                   f"for {five[0][1]:,} of {total:,} entries")

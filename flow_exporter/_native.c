@@ -1,24 +1,19 @@
 /*
- * flow_exporter._native: the compiled poll path (issue 24). Optional: without it the pure-Python
- * decoder (flow_exporter/conntrack/decode.py) and store update (flow_exporter/store/table.py) do the
- * same work, and the property tests (tests/unit/test_native.py) check that both give the same
- * Connections, the same store state and the same records on the same bytes, hostile ones included.
+ * flow_exporter._native: the fused steady poll (issue 24). Optional: without it the decoder
+ * (flow_exporter/ctnetlink.py) and the store update (flow_exporter/store/table.py) do the same work, and the
+ * property tests (tests/unit/test_native.py) check that both give the same store state and the same records
+ * on the same bytes, hostile ones included. Its walk of a message restates ctnetlink.py's until the fused poll
+ * is ported too (issue 39).
  *
  * Why C and not Rust: the work is a loop over netlink attributes plus a handful of array writes per
  * row; the cost that matters is the Python-object boundary, which is the same C API either way. C
  * builds with setuptools and the compiler every Linux image already uses for wheels, and adds no
  * toolchain to a fresh machine, CI or the image's build stage (measured in BENCHMARKS.md).
  *
- * Two functions here (the admission apply_dump calls is _admit.c's; what they share, _records.c's):
- *
- *   decode(buf, out, zones, destroyed, Connection) -> (decoded, skipped, ignored, done, errno,
- *       interrupted, kept)
- *     Appends a Connection per IPCTNL_MSG_CT_NEW/DELETE message, exactly as the pure decoder's
- *     generic walk does (its rules are restated in decode.py's docstring; this file follows them
- *     one by one). Events use it.
+ * One function here (the admission it calls is _admit.c's; what they share, _records.c's):
  *
  *   apply_dump(buf, zones, Connection, connections, keys, labels, columns, generation, ordinal, slow,
- *              zone_counts, admission=None) -> the same tuple
+ *              zone_counts, admission=None) -> (decoded, skipped, ignored, done, errno, interrupted, kept)
  *     The steady poll, fused: each dump row is decoded and looked up in the store's key index
  *     without making a Connection; a row whose connection is known and did not move (the common
  *     case) updates the store's columns in place, exactly as Table.update_batch would. Every other
@@ -454,40 +449,6 @@ static int next_entry(const uint8_t *buf, Py_ssize_t n, Py_ssize_t *off, Result 
     return 0;
 }
 
-static PyObject *native_decode(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_buffer view;
-    PyObject *out, *zones, *destroyed, *ctype;
-    if (!PyArg_ParseTuple(args, "y*O!OOO", &view, &PyList_Type, &out, &zones, &destroyed, &ctype)) return NULL;
-    if (destroyed != Py_None && !PyList_Check(destroyed)) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_TypeError, "destroyed must be a list or None");
-        return NULL;
-    }
-    const uint8_t *buf = view.buf;
-    Py_ssize_t n = view.len, off = 0;
-    Result res = {0};
-    Entry e;
-    Row r;
-    uint16_t mtype;
-    int got;
-    while ((got = next_entry(buf, n, &off, &res, zones, &e, &r, &mtype)) == 1) {
-        PyObject *conn = make_connection(ctype, &e, &r, NULL);
-        if (conn == NULL) goto fail;
-        PyObject *target = (destroyed != Py_None && mtype == CT_DELETE) ? destroyed : out;
-        int rc = PyList_Append(target, conn);
-        Py_DECREF(conn);
-        if (rc) goto fail;
-        res.kept++;
-    }
-    if (got < 0) goto fail;
-    PyBuffer_Release(&view);
-    return result_tuple(&res);
-fail:
-    PyBuffer_Release(&view);
-    return NULL;
-}
-
 /* ---------------------------------------------------------------------------- the fused poll */
 
 enum { C_SEEN, C_CT, C_START, C_FIRST, C_SEQ, C_BITS, C_OP, C_OB, C_RP, C_RB, C_TCP, C_STATUS, C_MARK,
@@ -816,8 +777,6 @@ fail:
 }
 
 static PyMethodDef methods[] = {
-    {"decode", native_decode, METH_VARARGS,
-     "decode(buf, out, zones, destroyed, Connection): the ctnetlink decoder (see flow_exporter.conntrack.decode)."},
     {"apply_dump", native_apply_dump, METH_VARARGS,
      "apply_dump(buf, zones, Connection, connections, keys, labels, columns, generation, ordinal, slow, zone_counts, "
      "admission=None): "

@@ -71,7 +71,6 @@ typedef struct {
 int slot_cache(SlotCache *c, PyObject *type, const char *const *names, int n);
 #define SLOT_AT(c, o, i) (*(PyObject **)((char *)(o) + (c).off[i]))
 
-PyObject *native_due_slots(PyObject *self, PyObject *args);
 /* flow_exporter/_admit.c: admit_rows, and the admission it runs, which the fused poll (_native.c) runs too */
 PyObject *native_admit_rows(PyObject *self, PyObject *args);
 /* A new connection's values as the admission takes them, from a Connection or straight from a dump row. */

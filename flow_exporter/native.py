@@ -23,10 +23,6 @@ NativeResult = tuple[int, int, int, bool, int, bool, int]
 class Native(Protocol):
     """What ``flow_exporter._native`` offers (its docstring and ``_native.c`` say what each does)."""
 
-    def decode(
-        self, buf: Any, out: list[Any], zones: Container[int] | None, destroyed: list[Any] | None, connection: type
-    ) -> NativeResult: ...
-
     def apply_dump(
         self,
         buf: Any,

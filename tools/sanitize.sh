@@ -49,5 +49,5 @@ run -m pytest -q -p no:cacheprovider -p no:randomly --rootdir "$repo" \
     tests/unit/test_native.py tests/unit/test_native_admit.py \
     tests/unit/test_record_bytes.py tests/unit/test_native_hostile.py tests/unit/test_encoder.py \
     tests/unit/test_deadline_heap.py tests/unit/test_checkpoint_rows.py tests/unit/test_deliveries.py \
-    tests/unit/test_export.py tests/unit/test_poll_core.py \
+    tests/unit/test_export.py tests/unit/test_poll_core.py tests/unit/test_decode.py \
     --deselect tests/unit/test_record_bytes.py::test_journal_rows_equal_interpreted

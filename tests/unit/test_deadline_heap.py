@@ -44,8 +44,8 @@ def test_the_compiled_build_is_the_one_that_runs_here() -> None:
     assert compiled.COMPILED
     # the .pxd files, found
     assert compiled.MODULES == (
-        "checkpoint_rows", "community_id", "deadline_heap", "deliveries", "dying", "export", "ledger_core",
-        "poll_core", "record_bytes",
+        "checkpoint_rows", "community_id", "connection", "ctnetlink", "deadline_heap", "deliveries", "dying",
+        "export", "ledger_core", "poll_core", "record_bytes",
     )  # fmt: skip
     assert compiled.describe() == "compiled"  # the start-up line's build=
     assert not compiled.is_compiled(INTERPRETED)

@@ -1,12 +1,14 @@
-"""The compiled poll path (flow_exporter/_native.c) against the pure-Python one it must equal.
+"""The compiled poll path against the interpreted one it must equal.
 
-Decoding: on the same bytes (kernel-shaped messages, mutated ones, random bytes) the compiled
-decoder gives the same Connections, in the same lists, and the same counts as the pure generic
-walk. The store: two stores with the same id seed follow one random kernel (incarnations created,
-re-created with the same or a new conntrack id, counting, TCP states, labels and marks changing,
-counters zeroed, entries destroyed with their events, stop stamps, zones filtered, duplicate rows,
-a connection cap), one decoding dumps into Connections and calling ``update_batch``, the other
-applying the same netlink buffers with ``apply_dump_buffer``; after every step their whole state is
+Decoding: on the same bytes (kernel-shaped messages, mutated ones, random bytes) the compiled build of
+flow_exporter/ctnetlink.py gives the same Connections, in the same lists, and the same counts as its
+interpreted build.
+
+The store (the fused poll, flow_exporter/_native.c): two stores with the same id seed follow one random
+kernel (incarnations created, re-created with the same or a new conntrack id, counting, TCP states, labels
+and marks changing, counters zeroed, entries destroyed with their events, stop stamps, zones filtered,
+duplicate rows, a connection cap), one decoding dumps into Connections and calling ``update_batch``, the
+other applying the same netlink buffers with ``apply_dump_buffer``; after every step their whole state is
 equal, and so is every record they build (the compiled store with the compiled build of ledger_core, the
 other with its interpreted build, once a record's prefix is cached as the encoder leaves it too).
 """
@@ -53,9 +55,9 @@ def test_the_extension_is_built() -> None:
 
 
 def both(buf: bytes, zones: Any = None, destroyed: bool = False) -> tuple[Any, Any]:
-    """(pure result, compiled result): the lists filled and every DecodeResult field."""
+    """(interpreted result, compiled result): the lists filled and every DecodeResult field."""
     out = []
-    for decoder in (Decoder(learn=False), Decoder(compiled=True)):
+    for decoder in (Decoder(compiled=False), Decoder(compiled=True)):
         got: list[Connection] = []
         gone: list[Connection] | None = [] if destroyed else None
         res = decoder.decode_batch(buf, got, zones, gone)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from array import array
 from collections.abc import Callable, Iterator
-from dataclasses import astuple, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -33,7 +33,6 @@ from flow_exporter.flow import Export
 from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.store import ConnectionStore
 from flow_exporter.timeouts import Timeouts
-from tests.support.netlink_messages import encode_connection
 from tests.support.store_builders import NS, Clock, poll, tcp, udp
 
 pytestmark = pytest.mark.skipif(native.compiled(True) is None, reason="the compiled module is not built")
@@ -116,24 +115,8 @@ def _admit_rows() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
     return admit, lambda got: got == 1 and len(store.connections) == 2
 
 
-def _decode() -> tuple[Callable[[], Any], Callable[[Any], bool]]:
-    buf = encode_connection(tcp())
-    out: list[Any] = []
-
-    def decode() -> Any:
-        out.clear()
-        FlakyConnection.inits = 0
-        return nat().decode(buf, out, None, None, FlakyConnection)
-
-    def compiled(got: Any) -> bool:  # the slots filled directly, as for a plain Connection: its __init__ not called
-        return got[0] == 1 and FlakyConnection.inits == 0 and astuple(out[0]) == astuple(tcp())
-
-    return decode, compiled
-
-
 LOOKUPS: dict[str, Callable[[], tuple[Callable[[], Any], Callable[[Any], bool]]]] = {
     "_admit.c admit_rows": _admit_rows,
-    "_native.c decode": _decode,
 }
 
 
@@ -219,14 +202,12 @@ def _run_types(check: Callable[[str, str, Any], None]) -> None:
     clock = Clock()
     poll(store, clock, tcp(1))
     clock.tick(TIMEOUTS.active + 1)
-    buf = encode_connection(tcp())
-    check("decode into a borrowing type", outcome(lambda: n.decode(buf, [], None, None, conn_b)), False)
     context = store._admission_context(clock.now, clock.wall(), None)
     row = conn_b()
     admitted = outcome(lambda: n.admit_rows([row], 0, conn_b, store.connections, context) or None)
     store._admitted(context[-1])
     check("admit_rows of a borrowing type", admitted, False)
-    for name, conn in [("borrowing", conn_b()), ("object.__new__", object.__new__(Connection))]:
+    for name, conn in [("borrowing", conn_b()), ("Connection.__new__", Connection.__new__(Connection))]:
         want = outcome(lambda c=conn: INTERPRETED.RecordEncoder("n").static(record(conn=c)))
         check(f"static of a {name} connection", outcome(lambda c=conn: RecordEncoder("n").static(record(conn=c))), want)
 
