@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     revs = {k: _rev(v) for k, v in trees.items()}
+    shown = list(argv if argv is not None else sys.argv[1:])  # the command, without this machine's paths
+    for label, tree in (("before", args.before), ("after", args.after)):
+        shown = [f"<checkout of {revs[label]}>" if a == str(tree) else a for a in shown]
     Path("/proc/sys/net/netfilter/nf_conntrack_max").write_text(str(args.entries + 100_000))
     ns = f"polltrees-{os.getpid()}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         *section_head(
             f"Issue 39 gate: the poll of two trees, {args.label} ({args.entries:,} entries)",
             "bench.bench_poll_trees",
-            argv,
+            shown,
         ),
         f"Before: {revs['before']}; after: {revs['after']}; {args.rounds} rounds, interleaved (which goes first "
         "alternates), one table; CPU seconds of the child process (user + system).",
