@@ -6,7 +6,8 @@
 #
 # The tests are the repository's own (tests/unit/test_native*.py and the decoder's), run against the
 # package installed in the image: its extension, compiled by the image's build stage for that
-# architecture, must give what the pure path gives there. pytest and hypothesis (the versions of
+# architecture, must give what the pure path gives there. pytest, hypothesis and communityid (the encoder's
+# reference Community ID; the versions of
 # requirements/dev.lock) are fetched as that architecture's wheels into a temporary folder mounted in.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -27,7 +28,7 @@ trap 'rm -rf "$work"' EXIT
 pin() { grep -E "^$1==" "$repo/requirements/dev.lock" | head -1 | cut -d' ' -f1; }
 "$repo/.venv/bin/pip" install -q --target "$work/deps" --only-binary=:all: --python-version 3.11 --implementation cp \
     --platform "manylinux2014_$platform" --platform "manylinux_2_17_$platform" --platform "manylinux_2_28_$platform" \
-    "$(pin pytest)" "$(pin hypothesis)"
+    "$(pin pytest)" "$(pin hypothesis)" "$(pin communityid)"
 # Emulation is 10-20x slower: no hypothesis deadlines.
 cat >"$work/deps/emulated_profile.py" <<'PY'
 from hypothesis import settings
