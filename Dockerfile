@@ -82,11 +82,11 @@ COPY schemas/ schemas/
 # Then the project's own wheel, next to them: no dependencies resolved (the lock has them all).
 # Their digests, for the runtime stage to copy before it installs (see there).
 # The compiled modules are optional for a plain `pip install .`; here (FLOW_EXPORTER_REQUIRE_COMPILED, setup.py)
-# one that does not build fails the build, and the wheel is checked to hold each (_native, and every source
-# with a .pxd beside it: the Cython-compiled ones, as setup.py finds them).
+# one that does not build fails the build, and the wheel is checked to hold each (every source with a .pxd beside
+# it: the Cython-compiled ones, as setup.py finds them).
 RUN --mount=type=cache,target=/root/.cache/pip \
     FLOW_EXPORTER_REQUIRE_COMPILED=1 /build-tools/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels . \
- && python -c "import glob, sys, zipfile; names = zipfile.ZipFile(glob.glob('/wheels/flow_exporter-*.whl')[0]).namelist(); missing = [m for m in ['_native'] + [p[14:-4] for p in glob.glob('flow_exporter/*.pxd')] if not any(n.startswith('flow_exporter/' + m + '.') and n.endswith('.so') for n in names)]; sys.exit('not compiled: ' + ', '.join(missing) if missing else 0)" \
+ && python -c "import glob, sys, zipfile; names = zipfile.ZipFile(glob.glob('/wheels/flow_exporter-*.whl')[0]).namelist(); missing = [m for m in [p[14:-4] for p in glob.glob('flow_exporter/*.pxd')] if not any(n.startswith('flow_exporter/' + m + '.') and n.endswith('.so') for n in names)]; sys.exit('not compiled: ' + ', '.join(missing) if missing else 0)" \
  && sha256sum /wheels/*.whl > /src/wheels.sha256
 
 # ----------------------------------------------------------------------------- runtime

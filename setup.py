@@ -1,4 +1,4 @@
-"""The compiled modules (issue 39): Cython-compiled Python sources, and the C not yet ported.
+"""The compiled modules (issue 39): Cython-compiled Python sources; no hand-written C is left.
 
 ``CYTHON_MODULES`` are the Python sources (Cython's pure-Python mode) compiled here, found by their ``.pxd``; each
 also runs interpreted, and ``flow_exporter.compiled`` chooses at import. Everything compiled is optional:
@@ -16,7 +16,6 @@ from setuptools import Extension, setup
 
 # A Cython-compiled source is a .py with its .pxd (the C types) beside it: the .pxd files are the list.
 CYTHON_MODULES = sorted(p[:-4] + ".py" for p in glob.glob("flow_exporter/*.pxd"))
-C_SOURCES = sorted(glob.glob("flow_exporter/_*.c"))  # the hand-written C not yet ported
 REQUIRED = os.environ.get("FLOW_EXPORTER_REQUIRE_COMPILED") == "1"
 
 
@@ -31,25 +30,10 @@ def extensions() -> list[Extension]:
         Extension(path[:-3].replace("/", "."), [path], optional=not REQUIRED, extra_compile_args=["-O2"])
         for path in CYTHON_MODULES
     ]
-    # The C includes the api headers Cython writes beside each module (deadline_heap_api.h): cythonized first.
     compiled = cythonize(cython, language_level=3, quiet=True)
     for ext in compiled:  # cythonize makes new Extensions and does not carry `optional` over
         ext.optional = not REQUIRED
-    if not C_SOURCES:  # none left (or not in the build context): nothing to build, and the image's check says so
-        return compiled
-    native = Extension(
-        "flow_exporter._native",
-        sources=C_SOURCES,
-        # the headers Cython writes: the api ones (deadline_heap_api.h) and Connection's struct (connection.h)
-        depends=[
-            "flow_exporter/_records.h",
-            "flow_exporter/connection.h",
-            *(p[:-3] + "_api.h" for p in CYTHON_MODULES),
-        ],
-        optional=not REQUIRED,
-        extra_compile_args=["-O2"],
-    )
-    return [*compiled, native]
+    return compiled
 
 
 setup(ext_modules=extensions())

@@ -35,7 +35,14 @@ METRICS = [  # (key, label, format, better)
 
 def imported_from(tree: Path) -> str:
     """Where `python -m flow_exporter` run as the gate runs it imports the package from, and whether compiled."""
-    code = "import flow_exporter, flow_exporter.native as n; print(flow_exporter.__file__, n.compiled() is not None)"
+    code = (  # a tree of issue 39 and after says so in flow_exporter.compiled; one before, in flow_exporter.native
+        "import flow_exporter, importlib.util as u\n"
+        "if u.find_spec('flow_exporter.compiled'):\n"
+        "    from flow_exporter import compiled as c; built = c.COMPILED\n"
+        "else:\n"
+        "    from flow_exporter import native as n; built = n.compiled() is not None\n"
+        "print(flow_exporter.__file__, built)"
+    )
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True, check=True)
     path, compiled = out.stdout.split()
@@ -122,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         *section_head(
             f"Issue 39 gate: {args.label} ({n:,} connections, active {args.active}, idle {args.idle})",
-            "bench.bench_gate", shown,
+            "bench.bench_gate",
+            shown,
         ),
         f"`flow-exporter run` from the tree before the port ({commits['before']}) and from the tree after it "
         f"({commits['after']}), {args.runs} rounds, "

@@ -4,7 +4,7 @@ The hot modules are Python sources in Cython's pure-Python mode (a ``.py`` with 
 Cython and a C compiler compiles each into an extension module of the same name, which Python's import
 system prefers to the source beside it; a build without leaves the sources, which run interpreted (same
 results, slower). The choice is made once, here, at import: ``FLOW_EXPORTER_INTERPRETED=1`` forces the
-interpreted sources (tests, debugging) and turns the hand-written C (``_native``) off with them.
+interpreted sources (tests, debugging).
 Components are handed what this module loaded; they never ask which build it is.
 """
 

@@ -17,6 +17,16 @@ cdef class _Walk:
     cdef unsigned long long have
     cdef int family
     cdef Py_ssize_t labels_len
+    cdef Py_ssize_t off, decoded, skipped, ignored, kept
+    cdef long err_no
+    cdef bint done, interrupted
+
+cdef class _Row:
+    cdef unsigned int proto
+    cdef unsigned long long sport, dport, rsport, rdport, zone, ct_id, mark, status, start, stop
+    cdef unsigned long long opk, oby, rpk, rby, icmp_type, icmp_code, icmp_id
+    cdef int tcp
+    cdef bint counted, labelled, icmp
 
 cdef inline unsigned int _u16(_Walk w, Py_ssize_t at) noexcept
 cdef inline unsigned int _u32(_Walk w, Py_ssize_t at) noexcept
@@ -31,4 +41,8 @@ cdef inline unsigned long long _pick(_Walk w, int f) noexcept
 cdef inline bint _has(_Walk w, int f) noexcept
 cdef bytes _bytes_at(_Walk w, int f, Py_ssize_t size)
 cdef unsigned long long _zone(_Walk w) noexcept
-cdef Connection _connection(_Walk w, object zone)
+cdef void _row_of(_Walk w, _Row r) noexcept
+cdef bytes _address(_Walk w, int f)
+cdef Connection _connection(_Walk w, _Row r)
+cdef int _next_entry(_Walk w, object zones) except -1
+cdef tuple _result(_Walk w)

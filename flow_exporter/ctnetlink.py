@@ -31,7 +31,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Container
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, Connection
 
@@ -106,8 +106,9 @@ _N_VALUES = 40
 @cython.final
 @cython.cclass
 class _Walk:
-    """One buffer's walk: the buffer (compiled, a typed view), and the values of the message at hand (``have``: a
-    bit per value found; ``v``: the values, an address's offset; ``labels_len``)."""
+    """One buffer's walk: the buffer (compiled, a typed view), where the walk is (``off``) and what it counted, and
+    the values of the message at hand (``have``: a bit per value found; ``v``: the values, an address's offset;
+    ``labels_len``)."""
 
     def __init__(self, buf: memoryview) -> None:
         self.buf = buf
@@ -115,6 +116,10 @@ class _Walk:
         self.have = 0
         self.family = 0
         self.labels_len = 0
+        self.off = 0
+        self.decoded = self.skipped = self.ignored = self.kept = 0
+        self.err_no = 0
+        self.done = self.interrupted = False
 
 
 def _u16(w: _Walk, at: cython.Py_ssize_t) -> cython.uint:
@@ -347,51 +352,156 @@ def _zone(w: _Walk) -> cython.ulonglong:
     return _pick(w, _R + _TZONE)
 
 
-def _connection(w: _Walk, zone: Any) -> Connection:
-    """The Connection of the walked message (compiled: its fields are struct members, set in place)."""
-    family: cython.int = w.family
-    size: cython.Py_ssize_t = 4 if family == _INET else 16
+@cython.final
+@cython.cclass
+class _Row:
+    """A walked message's values as the Connection's fields (the ports as the store keys them: for ICMP the id,
+    and type << 8 | code); the fused poll compares them with the store's columns without making a Connection."""
+
+    def __init__(self) -> None:
+        self.proto = 0
+        self.sport = self.dport = self.rsport = self.rdport = 0
+        self.zone = self.ct_id = self.mark = self.status = self.start = self.stop = 0
+        self.opk = self.oby = self.rpk = self.rby = 0
+        self.icmp_type = self.icmp_code = self.icmp_id = 0
+        self.tcp = -1
+        self.counted = self.labelled = self.icmp = False
+
+
+def _row_of(w: _Walk, r: _Row) -> None:
+    """The walked message's values into ``r``: every rule of what a message means, for both paths."""
     proto: cython.uint = w.v[_PROTO]
-    c: Connection = Connection.__new__(Connection)
-    c.family = family
-    c.proto = proto
-    c.orig_src = _bytes_at(w, _SRC, size)
-    c.orig_dst = _bytes_at(w, _DST, size)
-    c.reply_src = _bytes_at(w, _R + _SRC, size)
-    c.reply_dst = _bytes_at(w, _R + _DST, size)
     tid: cython.int
-    if proto in (_ICMP, _ICMPV6):  # ports: the id, and type << 8 | code; icmp_* the original tuple's
+    r.proto = proto
+    r.icmp = proto in (_ICMP, _ICMPV6)
+    if r.icmp:  # ports: the id, and type << 8 | code; icmp_* the original tuple's
         tid = _ICMP_ID if proto == _ICMP else _ICMP6_ID
-        c.orig_sport = c.icmp_id = _pick(w, tid)
-        c.icmp_type = _pick(w, tid + 1)
-        c.icmp_code = _pick(w, tid + 2)
-        c.orig_dport = (_pick(w, tid + 1) << 8) | _pick(w, tid + 2)
-        c.reply_sport = _pick(w, _R + tid)
-        c.reply_dport = (_pick(w, _R + tid + 1) << 8) | _pick(w, _R + tid + 2)
+        r.sport = r.icmp_id = _pick(w, tid)
+        r.icmp_type = _pick(w, tid + 1)
+        r.icmp_code = _pick(w, tid + 2)
+        r.dport = (r.icmp_type << 8) | r.icmp_code
+        r.rsport = _pick(w, _R + tid)
+        r.rdport = (_pick(w, _R + tid + 1) << 8) | _pick(w, _R + tid + 2)
     else:
-        c.orig_sport = _pick(w, _SPORT)
-        c.orig_dport = _pick(w, _DPORT)
-        c.reply_sport = _pick(w, _R + _SPORT)
-        c.reply_dport = _pick(w, _R + _DPORT)
+        r.sport = _pick(w, _SPORT)
+        r.dport = _pick(w, _DPORT)
+        r.rsport = _pick(w, _R + _SPORT)
+        r.rdport = _pick(w, _R + _DPORT)
+        r.icmp_type = r.icmp_code = r.icmp_id = 0
+    r.zone = _zone(w)
+    r.ct_id = _pick(w, _ID)
+    r.mark = _pick(w, _MARK)
+    r.status = _pick(w, _STATUS)
+    r.tcp = w.v[_TCP] if _has(w, _TCP) else -1
+    r.opk = w.v[_OPK] if _has(w, _OPK) else _pick(w, _OPK32)
+    r.oby = w.v[_OBY] if _has(w, _OBY) else _pick(w, _OBY32)
+    r.rpk = w.v[_RPK] if _has(w, _RPK) else _pick(w, _RPK32)
+    r.rby = w.v[_RBY] if _has(w, _RBY) else _pick(w, _RBY32)
+    r.start = _pick(w, _START)
+    r.stop = _pick(w, _STOP)
+    r.counted = _has(w, _OPK) or _has(w, _OPK32) or _has(w, _RPK) or _has(w, _RPK32)
+    r.labelled = False
+    i: cython.Py_ssize_t
+    at: cython.Py_ssize_t
+    if _has(w, _LABELS):  # all zero: none (the kernel never sends it; one way to say "no labels")
+        at = w.v[_LABELS]
+        for i in range(at, at + w.labels_len):
+            if w.buf[i]:
+                r.labelled = True
+                break
+
+
+def _address(w: _Walk, f: cython.int) -> bytes:
+    """An address of the walked message (``_SRC``, ``_DST``, or those plus ``_R``), as bytes."""
+    return _bytes_at(w, f, 4 if w.family == _INET else 16)
+
+
+def _connection(w: _Walk, r: _Row) -> Connection:
+    """The Connection of the walked message, from its row (compiled: its fields are struct members, set in place)."""
+    c: Connection = Connection.__new__(Connection)
+    c.family = w.family
+    c.proto = r.proto
+    c.orig_src = _address(w, _SRC)
+    c.orig_dst = _address(w, _DST)
+    c.reply_src = _address(w, _R + _SRC)
+    c.reply_dst = _address(w, _R + _DST)
+    c.orig_sport = r.sport
+    c.orig_dport = r.dport
+    c.reply_sport = r.rsport
+    c.reply_dport = r.rdport
+    if r.icmp:
+        c.icmp_type = r.icmp_type
+        c.icmp_code = r.icmp_code
+        c.icmp_id = r.icmp_id
+    else:
         c.icmp_type = c.icmp_code = c.icmp_id = None
-    c.zone = zone
-    c.ct_id = _pick(w, _ID)
-    c.mark = _pick(w, _MARK)
-    c.labels = None
-    if _has(w, _LABELS):
-        raw = _bytes_at(w, _LABELS, w.labels_len)
-        if raw.count(0) != len(raw):  # all zero: none (the kernel never sends it; one way to say "no labels")
-            c.labels = raw
-    c.status = _pick(w, _STATUS)
-    c.tcp_state = w.v[_TCP] if _has(w, _TCP) else None
-    c.orig_packets = w.v[_OPK] if _has(w, _OPK) else _pick(w, _OPK32)
-    c.orig_bytes = w.v[_OBY] if _has(w, _OBY) else _pick(w, _OBY32)
-    c.reply_packets = w.v[_RPK] if _has(w, _RPK) else _pick(w, _RPK32)
-    c.reply_bytes = w.v[_RBY] if _has(w, _RBY) else _pick(w, _RBY32)
-    c.start_ns = _pick(w, _START)
-    c.stop_ns = _pick(w, _STOP)
-    c.counted = _has(w, _OPK) or _has(w, _OPK32) or _has(w, _RPK) or _has(w, _RPK32)
+    c.zone = r.zone
+    c.ct_id = r.ct_id
+    c.mark = r.mark
+    c.labels = _bytes_at(w, _LABELS, w.labels_len) if r.labelled else None
+    c.status = r.status
+    c.tcp_state = r.tcp if r.tcp >= 0 else None
+    c.orig_packets = r.opk
+    c.orig_bytes = r.oby
+    c.reply_packets = r.rpk
+    c.reply_bytes = r.rby
+    c.start_ns = r.start
+    c.stop_ns = r.stop
+    c.counted = r.counted
     return c
+
+
+def _next_entry(w: _Walk, zones: Container[int] | None) -> cython.int:
+    """Walk to the buffer's next CT_NEW/CT_DELETE message that decodes and whose zone is in ``zones`` (None: any):
+    its type, or 0 at the buffer's end. What it passes is counted in ``w`` (:func:`_result`)."""
+    n: cython.Py_ssize_t = len(w.buf)
+    off: cython.Py_ssize_t
+    mlen: cython.Py_ssize_t
+    mtype: cython.int
+    err: cython.long
+    while w.off + _HDR <= n:
+        off = w.off
+        mlen = _u32(w, off)
+        mtype = _u16(w, off + 4)
+        if mlen < _HDR or mlen > n - off:
+            w.skipped += 1  # cannot find the next message: the rest is lost
+            w.off = n
+            return 0
+        if _u16(w, off + 6) & _INTR:  # set on any message of the dump, NLMSG_DONE included
+            w.interrupted = True
+        w.off = off + ((mlen + 3) & ~3)
+        if mtype in (_NEW, _DELETE):
+            if not _walk_message(w, off, mlen):
+                w.skipped += 1
+            else:
+                w.decoded += 1
+                if zones is None or _zone(w) in zones:
+                    w.kept += 1
+                    return mtype
+        elif mtype == _DONE:
+            w.done = True
+            if mlen >= _HDR + 4:
+                err = _s32(w, off + _HDR)
+                if err < 0 and not w.err_no:
+                    w.err_no = -err
+            w.off = n
+            return 0
+        elif mtype == _ERROR:
+            if mlen < _HDR + 4:
+                w.skipped += 1
+            else:
+                err = _s32(w, off + _HDR)
+                if err and not w.err_no:
+                    w.err_no = -err if err < 0 else err  # 0 is an ACK
+        else:
+            w.ignored += 1
+    return 0
+
+
+def _result(w: _Walk) -> tuple[int, int, int, bool, int, bool, int]:
+    """(decoded, skipped, ignored, done, errno, interrupted, kept): the fields of
+    :class:`flow_exporter.ports.DecodeResult`."""
+    return w.decoded, w.skipped, w.ignored, w.done, w.err_no, w.interrupted, w.kept
 
 
 def decode(
@@ -404,54 +514,14 @@ def decode(
     :class:`flow_exporter.ports.DecodeResult`. Never raises on what the buffer holds.
     """
     w = _Walk(buf)
-    n: cython.Py_ssize_t = len(w.buf)
-    off: cython.Py_ssize_t = 0
-    mlen: cython.Py_ssize_t
-    mtype: cython.int
-    err: cython.long
-    decoded: cython.Py_ssize_t = 0
-    skipped: cython.Py_ssize_t = 0
-    ignored: cython.Py_ssize_t = 0
-    kept: cython.Py_ssize_t = 0
-    errno: cython.long = 0
-    done: cython.bint = False
-    interrupted: cython.bint = False
-    while off + _HDR <= n:
-        mlen = _u32(w, off)
-        mtype = _u16(w, off + 4)
-        if mlen < _HDR or mlen > n - off:
-            skipped += 1  # cannot find the next message: the rest is lost
-            break
-        if _u16(w, off + 6) & _INTR:  # set on any message of the dump, NLMSG_DONE included
-            interrupted = True
-        if mtype in (_NEW, _DELETE):
-            if not _walk_message(w, off, mlen):
-                skipped += 1
-            else:
-                decoded += 1
-                zone: object = _zone(w)
-                if zones is None or zone in zones:
-                    conn = _connection(w, zone)
-                    if destroyed is not None and mtype == _DELETE:
-                        destroyed.append(conn)
-                    else:
-                        out.append(conn)
-                    kept += 1
-        elif mtype == _DONE:
-            done = True
-            if mlen >= _HDR + 4:
-                err = _s32(w, off + _HDR)
-                if err < 0 and not errno:
-                    errno = -err
-            break
-        elif mtype == _ERROR:
-            if mlen < _HDR + 4:
-                skipped += 1
-            else:
-                err = _s32(w, off + _HDR)
-                if err and not errno:
-                    errno = -err if err < 0 else err  # 0 is an ACK
+    r = _Row()
+    mtype: cython.int = _next_entry(w, zones)
+    while mtype:
+        _row_of(w, r)
+        conn = _connection(w, r)
+        if destroyed is not None and mtype == _DELETE:
+            destroyed.append(conn)
         else:
-            ignored += 1
-        off += (mlen + 3) & ~3
-    return decoded, skipped, ignored, done, errno, interrupted, kept
+            out.append(conn)
+        mtype = _next_entry(w, zones)
+    return _result(w)

@@ -1,5 +1,4 @@
-# The C types of deadline_heap.py (Cython pure-Python mode), and the functions it exports to the
-# hand-written C (deadline_heap_api.h, imported by _native.c at load).
+# The C types of deadline_heap.py (Cython pure-Python mode).
 
 cdef class DeadlineHeap:
     cdef object _ms_store, _slot_store
@@ -14,11 +13,9 @@ cdef void _up(DeadlineHeap h, Py_ssize_t start, Py_ssize_t pos) noexcept
 cdef void _down(DeadlineHeap h, Py_ssize_t n, Py_ssize_t pos) noexcept
 cdef void _grow(DeadlineHeap h) except *
 
-cdef api int push_entry(object heap, long long ms, unsigned int slot) except -1
-cdef api Py_ssize_t entry_count(object heap) noexcept
-cdef api long long min_ms(object heap) noexcept
-cdef api unsigned int pop_min(object heap) noexcept
-cdef api bint is_heap(object heap) noexcept
+cdef int push_entry(object heap, long long ms, unsigned int slot) except -1
+cdef long long min_ms(object heap) noexcept
+cdef unsigned int pop_min(object heap) noexcept
 
 cpdef long long ms_of(double deadline) noexcept
 

@@ -2,8 +2,8 @@
 
 Written once (issue 39), in Cython's pure-Python mode: compiled, the pairs live in two typed arrays and
 every comparison is two C integer compares; interpreted (no compiler, or ``FLOW_EXPORTER_INTERPRETED``),
-the same code runs on the same arrays, slower. ``deadline_heap.pxd`` gives the C types and exports the
-push the compiled admission (``_admit.c``) calls without a Python call per entry; :class:`DueSlots` is the
+the same code runs on the same arrays, slower. ``deadline_heap.pxd`` gives the C types, and the
+push the compiled admission (``admission.py``) calls without a Python call per entry; :class:`DueSlots` is the
 expiry queue's pop rule, which the due loop (``ledger_core.due``) and ``ExpiryQueue.pop_due`` both take.
 
 Why not a list of ints and :mod:`heapq`: at 250k connections and an active timeout of 5 s, heapq's
@@ -243,7 +243,7 @@ class DueSlots:
         self.queued = self.active = self.idle = None  # type: ignore[assignment]  # (compiled: views released)
 
 
-# The C interface of the compiled module (deadline_heap_api.h): the heap as a PyObject the caller knows is one.
+# The heap as an object the caller knows is one (the admission pushes; the due loop pops).
 
 
 @cython.boundscheck(False)
@@ -259,11 +259,6 @@ def push_entry(heap: object, ms: cython.longlong, slot: cython.uint) -> cython.i
     h.n += 1
     _up(h, 0, h.n - 1)
     return 0
-
-
-def entry_count(heap: object) -> cython.Py_ssize_t:
-    h: DeadlineHeap = cython.cast(DeadlineHeap, heap)
-    return h.n
 
 
 @cython.boundscheck(False)
@@ -289,8 +284,3 @@ def pop_min(heap: object) -> cython.uint:
         h.slot[0] = h.slot[n]
         _down(h, n, 0)
     return top
-
-
-def is_heap(obj: object) -> cython.bint:
-    """Whether ``obj`` is a DeadlineHeap (the C callers' argument check)."""
-    return isinstance(obj, DeadlineHeap)

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+from flow_exporter import flow_ids
 from flow_exporter.connection import Connection, ConnectionKey
 
 # flowEndReason codes (IPFIX; README, "Record codes").
@@ -118,15 +119,12 @@ class IdAllocator:
     def __call__(self) -> int:
         """A new signed 64-bit id (fits Avro ``long``)."""
         self.allocated += 1
-        x = self._next = (self._next + _GOLDEN) & _MASK64
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-        x ^= x >> 31
-        return x - _TWO64 if x >= _TWO63 else x
+        self._next = flow_ids.step(self._next)
+        return flow_ids.id_at(self._next)
 
     @property
     def sequence(self) -> int:
-        """The sequence's position: where a batch of allocations made elsewhere starts (store/_admit.c)."""
+        """The sequence's position: where a batch of allocations made elsewhere starts (flow_exporter/admission.py)."""
         return self._next
 
     def advanced(self, sequence: int, count: int) -> None:
@@ -136,9 +134,6 @@ class IdAllocator:
 
 
 _MASK64 = (1 << 64) - 1
-_TWO64 = 1 << 64
-_TWO63 = 1 << 63
-_GOLDEN = 0x9E3779B97F4A7C15  # odd: the Weyl sequence visits every 64-bit value once
 
 
 class NewConnection(Protocol):

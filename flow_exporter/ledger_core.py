@@ -9,7 +9,7 @@ typed view and a record's fields are struct members; interpreted, the same code 
 connection settled) it does itself.
 
 Why compiled: at 50k records/s the build and the settling of each record were ~9% of the node run's CPU as
-Python (bench_node, py-spy); the hand-written C they replace (``_records.c``) was the same work.
+Python (bench_node, py-spy); the hand-written C they replaced (``_records.c``, before issue 39) was the same work.
 
 A sequence at its column's limit (2**32 - 1) cannot be followed: building that record raises OverflowError
 before anything is written, in both builds.
@@ -34,7 +34,7 @@ from flow_exporter.flow import (
     ROW_GIVEN_UP,
     ROW_RESET,
 )
-from flow_exporter.store.columns import ACTIVE, DESTROYED, FINAL_DUE, LAST_ACTIVE, UNCOUNTED
+from flow_exporter.slot_state import ACTIVE, DESTROYED, FINAL_DUE, LAST_ACTIVE, UNCOUNTED
 
 if TYPE_CHECKING:  # Cython's top-level `cython` module has no type information; the shim states the same names
     from collections.abc import Callable

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from flow_exporter.store.columns import DESTROYED, PRESENT
+from flow_exporter.slot_state import DESTROYED, PRESENT
 
 if TYPE_CHECKING:  # Cython's top-level `cython` module has no type information; the shim states the same names
     from flow_exporter import cython_shim as cython

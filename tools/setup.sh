@@ -16,7 +16,7 @@ command -v conntrack >/dev/null || need_pkgs+=(conntrack)
 command -v mkfs.ext4 >/dev/null || need_pkgs+=(e2fsprogs)  # the state-directory fault tests (an ext4 image)
 command -v java >/dev/null || need_pkgs+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null || need_pkgs+=(maven)
-command -v gcc >/dev/null || need_pkgs+=(gcc)  # the compiled poll path (flow_exporter/_native.c)
+command -v gcc >/dev/null || need_pkgs+=(gcc)  # the compiled modules (setup.py: Cython writes C, gcc builds it)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
     echo "setup: installing Debian packages: ${need_pkgs[*]}"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_pkgs[@]}") >/tmp/flow-exporter-apt.log 2>&1 \
@@ -46,13 +46,13 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/dev.lo
         || die "the installed dependencies do not satisfy pyproject.toml (requirements/dev.lock is stale: run make lock); log: /tmp/flow-exporter-pip.log"
     touch "$stamp"
 fi
-# The compiled modules (setup.py: the Cython-compiled sources and the C not yet ported) are built in place by the
+# The compiled modules (setup.py: the Cython-compiled sources) are built in place by the
 # editable install; rebuilt here when a source changed, since an editable install does not notice. No compiler:
 # they stay out and the interpreted sources run (tests/unit/test_deadline_heap.py then fails on purpose).
-compiled_sources() { ls flow_exporter/_*.c flow_exporter/_*.h flow_exporter/*.pxd setup.py; for p in flow_exporter/*.pxd; do echo "${p%.pxd}.py"; done; }
+compiled_sources() { ls flow_exporter/*.pxd setup.py; for p in flow_exporter/*.pxd; do echo "${p%.pxd}.py"; done; }
 compiled_stale() {
     local so
-    for so in flow_exporter/_native $(for p in flow_exporter/*.pxd; do echo "${p%.pxd}"; done); do
+    for so in $(for p in flow_exporter/*.pxd; do echo "${p%.pxd}"; done); do
         so=$(ls $so.*.so 2>/dev/null | head -1 || true)
         [ -n "$so" ] || return 0
         for src in $(compiled_sources); do [ "$src" -nt "$so" ] && return 0; done
@@ -60,7 +60,7 @@ compiled_stale() {
     return 1
 }
 if compiled_stale; then
-    echo "setup: building the compiled modules (setup.py: every flow_exporter/*.py with a .pxd, compiled by Cython, and flow_exporter/_native.c ...)"
+    echo "setup: building the compiled modules (setup.py: every flow_exporter/*.py with a .pxd, compiled by Cython)"
     editable || die "pip could not build the project (pip install --no-deps --no-build-isolation -e .); log: /tmp/flow-exporter-pip.log"
     if command -v cc >/dev/null || command -v gcc >/dev/null; then
         # The extensions are optional, so pip reports success when a build fails; an older .so would then stay

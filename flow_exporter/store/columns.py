@@ -4,8 +4,8 @@ Why columns: a Python object per connection, its counters as int objects and a f
 object per poll cost about 1,500 bytes of RSS per connection at 250k; columns (``array`` and
 ``bytearray``) cost a fixed few bytes per field, a poll writes numbers in place and keeps no
 object of the dump (bench/bench_poll.py, memory). What is left per connection is its key tuple
-(the dict key), one packed ``bytes`` of static fields and the slot number. Hand-written because
-no library keeps dict-keyed, growable, mixed-type columns at this cost; numpy would add a large
+(the dict key, interned) and one packed ``bytes`` of static fields (both flow_exporter/slot_static.py).
+Hand-written because no library keeps dict-keyed, growable, mixed-type columns at this cost; numpy would add a large
 dependency for a few element reads per row, where it is slower than ``array``.
 
 This layer knows slots and rows only: which connection a slot holds, and what the kernel
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import socket
-import struct
 from array import array
 from typing import Any
 
@@ -29,37 +28,44 @@ from flow_exporter.flow import (
     Export,
     Totals,
 )
+from flow_exporter.slot_state import (  # the bits of a slot's state column, re-exported: the store takes them here
+    ACTIVE as ACTIVE,
+)
+from flow_exporter.slot_state import (
+    CLOSED as CLOSED,
+)
+from flow_exporter.slot_state import (
+    DESTROYED as DESTROYED,
+)
+from flow_exporter.slot_state import (
+    FINAL_DUE as FINAL_DUE,
+)
+from flow_exporter.slot_state import (
+    LAST_ACTIVE as LAST_ACTIVE,
+)
+from flow_exporter.slot_state import (
+    ORPHAN as ORPHAN,
+)
+from flow_exporter.slot_state import (
+    PRESENT as PRESENT,
+)
+from flow_exporter.slot_state import (
+    UNCOUNTED as UNCOUNTED,
+)
+from flow_exporter.slot_static import STATIC, intern_key, static_of
 from flow_exporter.store.stats import StoreStats
 
-# Bits of a slot's state column.
-PRESENT = 1  # in the kernel's table, as far as the last dump or event tells
-ACTIVE = 2  # cleared once an idle record went out, until the counters move again
-DESTROYED = 4  # a DESTROY event gave its final counters: dump rows of it are stale
-FINAL_DUE = 8  # a record must still go out for its end
-CLOSED = 16  # shutdown: its forced-end record was built
-ORPHAN = 32  # out of the keyed table (replaced, reset or given up): settles on its own
-LAST_ACTIVE = 64  # its last record was an active-timeout record: its end still owes an end-of-flow record
-UNCOUNTED = 128  # its rows carry no counter attributes (created with accounting off)
-
-# Static fields besides the key, packed once per connection: orig_dport, reply_sport,
-# reply_dport and which ICMP fields the kernel gave, after the two destination addresses.
-_STATIC = struct.Struct("!HHHB")
 _MIN_GROW = 1024
-# Addresses and destination ports of keys are shared between connections (a node's pods talk to
-# a few peers and Services): one object per distinct value saves ~100 B per connection at 250k.
-# Source ports are not: ephemeral, nearly one per connection, they only churned the table.
-# The table is dropped when it grows past this, so a scan of many addresses cannot grow it.
-_INTERN_MAX = 1 << 17
 
 
 def _static(conn: Connection) -> bytes:
+    """The connection's static bytes (flow_exporter/slot_static.py says what they hold)."""
     icmp = (
         (1 if conn.icmp_type is not None else 0)
         | (2 if conn.icmp_code is not None else 0)
         | (4 if conn.icmp_id is not None else 0)
     )
-    tail = _STATIC.pack(conn.orig_dport, conn.reply_sport, conn.reply_dport, icmp)
-    return conn.orig_dst + conn.reply_dst + tail
+    return static_of(conn.orig_dst, conn.reply_dst, conn.orig_dport, conn.reply_sport, conn.reply_dport, icmp)
 
 
 class Columns:
@@ -155,12 +161,7 @@ class Columns:
             if s == len(self._keys):
                 self._grow()
             self._next_slot = s + 1
-        zone, proto, src, sport, dst, dport = key
-        iv = self._intern
-        if len(iv) > _INTERN_MAX:
-            iv.clear()
-        get = iv.setdefault
-        self._keys[s] = (zone, proto, get(src, src), sport, get(dst, dst), get(dport, dport))
+        self._keys[s] = intern_key(key, self._intern)
         self._static[s] = _static(conn)
         self._fid[s] = flow_id
         self._first[s] = first_seen
@@ -280,7 +281,7 @@ class Columns:
         assert key is not None and static is not None
         zone, proto, src, sport, dst, _ = key
         n = len(src)
-        orig_dport, reply_sport, reply_dport, icmp = _STATIC.unpack_from(static, 2 * n)
+        orig_dport, reply_sport, reply_dport, icmp = STATIC.unpack_from(static, 2 * n)
         ts = self._tcp[s]
         # Positional (the field order of Connection): a keyword call costs twice as much, once per
         # connection's first record.

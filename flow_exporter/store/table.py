@@ -28,8 +28,9 @@ from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from flow_exporter import admission as _admission  # new rows admitted in bulk, written once (compiled where built)
 from flow_exporter import compiled as compiled_build
-from flow_exporter import native
+from flow_exporter import fused_poll as _fused_poll  # the steady poll, fused, written once (compiled where built)
 from flow_exporter import poll_core as _poll_core  # the sweep's scan, written once (compiled where built)
 from flow_exporter.connection import Connection, ConnectionKey
 from flow_exporter.dying import NO_TCP_STATE, is_dying
@@ -52,7 +53,6 @@ from flow_exporter.flow import (
 )
 from flow_exporter.ports import DecodeResult
 from flow_exporter.store.columns import (
-    _INTERN_MAX,
     ACTIVE,
     DESTROYED,
     FINAL_DUE,
@@ -207,23 +207,15 @@ class Table(Columns):
     compiled: bool
 
     def _init_table(self) -> None:
-        self._native = native.compiled(self.compiled)
         # The poll's rules written once (compiled where built), or (compiled=False, a test seam) the interpreted build.
         self._poll_core = _poll_core if self.compiled else compiled_build.reference("poll_core")
-        # The compiled path's memory of the dump's order: the slot each row position held last poll (-1: none).
+        # The fused poll and the bulk admission: optimisations of the pair they stand for (decode, then
+        # update_batch row by row), which is all a store with compiled=False (the lockstep tests' reference) runs.
+        self._fused_poll = _fused_poll if self.compiled else None
+        self._admission = _admission if self.compiled else None
+        # The fused poll's memory of the dump's order: the slot each row position held last poll (-1: none).
         self._dump_order = array("q")
         self._dump_rows = 0  # rows of the current dump applied so far
-        # The columns the compiled poll path reads and writes, in the order _native.c names them.
-        self._fused_columns = (
-            self._seen, self._ct, self._start, self._first, self._seq, self._bits, self._op, self._ob, self._rp,
-            self._rb, self._tcp, self._status, self._mark, self._last_active, self._dump_order,
-        )  # fmt: skip
-        _heap, queued, q_active, q_idle = self.queue.parts()
-        # The columns a compiled admission writes, in the order _admit.c names them.
-        self._admit_columns = (
-            self._fid, self._first, self._last_active, self._seen, self._bits, self._flags, self._op, self._ob,
-            self._rp, self._rb, self._tcp, self._status, self._start, self._ct, self._mark, q_active, q_idle, queued,
-        )  # fmt: skip
         self._new_id = IdAllocator(self.id_seed)
         self.connections: dict[ConnectionKey, int] = {}  # key -> slot of the incarnation that holds the tuple
         self._orphans: dict[int, int] = {}  # flow_id -> slot: out of the table, final record pending
@@ -369,8 +361,8 @@ class Table(Columns):
 
     @property
     def fused(self) -> bool:
-        """Whether ``apply_dump_buffer`` is available (the compiled module is built and not turned off)."""
-        return self._native is not None
+        """Whether ``apply_dump_buffer`` is available (not in the lockstep tests' reference store)."""
+        return self._fused_poll is not None
 
     def apply_dump_buffer(
         self,
@@ -388,45 +380,21 @@ class Table(Columns):
         row becomes a Connection and goes through ``update_batch``, in dump order. ``zone_counts``
         gets the number of kept entries per zone added.
         """
-        nat = self._native
-        if nat is None:
-            raise RuntimeError("the compiled poll path is not available (see .fused)")
-        # New rows are admitted in place unless the hook for new connections wants a Connection for each. The
-        # admission's context is built at the buffer's first new row (a steady poll's buffers have none).
-        opened: list[list[Any]] = []
-
-        def admission() -> list[Any]:
-            opened.append(self._admission_context(now, wall_ns, None))
-            return opened[0]
-
-        def slow(rows: list[Connection]) -> None:
-            if opened:  # what was admitted in place so far, then the context as Python leaves it
-                self._admitted(opened[0][-1])
-            self.update_batch(rows, now, wall_ns)
-            if opened:
-                opened[0][:] = self._admission_context(now, wall_ns, None)
-
-        try:
-            res = DecodeResult(
-                *nat.apply_dump(
-                    buf, zones, Connection, self.connections, self._keys, self._labels, self._fused_columns,
-                    self._generation, self._dump_rows, slow, zone_counts, admission if self.on_new is None else None,
-                )
-            )  # fmt: skip
-        finally:
-            if opened:
-                self._admitted(opened[0][-1])
+        fused = self._fused_poll
+        if fused is None:
+            raise RuntimeError("the fused poll is not available (see .fused)")
+        res = DecodeResult(*fused.apply_dump(self, buf, zones, now, wall_ns, zone_counts))
         self._dump_rows += res.kept
         return res
 
     def update_batch(self, dumped: Iterable[Connection], now: float, wall_ns: int) -> None:
         """Add or update the connections of one part of the current dump.
 
-        With the compiled module, runs of new connections are admitted in one call each
-        (:meth:`_admit_run`); every other row, and a new one the run stops at, goes through
-        :meth:`_update_rows`, the pure path, which is all of it without the module.
+        Runs of new connections are admitted in one call each (:meth:`_admit_run`); every other row,
+        and a new one the run stops at, goes through :meth:`_update_rows`, the Python path, which is
+        all of it in the lockstep tests' reference store.
         """
-        if self._native is None:
+        if self._admission is None:
             self._update_rows(dumped, 0, now, wall_ns, stop_at_new=False)
             return
         rows = dumped if isinstance(dumped, list) else list(dumped)
@@ -438,7 +406,7 @@ class Table(Columns):
             i = self._update_rows(rows, i, now, wall_ns, stop_at_new=True)
 
     def _admit_run(self, rows: list[Connection], i: int, now: float, wall_ns: int) -> int:
-        """Admit the new connections of ``rows`` from ``i`` in one compiled call (_admit.c); where it stopped.
+        """Admit the new connections of ``rows`` from ``i`` in one call (flow_exporter/admission.py); where it stopped.
 
         What ``_admit`` does for each (ids, first-seen stamps, slots, columns, the keyed table, the
         queue), for rows nothing else applies to: it stops at a known key, a restored row, a
@@ -446,41 +414,28 @@ class Table(Columns):
         slot the columns must grow for, leaving that row to :meth:`_update_rows`. The hook for new
         connections runs after the call, in row order.
         """
-        assert self._native is not None
+        assert self._admission is not None
         admitted: list[tuple[int, int, Connection]] | None = [] if self.on_new is not None else None
-        context = self._admission_context(now, wall_ns, admitted)
-        try:
-            i = self._native.admit_rows(rows, i, Connection, self.connections, context)
-        finally:
-            self._admitted(context[-1])
+        i = self._admission.admit_rows(self, rows, i, now, wall_ns, admitted)
         if admitted:
             assert self.on_new is not None
             for s, flow_id, conn in admitted:
                 self.on_new(_Newcomer(self, s, flow_id, conn))
         return i
 
-    def _admission_context(self, now: float, wall_ns: int, admitted: list[Any] | None) -> list[Any]:
-        """What the compiled admission (_admit.c) reads: the store's tables, the columns it writes, the new
-        deadlines, and last a state list of the counters it advances (:meth:`_admitted` takes them back)."""
-        t = self.timeouts
+    def _readmit_bound(self) -> int:
+        """The bulk admission's bound: a row that started at or before it may be one the store forgot
+        (:meth:`_forgotten`), which the admission leaves to the Python path."""
         dumps = self._dumps
-        return [
-            self._orphans, self._restored, self._given_up, self._tombs, self.max_connections,
-            dumps[-1][0] - _DUMP_MARGIN_NS if dumps else _NO_DUMP, self._keys, self._static, self._labels,
-            self._admit_columns, self._free, self._intern, _INTERN_MAX, self._generation,
-            ADOPTED if self.adopt else 0, wall_ns, now + t.active, now + t.idle, self.queue.parts()[0], admitted,
-            [self._next_slot, self._new_id.sequence, self._last_stamp, 0],
-        ]  # fmt: skip
+        return dumps[-1][0] - _DUMP_MARGIN_NS if dumps else _NO_DUMP
 
-    def _admitted(self, state: list[int]) -> None:
-        """The counters of the connections a compiled admission admitted since ``state`` was last taken back."""
-        next_slot, sequence, last_stamp, count = state
+    def _admitted(self, next_slot: int, sequence: int, last_stamp: int, count: int) -> None:
+        """The counters of the ``count`` connections an admission admitted since it last read them."""
         if count:  # nothing admitted: nothing moved (and Python may have moved them since)
             self._next_slot, self._last_stamp = next_slot, last_stamp
             self._new_id.advanced(sequence, count)
             self.stats.added += count
             self.queue.counted(count)
-            state[3] = 0
 
     def _update_rows(
         self, dumped: Iterable[Connection], i: int, now: float, wall_ns: int, *, stop_at_new: bool
@@ -877,8 +832,7 @@ class Table(Columns):
 
     def _stamp(self, wall_ns: int) -> int:
         """First-seen time for an entry without a kernel start time: strictly increasing, so unique."""
-        stamp = max(wall_ns, self._last_stamp + 1)
-        self._last_stamp = stamp
+        stamp = self._last_stamp = _admission.stamp_after(self._last_stamp, wall_ns)
         return stamp
 
     def _track(

@@ -345,11 +345,11 @@ def test_image_reads_conntrack_with_net_admin_only(image: str) -> None:
 
 
 def test_image_has_the_compiled_poll_path(image: str) -> None:
-    """The build stage compiles the Cython sources and the hand-written C; the runtime stage has every compiled
-    module (the build runs them, not their interpreted sources), no compiler."""
+    """The build stage compiles the Cython sources; the runtime stage has every compiled module (the build runs
+    them, not their interpreted sources), no compiler."""
     code = (
-        "from flow_exporter import compiled, native; "
-        "print(native.compiled() is not None, compiled.COMPILED and not compiled.NOT_BUILT)"
+        "from flow_exporter import compiled, fused_poll; "
+        "print(compiled.is_compiled(fused_poll), compiled.COMPILED and not compiled.NOT_BUILT)"
     )
     proc = python_in(image, code)
     assert proc.returncode == 0, proc.stderr

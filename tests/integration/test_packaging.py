@@ -52,12 +52,23 @@ NODE = "node-packaging"
 EXPORT_MS = 1_767_225_600_123  # 2026-01-01T00:00:00.123Z
 # Not part of the sdist's source tree: version control, environments, caches, build output.
 NOT_SOURCE = shutil.ignore_patterns(
-    ".git", ".venv", ".cache", "*.egg-info", "build", "dist", "__pycache__", "*.pyc", ".*_cache", ".hypothesis",
+    ".git",
+    ".venv",
+    ".cache",
+    "*.egg-info",
+    "build",
+    "dist",
+    "__pycache__",
+    "*.pyc",
+    ".*_cache",
+    ".hypothesis",
     "*.so",  # the editable install's build of the compiled poll path
 )
 # The wheel carries the compiled poll path, so it is built for this interpreter and platform.
-WHEEL = f"{NAME}-cp{sys.version_info.major}{sys.version_info.minor}-cp{sys.version_info.major}" \
+WHEEL = (
+    f"{NAME}-cp{sys.version_info.major}{sys.version_info.minor}-cp{sys.version_info.major}"
     f"{sys.version_info.minor}-{sysconfig.get_platform().replace('-', '_').replace('.', '_')}.whl"
+)
 # Top-level names the distributions must not carry: the harness, the tests, the benchmarks.
 NOT_SHIPPED = ("devtools", "tests", "bench")
 TIMEOUT = 300
@@ -217,7 +228,7 @@ def test_wheel_contents(dists: Dists) -> None:
         metadata = whl.read(f"{info}/METADATA").decode()
         entry_points = whl.read(f"{info}/entry_points.txt").decode()
     assert {n.split("/")[0] for n in names} == {"flow_exporter", info}, "the package and its metadata only"
-    for module in ["_native", *CYTHON]:  # the hand-written C, and the Cython-compiled sources (setup.py)
+    for module in CYTHON:  # the Cython-compiled sources (setup.py)
         assert [n for n in names if n.startswith(f"flow_exporter/{module}.") and n.endswith(".so")], module
     for module in CYTHON:  # the .pxd too: flow_exporter.compiled finds the modules by it, at run time
         assert f"flow_exporter/{module}.pxd" in names, module
@@ -235,8 +246,8 @@ def test_sdist_builds_without_a_compiler(dists: Dists, tmp_path: Path) -> None:
     unpacked = tmp_path / "from-sdist"
     with tarfile.open(dists.sdist) as tar:
         tar.extractall(unpacked, filter="data")
-        hand_written = [p.name for p in (REPO / "flow_exporter").glob("_*.[ch]")]
-        for source in [*hand_written, *(f"{m}{ext}" for m in CYTHON for ext in (".py", ".pxd")), "../setup.py"]:
+        assert not list((REPO / "flow_exporter").glob("_*.[ch]")), "no hand-written C is left (issue 39)"
+        for source in [*(f"{m}{ext}" for m in CYTHON for ext in (".py", ".pxd")), "../setup.py"]:
             assert os.path.normpath(f"{NAME}/flow_exporter/{source}") in tar.getnames(), source
     out = tmp_path / "dist"
     env = {**os.environ, "CC": "false"}  # a compiler that always fails
@@ -244,7 +255,7 @@ def test_sdist_builds_without_a_compiler(dists: Dists, tmp_path: Path) -> None:
     (wheel,) = out.glob("*.whl")
     with zipfile.ZipFile(wheel) as whl:
         names = whl.namelist()
-    assert "flow_exporter/native.py" in names
+    assert "flow_exporter/compiled.py" in names
     for module in CYTHON:  # the interpreted build of each Cython-compiled source
         assert f"flow_exporter/{module}.py" in names
     assert not [n for n in names if n.endswith(".so")], names

@@ -44,8 +44,8 @@ def test_the_compiled_build_is_the_one_that_runs_here() -> None:
     assert compiled.COMPILED
     # the .pxd files, found
     assert compiled.MODULES == (
-        "checkpoint_rows", "community_id", "connection", "ctnetlink", "deadline_heap", "deliveries", "dying",
-        "export", "ledger_core", "poll_core", "record_bytes",
+        "admission", "checkpoint_rows", "community_id", "connection", "ctnetlink", "deadline_heap", "deliveries",
+        "dying", "export", "flow_ids", "fused_poll", "ledger_core", "poll_core", "record_bytes", "slot_static",
     )  # fmt: skip
     assert compiled.describe() == "compiled"  # the start-up line's build=
     assert not compiled.is_compiled(INTERPRETED)
@@ -168,11 +168,12 @@ def test_due_slots_takes_what_the_queue_rule_says_in_both_builds(
 def test_the_environment_variable_forces_the_interpreted_build() -> None:
     env = {**os.environ, compiled.INTERPRETED_ENV: "1"}
     code = (
-        "from flow_exporter import compiled, native, expiry;"
-        "print(compiled.COMPILED, compiled.is_compiled(compiled.load('deadline_heap')), native.compiled() is None,"
+        "from flow_exporter import compiled, expiry, fused_poll;"
+        "print(compiled.COMPILED, compiled.is_compiled(compiled.load('deadline_heap')),"
+        " compiled.is_compiled(fused_poll),"
         " expiry.ExpiryQueue()._heap.__class__.__module__, compiled.describe())"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.strip().split(maxsplit=4) == [
-        "False", "False", "True", "flow_exporter.deadline_heap", "interpreted (FLOW_EXPORTER_INTERPRETED=1)",
+        "False", "False", "False", "flow_exporter.deadline_heap", "interpreted (FLOW_EXPORTER_INTERPRETED=1)",
     ]  # fmt: skip

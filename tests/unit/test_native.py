@@ -4,7 +4,7 @@ Decoding: on the same bytes (kernel-shaped messages, mutated ones, random bytes)
 flow_exporter/ctnetlink.py gives the same Connections, in the same lists, and the same counts as its
 interpreted build.
 
-The store (the fused poll, flow_exporter/_native.c): two stores with the same id seed follow one random
+The store (the fused poll, flow_exporter/fused_poll.py): two stores with the same id seed follow one random
 kernel (incarnations created, re-created with the same or a new conntrack id, counting, TCP states, labels
 and marks changing, counters zeroed, entries destroyed with their events, stop stamps, zones filtered,
 duplicate rows, a connection cap), one decoding dumps into Connections and calling ``update_batch``, the
@@ -27,7 +27,7 @@ from typing import Any
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from flow_exporter import compiled, native
+from flow_exporter import admission, compiled, fused_poll
 from flow_exporter.connection import (
     IPS_HW_OFFLOAD,
     IPS_OFFLOAD,
@@ -48,10 +48,15 @@ from tests.unit.test_decode import entries
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def test_the_extension_is_built() -> None:
-    """`make setup` builds it (a C compiler is there); the comparisons below would otherwise compare nothing."""
-    assert native.compiled() is not None, "flow_exporter._native is not built: pip install -e . with a C compiler"
-    assert native.compiled(False) is None
+def test_the_fused_store_runs_the_chosen_build() -> None:
+    """The store with the optimised paths runs the build flow_exporter.compiled chose (compiled in the everyday
+    run, which `make setup` builds with a C compiler; the sources in the interpreted one); the reference store,
+    the pair the fused poll stands for: the comparisons below would otherwise compare a path with itself."""
+    timeouts = Timeouts(poll_interval=1, active=5, idle=15)
+    assert ConnectionStore(timeouts, compiled=True).fused
+    assert not ConnectionStore(timeouts, compiled=False).fused
+    for module in (fused_poll, admission):
+        assert compiled.is_compiled(module) == (not compiled.forced_interpreted()), module
 
 
 def both(buf: bytes, zones: Any = None, destroyed: bool = False) -> tuple[Any, Any]:
@@ -78,9 +83,9 @@ def test_decode_equals_pure(
     buf = b"".join(m for m, _, _ in batch) + (done_message() if done else b"")
     pure, compiled = both(buf, zones, destroyed)
     assert compiled == pure
-    assert compiled[0] + (compiled[1] or []) == [c for _, c, d in batch if zones is None or c.zone in zones
-                                                 if not (destroyed and d)] + [
-        c for _, c, d in batch if (zones is None or c.zone in zones) and destroyed and d]
+    assert compiled[0] + (compiled[1] or []) == [
+        c for _, c, d in batch if zones is None or c.zone in zones if not (destroyed and d)
+    ] + [c for _, c, d in batch if (zones is None or c.zone in zones) and destroyed and d]
 
 
 @SETTINGS
@@ -116,8 +121,14 @@ def test_errors_done_and_interrupted_as_pure() -> None:
     stats = struct.pack("=IHHIIBBH", 20, (1 << 8) | 5, 0, 1, 0, 0, 0, 0)
     intr = bytearray(ok)
     intr[6] |= 0x10
-    for buf in (ok + ack + stats + err + done_message(105) + ok, done_message(105), bytes(intr), short_err + ok,
-                ok + b"\0" * 15, ok + struct.pack("=IHH", 12, 0, 0) + b"\0" * 8):
+    for buf in (
+        ok + ack + stats + err + done_message(105) + ok,
+        done_message(105),
+        bytes(intr),
+        short_err + ok,
+        ok + b"\0" * 15,
+        ok + struct.pack("=IHH", 12, 0, 0) + b"\0" * 8,
+    ):
         pure, compiled = both(buf)
         assert compiled == pure
 
@@ -139,8 +150,20 @@ def base(kind: int, port: int) -> Connection:
         proto = PROTO_ICMPV6 if v6 else PROTO_ICMP
         return Connection(fam, proto, a, b, port, 8 << 8, b, a, port, 0, icmp_type=8, icmp_code=0, icmp_id=port)
     proto = PROTO_UDP if kind == 1 else PROTO_TCP
-    return Connection(fam, proto, a, b, 40000 + port, 80, b, a, 80, 40000 + port, zone=3 if kind == 3 else 0,
-                      tcp_state=3 if proto == PROTO_TCP else None)
+    return Connection(
+        fam,
+        proto,
+        a,
+        b,
+        40000 + port,
+        80,
+        b,
+        a,
+        80,
+        40000 + port,
+        zone=3 if kind == 3 else 0,
+        tcp_state=3 if proto == PROTO_TCP else None,
+    )
 
 
 class Lockstep:
@@ -175,8 +198,12 @@ class Lockstep:
             return
         elif op == "traffic":
             if c.counted:
-                self.live[i] = replace(c, orig_packets=c.orig_packets + arg, orig_bytes=c.orig_bytes + 60 * arg,
-                                       reply_packets=c.reply_packets + arg % 2)
+                self.live[i] = replace(
+                    c,
+                    orig_packets=c.orig_packets + arg,
+                    orig_bytes=c.orig_bytes + 60 * arg,
+                    reply_packets=c.reply_packets + arg % 2,
+                )
         elif op == "reply":
             if c.counted:
                 self.live[i] = replace(c, reply_packets=c.reply_packets + 1, reply_bytes=c.reply_bytes + arg)
@@ -214,7 +241,7 @@ class Lockstep:
             twin = replace(twin, status=dup) if dup & 2 else replace(twin, mark=twin.mark + dup)  # fast, or not
             rows.insert(dup % (len(rows) + 1), twin)
         msgs = [encode_connection(r, counters32=bool(dup & 1)) for r in rows]
-        buffers = [b"".join(msgs[k:k + chunk]) for k in range(0, len(msgs), chunk)]
+        buffers = [b"".join(msgs[k : k + chunk]) for k in range(0, len(msgs), chunk)]
         buffers.append(done_message())
         wall = self.wall()
         self.pure.begin_poll(wall)
@@ -289,8 +316,16 @@ def record(e: Export) -> tuple[Any, ...]:
 
 
 HEAP: Any = compiled.load("deadline_heap").DeadlineHeap  # the queue's heap (compiled or interpreted)
-SKIP = {"_native", "_core", "_poll_core", "_fused_columns", "on_new", "compiled", "_dump_order",
-        "_dump_rows"}  # builds; own
+SKIP = {
+    "_core",
+    "_poll_core",
+    "_fused_poll",
+    "_admission",
+    "on_new",
+    "compiled",
+    "_dump_order",
+    "_dump_rows",
+}  # builds; own
 
 
 def state(obj: Any) -> Any:
@@ -311,16 +346,37 @@ def state(obj: Any) -> Any:
         return repr(obj)
     if is_dataclass(obj) and not hasattr(obj, "__dict__"):
         return {f.name: state(getattr(obj, f.name)) for f in fields(obj)}
-    names = set(getattr(obj, "__dict__", {})) | {
-        n for cls in type(obj).__mro__ for n in getattr(cls, "__slots__", ())
-    }
+    names = set(getattr(obj, "__dict__", {})) | {n for cls in type(obj).__mro__ for n in getattr(cls, "__slots__", ())}
     return {
         n: state(getattr(obj, n)) for n in sorted(names - SKIP) if hasattr(obj, n) and not callable(getattr(obj, n))
     }
 
 
-OPS = st.sampled_from(["create", "create", "traffic", "reply", "tcp", "labels", "mark", "status", "stop", "zero",
-                       "acct", "race", "destroy", "poll", "poll", "poll", "poll", "miss", "expire", "tick", "tick"])
+OPS = st.sampled_from(
+    [
+        "create",
+        "create",
+        "traffic",
+        "reply",
+        "tcp",
+        "labels",
+        "mark",
+        "status",
+        "stop",
+        "zero",
+        "acct",
+        "race",
+        "destroy",
+        "poll",
+        "poll",
+        "poll",
+        "poll",
+        "miss",
+        "expire",
+        "tick",
+        "tick",
+    ]
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -332,23 +388,83 @@ OPS = st.sampled_from(["create", "create", "traffic", "reply", "tcp", "labels", 
 @example([("create", 0, 0), ("poll", 2, 0), ("create", 0, 1), ("poll", 2, 0)], 4, None)
 @example([("create", i, 0) for i in range(6)] + [("poll", 1, 0), ("create", 6, 0), ("poll", 3, 0)], 3, None)
 @example(  # rows that did not move but changed status or stop stamp, or moved in reply packets only
-    [("create", 0, 0), ("create", 3, 0), ("poll", 1, 0), ("tick", 0, 3), ("status", 0, 1), ("poll", 1, 0),
-     ("tick", 0, 3), ("stop", 3, 0), ("poll", 1, 0), ("tick", 0, 4), ("reply", 3, 1), ("poll", 1, 0),
-     ("expire", 0, 0)], 8, None)
+    [
+        ("create", 0, 0),
+        ("create", 3, 0),
+        ("poll", 1, 0),
+        ("tick", 0, 3),
+        ("status", 0, 1),
+        ("poll", 1, 0),
+        ("tick", 0, 3),
+        ("stop", 3, 0),
+        ("poll", 1, 0),
+        ("tick", 0, 4),
+        ("reply", 3, 1),
+        ("poll", 1, 0),
+        ("expire", 0, 0),
+    ],
+    8,
+    None,
+)
 @example(  # a NEW event (no counters, no start) then its dump rows; a row one dump missed
-    [("create", 1, 10), ("tick", 0, 1), ("poll", 1, 0), ("tick", 0, 1), ("create", 2, 0), ("poll", 1, 0),
-     ("tick", 0, 1), ("miss", 2, 0), ("tick", 0, 1), ("poll", 1, 0), ("expire", 0, 0), ("acct", 1, 0),
-     ("poll", 1, 0), ("acct", 1, 0), ("poll", 1, 0)], 8, None)
+    [
+        ("create", 1, 10),
+        ("tick", 0, 1),
+        ("poll", 1, 0),
+        ("tick", 0, 1),
+        ("create", 2, 0),
+        ("poll", 1, 0),
+        ("tick", 0, 1),
+        ("miss", 2, 0),
+        ("tick", 0, 1),
+        ("poll", 1, 0),
+        ("expire", 0, 0),
+        ("acct", 1, 0),
+        ("poll", 1, 0),
+        ("acct", 1, 0),
+        ("poll", 1, 0),
+    ],
+    8,
+    None,
+)
 @example(  # rows that moved position (a twin row before them): the slot a position held last poll is not theirs
-    [("create", 0, 0), ("create", 0, 0), ("poll", 0, 1), ("poll", 0, 1), ("create", 1, 0)], 2, None)
+    [("create", 0, 0), ("create", 0, 0), ("poll", 0, 1), ("poll", 0, 1), ("create", 1, 0)], 2, None
+)
 @example(  # a tuple twice in one dump, the first row to the slow path (its mark changed), the second not
-    [("create", 0, 0), ("create", 1, 0), ("poll", 1, 0), ("poll", 3, 9)], 8, None)
+    [("create", 0, 0), ("create", 1, 0), ("poll", 1, 0), ("poll", 3, 9)], 8, None
+)
 @example(  # labels come and go; a DESTROY read before a dump that still shows the entry
-    [("create", 0, 0), ("poll", 1, 0), ("labels", 0, 1), ("poll", 1, 0), ("labels", 0, 0), ("poll", 1, 0),
-     ("race", 0, 0), ("poll", 1, 0), ("expire", 0, 0)], 8, None)
+    [
+        ("create", 0, 0),
+        ("poll", 1, 0),
+        ("labels", 0, 1),
+        ("poll", 1, 0),
+        ("labels", 0, 0),
+        ("poll", 1, 0),
+        ("race", 0, 0),
+        ("poll", 1, 0),
+        ("expire", 0, 0),
+    ],
+    8,
+    None,
+)
 @example(  # at the cap, a re-created tuple's new row evicts an idle one whose row comes after it in the same buffer
-    [("create", 0, 0), ("create", 1, 0), ("poll", 3, 0), ("tick", 0, 15), ("tick", 0, 15), ("expire", 0, 1),
-     ("tick", 0, 15), ("expire", 0, 1), ("create", 0, 0), ("poll", 3, 0), ("expire", 0, 1)], 2, None)
+    [
+        ("create", 0, 0),
+        ("create", 1, 0),
+        ("poll", 3, 0),
+        ("tick", 0, 15),
+        ("tick", 0, 15),
+        ("expire", 0, 1),
+        ("tick", 0, 15),
+        ("expire", 0, 1),
+        ("create", 0, 0),
+        ("poll", 3, 0),
+        ("expire", 0, 1),
+    ],
+    2,
+    None,
+)
 def test_fused_poll_keeps_the_same_store(ops: list[tuple[str, int, int]], cap: int, zones: Any) -> None:
     walk_in_lockstep(Lockstep(cap, zones), ops)
 
@@ -382,8 +498,21 @@ def test_a_node_up_more_than_24_8_days_keeps_the_same_store(ops: list[tuple[str,
     st.integers(1, 4),
 )
 @example(  # live, ended and moved connections, one record in flight when the shutdown begins
-    [("create", i, 0) for i in range(5)] + [("poll", 1, 0), ("tick", 0, 12), ("expire", 0, 1), ("traffic", 1, 3),
-     ("destroy", 2, 1), ("poll", 1, 0), ("tick", 0, 1), ("expire", 0, 0), ("traffic", 3, 2), ("poll", 1, 0)], 2)
+    [("create", i, 0) for i in range(5)]
+    + [
+        ("poll", 1, 0),
+        ("tick", 0, 12),
+        ("expire", 0, 1),
+        ("traffic", 1, 3),
+        ("destroy", 2, 1),
+        ("poll", 1, 0),
+        ("tick", 0, 1),
+        ("expire", 0, 0),
+        ("traffic", 3, 2),
+        ("poll", 1, 0),
+    ],
+    2,
+)
 def test_shutdown_rounds_build_the_same_final_records(ops: list[tuple[str, int, int]], limit: int) -> None:
     """export_all builds its final records with the compiled build when there is one: the same records, rounds alike."""
     w = Lockstep(12, None)
@@ -407,8 +536,28 @@ def test_shutdown_rounds_build_the_same_final_records(ops: list[tuple[str, int, 
 
 # Connections that live across several active timeouts with their records delivered: the record rules
 # (ledger_core) take their cached-prefix branch then, which the random walk above reaches rarely.
-RECORD_OPS = st.sampled_from(["create", "traffic", "traffic", "reply", "tcp", "status", "offload", "acct", "zero",
-                              "race", "destroy", "labels", "poll", "poll", "poll", "expire", "expire", "tick"])
+RECORD_OPS = st.sampled_from(
+    [
+        "create",
+        "traffic",
+        "traffic",
+        "reply",
+        "tcp",
+        "status",
+        "offload",
+        "acct",
+        "zero",
+        "race",
+        "destroy",
+        "labels",
+        "poll",
+        "poll",
+        "poll",
+        "expire",
+        "expire",
+        "tick",
+    ]
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -417,28 +566,127 @@ RECORD_OPS = st.sampled_from(["create", "traffic", "traffic", "reply", "tcp", "s
     st.integers(2, 12),
 )
 @example(  # active records, delivered, then built from the cached prefix; offloaded and uncounted on the way
-    [("create", 0, 0), ("create", 1, 4), ("poll", 1, 0), ("tick", 0, 10), ("expire", 0, 1), ("traffic", 0, 3),
-     ("tick", 0, 10), ("poll", 1, 0), ("expire", 0, 1), ("offload", 0, 1), ("tick", 0, 10), ("poll", 1, 0),
-     ("expire", 0, 1), ("destroy", 0, 1), ("tick", 0, 10), ("poll", 1, 0), ("expire", 0, 1)], 4)
+    [
+        ("create", 0, 0),
+        ("create", 1, 4),
+        ("poll", 1, 0),
+        ("tick", 0, 10),
+        ("expire", 0, 1),
+        ("traffic", 0, 3),
+        ("tick", 0, 10),
+        ("poll", 1, 0),
+        ("expire", 0, 1),
+        ("offload", 0, 1),
+        ("tick", 0, 10),
+        ("poll", 1, 0),
+        ("expire", 0, 1),
+        ("destroy", 0, 1),
+        ("tick", 0, 10),
+        ("poll", 1, 0),
+        ("expire", 0, 1),
+    ],
+    4,
+)
 @example(  # reply bytes moving between records; the end of a destroyed entry built from the cached prefix
-    [("create", 0, 0), ("create", 1, 0), ("poll", 1, 0), ("tick", 0, 10), ("expire", 0, 1), ("reply", 0, 5),
-     ("traffic", 1, 3), ("tick", 0, 10), ("poll", 1, 0), ("expire", 0, 1), ("reply", 0, 7), ("destroy", 0, 1),
-     ("tick", 0, 1), ("poll", 1, 0), ("expire", 0, 1), ("traffic", 1, 2), ("race", 1, 0), ("tick", 0, 10),
-     ("poll", 1, 0), ("expire", 0, 1)], 4)
+    [
+        ("create", 0, 0),
+        ("create", 1, 0),
+        ("poll", 1, 0),
+        ("tick", 0, 10),
+        ("expire", 0, 1),
+        ("reply", 0, 5),
+        ("traffic", 1, 3),
+        ("tick", 0, 10),
+        ("poll", 1, 0),
+        ("expire", 0, 1),
+        ("reply", 0, 7),
+        ("destroy", 0, 1),
+        ("tick", 0, 1),
+        ("poll", 1, 0),
+        ("expire", 0, 1),
+        ("traffic", 1, 2),
+        ("race", 1, 0),
+        ("tick", 0, 10),
+        ("poll", 1, 0),
+        ("expire", 0, 1),
+    ],
+    4,
+)
 @example(  # the cap reached while records are in flight: lack-of-resources records beside compiled ones
-    [("create", 0, 0), ("create", 1, 0), ("poll", 1, 0), ("tick", 0, 10), ("expire", 0, 1), ("traffic", 0, 5),
-     ("traffic", 1, 3), ("tick", 0, 10), ("poll", 1, 0), ("create", 2, 0), ("create", 3, 0), ("poll", 1, 0),
-     ("expire", 0, 1), ("tick", 0, 10), ("poll", 1, 0), ("expire", 0, 1)], 2)
+    [
+        ("create", 0, 0),
+        ("create", 1, 0),
+        ("poll", 1, 0),
+        ("tick", 0, 10),
+        ("expire", 0, 1),
+        ("traffic", 0, 5),
+        ("traffic", 1, 3),
+        ("tick", 0, 10),
+        ("poll", 1, 0),
+        ("create", 2, 0),
+        ("create", 3, 0),
+        ("poll", 1, 0),
+        ("expire", 0, 1),
+        ("tick", 0, 10),
+        ("poll", 1, 0),
+        ("expire", 0, 1),
+    ],
+    2,
+)
 @example(  # a record in flight when its connection's mark changes: delivered later, its stale prefix is not kept
-    [("create", 0, 0), ("create", 1, 0), ("poll", 1, 0), ("tick", 0, 10), ("expire", 0, 1), ("mark", 1, 7),
-     ("poll", 1, 0), ("tick", 0, 2), ("expire", 0, 0), ("traffic", 1, 2), ("tick", 0, 10), ("poll", 1, 0),
-     ("expire", 0, 0), ("traffic", 1, 2), ("tick", 0, 10), ("poll", 1, 0), ("expire", 0, 0)], 4)
+    [
+        ("create", 0, 0),
+        ("create", 1, 0),
+        ("poll", 1, 0),
+        ("tick", 0, 10),
+        ("expire", 0, 1),
+        ("mark", 1, 7),
+        ("poll", 1, 0),
+        ("tick", 0, 2),
+        ("expire", 0, 0),
+        ("traffic", 1, 2),
+        ("tick", 0, 10),
+        ("poll", 1, 0),
+        ("expire", 0, 0),
+        ("traffic", 1, 2),
+        ("tick", 0, 10),
+        ("poll", 1, 0),
+        ("expire", 0, 0),
+    ],
+    4,
+)
 @example(  # Kafka behind: at most one record per expire, the rest stay queued
-    [("create", 0, 0), ("create", 1, 0), ("create", 2, 0), ("create", 3, 0), ("poll", 1, 0), ("tick", 0, 10),
-     ("expire", 0, 8), ("expire", 0, 9), ("tick", 0, 2), ("expire", 0, 10), ("expire", 0, 0)], 8)
+    [
+        ("create", 0, 0),
+        ("create", 1, 0),
+        ("create", 2, 0),
+        ("create", 3, 0),
+        ("poll", 1, 0),
+        ("tick", 0, 10),
+        ("expire", 0, 8),
+        ("expire", 0, 9),
+        ("tick", 0, 2),
+        ("expire", 0, 10),
+        ("expire", 0, 0),
+    ],
+    8,
+)
 @example(  # a deadline later than now within now's millisecond: not due yet, and back in the queue
-    [("create", 0, 0), ("tick", 0, 0), ("poll", 1, 0), ("expire", 0, 0), ("traffic", 0, 1), ("tick", 0, 4),
-     ("tick", 0, 1), ("poll", 1, 0), ("expire", 0, 0), ("tick", 0, 2), ("expire", 0, 0)], 4)
+    [
+        ("create", 0, 0),
+        ("tick", 0, 0),
+        ("poll", 1, 0),
+        ("expire", 0, 0),
+        ("traffic", 0, 1),
+        ("tick", 0, 4),
+        ("tick", 0, 1),
+        ("poll", 1, 0),
+        ("expire", 0, 0),
+        ("tick", 0, 2),
+        ("expire", 0, 0),
+    ],
+    4,
+)
 def test_compiled_build_keeps_the_same_records(ops: list[tuple[str, int, int]], cap: int) -> None:
     w = Lockstep(cap, None)
     for op, i, arg in ops:

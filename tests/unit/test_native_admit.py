@@ -1,4 +1,4 @@
-"""The compiled admission of new connections (flow_exporter/_admit.c) against the pure store, in lockstep.
+"""The bulk admission of new connections (flow_exporter/admission.py) against the reference store, in lockstep.
 
 A compiled store admits runs of new dump rows in one call and stops at any row that needs more (a
 known key, a restored row, the cap, a possible readmission, a slot the columns must grow for, a
@@ -19,7 +19,6 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from flow_exporter import native
 from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, PROTO_UDP, Connection
 from flow_exporter.conntrack.decode import Decoder
 from flow_exporter.flow import ADOPTED, NewConnection, Restored
@@ -27,8 +26,6 @@ from flow_exporter.store import ConnectionStore
 from flow_exporter.timeouts import Timeouts
 from tests.support.netlink_messages import encode_connection
 from tests.unit.test_native import state
-
-pytestmark = pytest.mark.skipif(native.compiled(True) is None, reason="the compiled module is not built")
 
 NS = 1_000_000_000
 TIMEOUTS = Timeouts(poll_interval=1, active=5, idle=15)
@@ -161,18 +158,34 @@ def restored_rows(conns: list[Connection], picks: list[int]) -> list[Restored]:
 @example(  # the same tuple twice in one batch, and a row the cap refuses
     [Connection(2, PROTO_TCP, ADDRS[0], ADDRS[1], 1, 80, ADDRS[1], ADDRS[0], 80, 1, ct_id=1)] * 2
     + [Connection(2, PROTO_UDP, ADDRS[0], ADDRS[1], 2, 53, ADDRS[1], ADDRS[0], 53, 2, ct_id=2)],
-    [[[0, 1, 2]]], 1, [], True, False,
+    [[[0, 1, 2]]],
+    1,
+    [],
+    True,
+    False,
 )
 @example(  # a tuple given up at the cap, shown again once there is room: still given up, not admitted
-    [Connection(2, PROTO_TCP, ADDRS[0], ADDRS[1], 1, 80, ADDRS[1], ADDRS[0], 80, 1, ct_id=1),
-     Connection(2, PROTO_UDP, ADDRS[0], ADDRS[1], 2, 53, ADDRS[1], ADDRS[0], 53, 2, ct_id=2)],
-    [[[0, 1]], [[1]], [], [[1]]], 1, [], False, False,
+    [
+        Connection(2, PROTO_TCP, ADDRS[0], ADDRS[1], 1, 80, ADDRS[1], ADDRS[0], 80, 1, ct_id=1),
+        Connection(2, PROTO_UDP, ADDRS[0], ADDRS[1], 2, 53, ADDRS[1], ADDRS[0], 53, 2, ct_id=2),
+    ],
+    [[[0, 1]], [[1]], [], [[1]]],
+    1,
+    [],
+    False,
+    False,
 )
 @example(  # read from dump buffers: restored rows, a duplicate, the cap, among rows admitted in place
-    [Connection(2, PROTO_TCP, ADDRS[0], ADDRS[1], 1, 80, ADDRS[1], ADDRS[0], 80, 1, ct_id=1, start_ns=1),
-     Connection(2, PROTO_UDP, ADDRS[0], ADDRS[1], 2, 53, ADDRS[1], ADDRS[0], 53, 2, ct_id=2, start_ns=2),
-     Connection(2, PROTO_UDP, ADDRS[1], ADDRS[0], 3, 53, ADDRS[0], ADDRS[1], 53, 3, ct_id=3)],
-    [[[1, 0, 1, 2]], [[2, 1, 0]], [], [[0, 2]]], 2, [0], False, True,
+    [
+        Connection(2, PROTO_TCP, ADDRS[0], ADDRS[1], 1, 80, ADDRS[1], ADDRS[0], 80, 1, ct_id=1, start_ns=1),
+        Connection(2, PROTO_UDP, ADDRS[0], ADDRS[1], 2, 53, ADDRS[1], ADDRS[0], 53, 2, ct_id=2, start_ns=2),
+        Connection(2, PROTO_UDP, ADDRS[1], ADDRS[0], 3, 53, ADDRS[0], ADDRS[1], 53, 3, ct_id=3),
+    ],
+    [[[1, 0, 1, 2]], [[2, 1, 0]], [], [[0, 2]]],
+    2,
+    [0],
+    False,
+    True,
 )
 def test_compiled_admission_keeps_the_same_store(
     pool: list[Connection], dumps: list[list[list[int]]], cap: int, restore: list[int], hook: bool, fused: bool

@@ -5,7 +5,7 @@
 # Slow (a base of its own, then ~5 min of build and ~8 min of tests on 2 cores), so not part of `make test`.
 #
 # The tests are the repository's own (tests/unit/test_native*.py and the decoder's), run against the
-# package installed in the image: its extension, compiled by the image's build stage for that
+# package installed in the image: its compiled modules, built by the image's build stage for that
 # architecture, must give what the pure path gives there. pytest, hypothesis and communityid (the encoder's
 # reference Community ID; the versions of
 # requirements/dev.lock) are fetched as that architecture's wheels into a temporary folder mounted in.
