@@ -1,5 +1,6 @@
 # The C types of admission.py (Cython pure-Python mode).
 
+from flow_exporter.column_views cimport ColumnViews
 from flow_exporter.connection cimport Connection
 
 cdef Py_ssize_t STOPPED, DUPLICATE
@@ -8,20 +9,11 @@ cdef unsigned long long _U32
 
 cpdef long long stamp_after(long long last, long long wall_ns) noexcept
 
-cdef class _AdmitColumns:
-    cdef long long[::1] fid, first, last_active, start
-    cdef unsigned int[::1] seen, status, ct, mark
-    cdef unsigned char[::1] bits, flags, queued
-    cdef unsigned long long[::1] op, ob, rp, rb
-    cdef signed char[::1] tcp
-    cdef double[::1] q_active, q_idle
-    cdef Py_ssize_t rows
-
 cdef class Admission:
     cdef object table, heap
     cdef dict conns, orphans, restored, given_up, tombs, labels, intern
-    cdef list keys, static, free, admitted
-    cdef _AdmitColumns c
+    cdef list free, admitted
+    cdef ColumnViews c
     cdef Py_ssize_t max_conns, next_slot, count
     cdef long long readmit_before, wall_ns, stamp
     cdef unsigned long long gen, ids

@@ -15,7 +15,7 @@ Two callers: :func:`admit_rows` (a batch of Connections, ``Table.update_batch``)
 was ~4.6 us of Python per new connection, most of a 1M table's first poll (BENCHMARKS.md). Cython's
 pure-Python mode: compiled, the columns are typed views; interpreted, the same code indexes the arrays.
 
-An admission holds the store's columns (their buffers, compiled) while it is open: :meth:`Admission.pause`
+An admission holds the store's column views (``column_views.py``) while it is open: :meth:`Admission.pause`
 writes its counters back to the store and lets them go before Python runs (it may grow the columns, admit rows
 itself, compact the heap); :meth:`Admission.resume` reads everything again.
 """
@@ -38,12 +38,24 @@ else:
         import cython
     except ModuleNotFoundError:  # interpreted without Cython installed
         from flow_exporter import cython_shim as cython
+from flow_exporter.column_views import ColumnViews
+
 if not cython.compiled:
     from flow_exporter.deadline_heap import ms_of, push_entry
-else:  # the heap's push, a C call
+    from flow_exporter.flow_ids import id_at, step
+    from flow_exporter.slot_static import intern_key, static_of
+else:  # the heap's push, the id sequence, the key and the static bytes: C calls
     from cython.cimports.flow_exporter.deadline_heap import (  # type: ignore[import-untyped,import-not-found,no-redef,unused-ignore]
         ms_of,
         push_entry,
+    )
+    from cython.cimports.flow_exporter.flow_ids import (  # type: ignore[import-untyped,import-not-found,no-redef,unused-ignore]
+        id_at,
+        step,
+    )
+    from cython.cimports.flow_exporter.slot_static import (  # type: ignore[import-untyped,import-not-found,no-redef,unused-ignore]
+        intern_key,
+        static_of,
     )
 
 __all__ = ["DUPLICATE", "STOPPED", "Admission", "admit_rows", "stamp_after"]
@@ -58,26 +70,6 @@ _U32: cython.ulonglong = 0xFFFFFFFF
 def stamp_after(last: cython.longlong, wall_ns: cython.longlong) -> cython.longlong:
     """A first-seen stamp for an entry without the kernel's start: strictly after ``last``, so unique."""
     return wall_ns if wall_ns > last + 1 else last + 1
-
-
-@cython.final
-@cython.cclass
-class _AdmitColumns:
-    """The columns an admission writes (compiled: typed views), held while it is open."""
-
-    def __init__(self, table: Any, queued: Any, q_active: Any, q_idle: Any) -> None:
-        self.fid, self.first, self.last_active, self.start = table._fid, table._first, table._last_active, table._start
-        self.seen, self.status, self.ct, self.mark = table._seen, table._status, table._ct, table._mark
-        self.bits, self.flags = table._bits, table._flags
-        self.op, self.ob, self.rp, self.rb = table._op, table._ob, table._rp, table._rb
-        self.tcp = table._tcp
-        self.queued, self.q_active, self.q_idle = queued, q_active, q_idle
-        self.rows = min(
-            len(table._fid), len(table._first), len(table._last_active), len(table._start), len(table._seen),
-            len(table._status), len(table._ct), len(table._mark), len(table._bits), len(table._flags),
-            len(table._op), len(table._ob), len(table._rp), len(table._rb), len(table._tcp), len(queued),
-            len(q_active), len(q_idle), len(table._keys), len(table._static),
-        )  # fmt: skip
 
 
 @cython.final
@@ -107,14 +99,13 @@ class Admission:
             return
         t = self.table
         self.orphans, self.restored, self.given_up, self.tombs = t._orphans, t._restored, t._given_up, t._tombs
-        self.keys, self.static, self.labels, self.free, self.intern = t._keys, t._static, t._labels, t._free, t._intern
+        self.labels, self.free, self.intern = t._labels, t._free, t._intern
         self.max_conns = t.max_connections
         self.readmit_before = t._readmit_bound()
         self.gen = t._generation
         self.flags = ADOPTED if t.adopt else 0
-        heap, queued, q_active, q_idle = t.queue.parts()
-        self.heap = heap
-        self.c = _AdmitColumns(t, queued, q_active, q_idle)
+        self.heap = t.queue.parts()[0]
+        self.c = t._column_views()
         self.next_slot = t._next_slot
         self.ids = t._new_id.sequence
         self.stamp = t._last_stamp
@@ -126,7 +117,7 @@ class Admission:
         if not self.open:
             return
         self.open = False
-        self.c = None  # type: ignore[assignment]  # (compiled: its views released)
+        self.c = None  # (compiled: its views released, the table keeps them)
         self.table._admitted(self.next_slot, self.ids, self.stamp, self.count)
         self.count = 0
 
@@ -169,7 +160,7 @@ class Admission:
             return STOPPED  # a value a column cannot hold
         if labels is not None and type(labels) is not bytes:
             return STOPPED
-        c: _AdmitColumns = self.c
+        c: ColumnViews = self.c
         hs: cython.Py_ssize_t
         if lookup:
             held = self.conns.get(key)
@@ -204,8 +195,8 @@ class Admission:
             del self.free[nfree - 1]
         else:
             self.next_slot = s + 1
-        self.keys[s] = ikey
-        self.static[s] = static
+        c.keys[s] = ikey
+        c.static[s] = static
         c.fid[s] = fid
         c.first[s] = first
         c.last_active[s] = stop if stop else self.wall_ns

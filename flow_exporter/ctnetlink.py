@@ -42,6 +42,8 @@ else:
         import cython
     except ModuleNotFoundError:  # interpreted without Cython installed
         from flow_exporter import cython_shim as cython
+if cython.compiled:
+    from cython.cimports.libc.string import memcpy  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
 __all__ = ["CT_DELETE", "CT_NEW", "NLMSG_DONE", "NLMSG_ERROR", "decode"]
 
@@ -123,14 +125,22 @@ class _Walk:
 
 
 def _u16(w: _Walk, at: cython.Py_ssize_t) -> cython.uint:
-    """A header's 16-bit field, in the host's order."""
+    """A header's 16-bit field, in the host's order (compiled: one load, the machine's order)."""
+    if cython.compiled:
+        x: cython.ushort = 0
+        memcpy(cython.address(x), cython.address(w.buf[at]), 2)
+        return x
     if _LITTLE:
         return w.buf[at] | (w.buf[at + 1] << 8)
     return (w.buf[at] << 8) | w.buf[at + 1]
 
 
 def _u32(w: _Walk, at: cython.Py_ssize_t) -> cython.uint:
-    """A header's 32-bit field, in the host's order."""
+    """A header's 32-bit field, in the host's order (compiled: one load, the machine's order)."""
+    if cython.compiled:
+        x: cython.uint = 0
+        memcpy(cython.address(x), cython.address(w.buf[at]), 4)
+        return x
     if _LITTLE:
         return _u16(w, at) | (_u16(w, at + 2) << 16)
     return (_u16(w, at) << 16) | _u16(w, at + 2)

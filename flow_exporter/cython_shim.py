@@ -23,6 +23,7 @@ NULL: Any = None  # a C null pointer: only ever used in a source's `if cython.co
 int: TypeAlias = builtins.int
 uint: TypeAlias = builtins.int
 uchar: TypeAlias = builtins.int
+ushort: TypeAlias = builtins.int
 long: TypeAlias = builtins.int
 longlong: TypeAlias = builtins.int
 ulonglong: TypeAlias = builtins.int

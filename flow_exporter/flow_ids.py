@@ -22,6 +22,8 @@ __all__ = ["id_at", "step"]
 
 _MASK: cython.ulonglong = 0xFFFFFFFFFFFFFFFF
 _GOLDEN: cython.ulonglong = 0x9E3779B97F4A7C15  # odd: the Weyl sequence visits every 64-bit value once
+_MIX1: cython.ulonglong = 0xBF58476D1CE4E5B9  # SplitMix64's multipliers (typed: C arithmetic, compiled)
+_MIX2: cython.ulonglong = 0x94D049BB133111EB
 
 
 def step(position: cython.ulonglong) -> cython.ulonglong:
@@ -32,8 +34,8 @@ def step(position: cython.ulonglong) -> cython.ulonglong:
 def id_at(position: cython.ulonglong) -> cython.longlong:
     """The id at ``position``: SplitMix64's finalizer, a bijection on 64-bit values, as a signed 64-bit value."""
     x: cython.ulonglong = position
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK
     x ^= x >> 31
     signed: cython.longlong
     if cython.compiled:  # noqa: SIM108  (the other branch would not compile)

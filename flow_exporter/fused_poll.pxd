@@ -1,24 +1,16 @@
 # The C types of fused_poll.py (Cython pure-Python mode).
 
 from flow_exporter.admission cimport Admission
+from flow_exporter.column_views cimport ColumnViews
 from flow_exporter.ctnetlink cimport _Row, _Walk
 
 cdef unsigned char _PRESENT, _DESTROYED, _ORPHAN, _UNCOUNTED
 cdef unsigned long long _I64_MAX, _U32
 
-cdef class _PollColumns:
-    cdef unsigned int[::1] seen, ct, seq, status, mark
-    cdef long long[::1] start, first, last_active, order
-    cdef unsigned char[::1] bits
-    cdef signed char[::1] tcp
-    cdef unsigned long long[::1] op, ob, rp, rb
-    cdef list keys
-    cdef Py_ssize_t rows, orders
-
 cdef bint _int_is(object o, unsigned long long v) noexcept
 cdef bint _bytes_is(object o, _Walk w, int f) except -1
-cdef bint _slot_holds(_PollColumns c, Py_ssize_t s, _Walk w, _Row r) except -1
+cdef bint _slot_holds(ColumnViews c, Py_ssize_t s, _Walk w, _Row r) except -1
 cdef tuple _key(_Walk w, _Row r)
 cdef Py_ssize_t _find(dict conns, tuple key) except -2
-cdef bint _fast_update(_PollColumns c, Py_ssize_t s, _Row r, unsigned long long gen, bint labelled_slot) noexcept
+cdef bint _fast_update(ColumnViews c, Py_ssize_t s, _Row r, unsigned long long gen, bint labelled_slot) noexcept
 cdef Py_ssize_t _admit(Admission adm, tuple key, _Walk w, _Row r) except -3

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Container
 from typing import TYPE_CHECKING, Any
 
+from flow_exporter.column_views import ColumnViews
 from flow_exporter.slot_state import DESTROYED, ORPHAN, PRESENT, UNCOUNTED
 
 if TYPE_CHECKING:  # Cython's top-level `cython` module has no type information; the shim states the same names
@@ -81,28 +82,6 @@ _I64_MAX: cython.ulonglong = 0x7FFFFFFFFFFFFFFF
 _U32: cython.ulonglong = 0xFFFFFFFF
 
 
-@cython.final
-@cython.cclass
-class _PollColumns:
-    """The columns the fused poll reads and writes (compiled: typed views), held between hand-overs."""
-
-    def __init__(self, table: Any) -> None:
-        self.seen, self.ct, self.start, self.first, self.seq = (
-            table._seen, table._ct, table._start, table._first, table._seq
-        )  # fmt: skip
-        self.bits, self.tcp, self.status, self.mark = table._bits, table._tcp, table._status, table._mark
-        self.op, self.ob, self.rp, self.rb = table._op, table._ob, table._rp, table._rb
-        self.last_active = table._last_active
-        self.order = table._dump_order
-        self.keys = table._keys
-        self.rows = min(
-            len(table._seen), len(table._ct), len(table._start), len(table._first), len(table._seq),
-            len(table._bits), len(table._tcp), len(table._status), len(table._mark), len(table._op),
-            len(table._ob), len(table._rp), len(table._rb), len(table._last_active), len(table._keys),
-        )  # fmt: skip
-        self.orders = len(table._dump_order)
-
-
 def _int_is(o: object, v: cython.ulonglong) -> cython.bint:
     """Whether ``o`` (a key's field) is the int ``v``, without making an int of ``v``."""
     if type(o) is not int:
@@ -117,28 +96,33 @@ def _int_is(o: object, v: cython.ulonglong) -> cython.bint:
 
 def _bytes_is(o: object, w: _Walk, f: cython.int) -> cython.bint:
     """Whether ``o`` (a key's field) is the bytes of address ``f`` of the walked message, without copying them."""
+    if type(o) is not bytes:
+        return False
+    b: bytes = o
     size: cython.Py_ssize_t = 4 if w.family == _INET else 16
-    if type(o) is not bytes or len(o) != size:
+    if len(b) != size:
         return False
     same: cython.bint
     if cython.compiled:
-        b: bytes = o
         at: cython.Py_ssize_t = w.v[f]
         same = memcmp(cython.cast(cython.p_const_char, b), cython.address(w.buf[at]), size) == 0
     else:
-        same = o == _address(w, f)
+        same = b == _address(w, f)
     return same
 
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def _slot_holds(c: _PollColumns, s: cython.Py_ssize_t, w: _Walk, r: _Row) -> cython.bint:
+def _slot_holds(c: ColumnViews, s: cython.Py_ssize_t, w: _Walk, r: _Row) -> cython.bint:
     """Whether slot ``s`` holds this row's tuple in the keyed table: a slot that holds a key and is not an orphan
     is the one the key index maps it to (the table keeps that invariant)."""
     if s < 0 or s >= c.rows or c.bits[s] & _ORPHAN:
         return False
-    k = c.keys[s]
-    if type(k) is not tuple or len(k) != 6:
+    o = c.keys[s]
+    if type(o) is not tuple:
+        return False
+    k: tuple[Any, ...] = o
+    if len(k) != 6:
         return False
     return (
         _int_is(k[3], r.sport)
@@ -167,7 +151,7 @@ def _find(conns: dict, key: tuple) -> cython.Py_ssize_t:  # type: ignore[type-ar
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def _fast_update(
-    c: _PollColumns, s: cython.Py_ssize_t, r: _Row, gen: cython.ulonglong, labelled_slot: cython.bint
+    c: ColumnViews, s: cython.Py_ssize_t, r: _Row, gen: cython.ulonglong, labelled_slot: cython.bint
 ) -> cython.bint:
     """Apply a known row in place if ``update_batch`` would only write its status, seen mark, counted bit and stop
     time: True done, False leave it to ``update_batch`` (nothing written). Mirrors it line by line."""
@@ -230,7 +214,7 @@ def _count_zone(zone_counts: dict[int, int], zone: cython.ulonglong, count: cyth
         zone_counts[zone] = zone_counts.get(zone, 0) + count
 
 
-def _hand_over(table: Any, pending: list[Any], adm: Admission | None, now: float, wall_ns: int) -> _PollColumns:
+def _hand_over(table: Any, pending: list[Any], adm: Admission | None, now: float, wall_ns: int) -> ColumnViews:
     """The pending rows applied by ``update_batch`` (the caller has let the columns go: it may grow them; the
     admission is paused around it); the columns taken again."""
     if adm is not None:
@@ -240,7 +224,8 @@ def _hand_over(table: Any, pending: list[Any], adm: Admission | None, now: float
     table.update_batch(rows, now, wall_ns)
     if adm is not None:
         adm.resume()
-    return _PollColumns(table)
+    views: ColumnViews = table._column_views()
+    return views
 
 
 @cython.boundscheck(False)
@@ -260,7 +245,7 @@ def apply_dump(
     """
     w = _Walk(buf)
     r = _Row()
-    c: _PollColumns = _PollColumns(table)
+    c: ColumnViews = table._column_views()
     conns: dict[Any, int] = table.connections
     labels: dict[int, bytes] = table._labels
     gen: cython.ulonglong = table._generation

@@ -1,5 +1,8 @@
 # The C types of slot_static.py (Cython pure-Python mode).
 
+cdef extern from "Python.h":
+    void PyObject_GC_UnTrack(object op)
+
 cdef Py_ssize_t _INTERN_MAX
 
 cpdef tuple intern_key(tuple key, dict intern)

@@ -40,17 +40,18 @@ _INTERN_MAX: cython.Py_ssize_t = INTERN_MAX
 
 def intern_key(key: tuple[Any, ...], intern: dict[Any, Any]) -> tuple[Any, ...]:
     """``key`` with its addresses and destination port the ones ``intern`` holds (put there if new): ``key``
-    itself when they already were."""
+    itself when they already were. Compiled, the key is left untracked by the cyclic collector."""
     if len(intern) > _INTERN_MAX:
         intern.clear()
     zone, proto, src, sport, dst, dport = key
-    get = intern.setdefault
-    isrc = get(src, src)
-    idst = get(dst, dst)
-    idport = get(dport, dport)
-    if isrc is src and idst is dst and idport is dport:
-        return key
-    return (zone, proto, isrc, sport, idst, idport)
+    isrc = intern.setdefault(src, src)
+    idst = intern.setdefault(dst, dst)
+    idport = intern.setdefault(dport, dport)
+    out = key if isrc is src and idst is dst and idport is dport else (zone, proto, isrc, sport, idst, idport)
+    if cython.compiled:  # ints and bytes form no cycle: a million keys the collector need not walk (interpreted,
+        # the collector untracks such a tuple at its first pass over it); declared in slot_static.pxd
+        PyObject_GC_UnTrack(out)  # type: ignore[name-defined]  # noqa: F821
+    return out
 
 
 def static_of(

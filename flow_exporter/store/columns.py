@@ -113,6 +113,9 @@ class Columns:
             self._brp, self._brb, self._seq, self._epoch, self._tcp,
         )  # fmt: skip
         self._free: list[int] = []
+        # The compiled rules' typed views of these columns (flow_exporter/column_views.py), kept while a poll runs:
+        # a column that exports a buffer cannot be resized, so _grow drops them first.
+        self._views: Any = None
         self._intern: dict[bytes | int, Any] = {}
         self._next_slot = 0
         self._epochs = itertools.count(1)
@@ -125,6 +128,7 @@ class Columns:
             self._grow(n - len(self._keys))
 
     def _grow(self, more: int = 0) -> None:
+        self._views = None  # see _init_columns: the columns cannot be resized while viewed
         n = len(self._keys)
         # The slack is touched memory: keep it small. Growing costs only the new part (large arrays and lists
         # are reallocated in place), so small steps are cheap.

@@ -32,6 +32,7 @@ from flow_exporter import admission as _admission  # new rows admitted in bulk, 
 from flow_exporter import compiled as compiled_build
 from flow_exporter import fused_poll as _fused_poll  # the steady poll, fused, written once (compiled where built)
 from flow_exporter import poll_core as _poll_core  # the sweep's scan, written once (compiled where built)
+from flow_exporter.column_views import ColumnViews
 from flow_exporter.connection import Connection, ConnectionKey
 from flow_exporter.dying import NO_TCP_STATE, is_dying
 from flow_exporter.flow import (
@@ -289,6 +290,7 @@ class Table(Columns):
         ``wall_ns``: the real time after the dump's last entry was read (0: unknown).
         """
         self._sweep(now, self._generation)
+        self._views = None  # not held between polls (and the dump order may grow)
         order = self._dump_order
         if self._dump_rows > len(order):  # room for every row position of a dump this large
             order.frombytes(b"\xff" * (8 * (self._dump_rows - len(order))))
@@ -422,6 +424,13 @@ class Table(Columns):
             for s, flow_id, conn in admitted:
                 self.on_new(_Newcomer(self, s, flow_id, conn))
         return i
+
+    def _column_views(self) -> ColumnViews:
+        """The columns' typed views for the fused poll and the admission, made once a poll (see Columns._views)."""
+        views: ColumnViews | None = self._views
+        if views is None:
+            views = self._views = ColumnViews(self)
+        return views
 
     def _readmit_bound(self) -> int:
         """The bulk admission's bound: a row that started at or before it may be one the store forgot
