@@ -20,7 +20,7 @@ Nothing here raises on garbage bytes: a malformed message is skipped and counted
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from flow_exporter.column_views import ColumnViews
@@ -209,7 +209,7 @@ def _admit(adm: Admission, key: tuple[Any, ...], w: _Walk, r: _Row) -> cython.Py
     )  # fmt: skip
 
 
-def _count_zone(zone_counts: dict[int, int], zone: cython.ulonglong, count: cython.Py_ssize_t) -> None:
+def _count_zone(zone_counts: MutableMapping[int, int], zone: cython.ulonglong, count: cython.Py_ssize_t) -> None:
     if count:
         zone_counts[zone] = zone_counts.get(zone, 0) + count
 
@@ -236,7 +236,7 @@ def apply_dump(
     zones: Container[int] | None,
     now: cython.double,
     wall_ns: cython.longlong,
-    zone_counts: dict[int, int],
+    zone_counts: MutableMapping[int, int],  # a Counter, as the poll loop passes it (a typed dict would refuse one)
 ) -> tuple[int, int, int, bool, int, bool, int]:
     """One receive buffer of the current dump of ``table`` (a :class:`flow_exporter.store.table.Table` between its
     ``begin_poll`` and ``end_poll``) applied; ``zone_counts`` gets the kept entries per zone added.

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from array import array
 from collections import deque
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -372,7 +372,7 @@ class Table(Columns):
         zones: Container[int] | None,
         now: float,
         wall_ns: int,
-        zone_counts: dict[int, int],
+        zone_counts: MutableMapping[int, int],
     ) -> DecodeResult:
         """One receive buffer of the current dump, decoded and applied in one compiled pass.
 

@@ -247,7 +247,7 @@ class Lockstep:
         self.pure.begin_poll(wall)
         self.fused.begin_poll(wall)
         pure_zones: Counter[int] = Counter()
-        fused_zones: dict[int, int] = {}
+        fused_zones: Counter[int] = Counter()  # as the poll loop passes it (app.py)
         for buf in buffers:
             batch: list[Connection] = []
             res = self.decoder.decode_batch(buf, batch, self.zones)
