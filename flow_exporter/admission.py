@@ -43,7 +43,7 @@ from flow_exporter.column_views import ColumnViews
 if not cython.compiled:
     from flow_exporter.deadline_heap import ms_of, push_entry
     from flow_exporter.flow_ids import id_at, step
-    from flow_exporter.slot_static import intern_key, static_of
+    from flow_exporter.slot_static import icmp_bits, intern_key, static_of
 else:  # the heap's push, the id sequence, the key and the static bytes: C calls
     from cython.cimports.flow_exporter.deadline_heap import (  # type: ignore[import-untyped,import-not-found,no-redef,unused-ignore]
         ms_of,
@@ -54,6 +54,7 @@ else:  # the heap's push, the id sequence, the key and the static bytes: C calls
         step,
     )
     from cython.cimports.flow_exporter.slot_static import (  # type: ignore[import-untyped,import-not-found,no-redef,unused-ignore]
+        icmp_bits,
         intern_key,
         static_of,
     )
@@ -261,11 +262,7 @@ def _admit_connection(adm: Admission, conn: Connection) -> cython.Py_ssize_t:
     counted = conn.counted
     if type(odst) is not bytes or type(rdst) is not bytes or type(counted) is not bool:
         return STOPPED
-    icmp: cython.uchar = (
-        (1 if conn.icmp_type is not None else 0)
-        | (2 if conn.icmp_code is not None else 0)
-        | (4 if conn.icmp_id is not None else 0)
-    )
+    icmp: cython.uchar = icmp_bits(conn.icmp_type, conn.icmp_code, conn.icmp_id)
     ts = conn.tcp_state
     try:
         key = conn.key

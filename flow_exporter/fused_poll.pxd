@@ -10,6 +10,7 @@ cdef unsigned long long _I64_MAX, _U32
 cdef bint _int_is(object o, unsigned long long v) noexcept
 cdef bint _bytes_is(object o, _Walk w, int f) except -1
 cdef bint _slot_holds(ColumnViews c, Py_ssize_t s, _Walk w, _Row r) except -1
+cdef inline unsigned long long _key_port(_Row r) noexcept
 cdef tuple _key(_Walk w, _Row r)
 cdef Py_ssize_t _find(dict conns, tuple key) except -2
 cdef bint _fast_update(ColumnViews c, Py_ssize_t s, _Row r, unsigned long long gen, bint labelled_slot) noexcept

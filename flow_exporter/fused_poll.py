@@ -127,16 +127,22 @@ def _slot_holds(c: ColumnViews, s: cython.Py_ssize_t, w: _Walk, r: _Row) -> cyth
     return (
         _int_is(k[3], r.sport)
         and _bytes_is(k[2], w, _SRC)
-        and _int_is(k[5], r.dport if r.icmp else r.rsport)
+        and _int_is(k[5], _key_port(r))
         and _bytes_is(k[4], w, _R + _SRC)
         and _int_is(k[1], r.proto)
         and _int_is(k[0], r.zone)
     )
 
 
+def _key_port(r: _Row) -> cython.ulonglong:
+    """The key's last field, as ``Connection.key`` picks it: the destination port (type << 8 | code) for ICMP, the
+    reply's source port otherwise."""
+    return r.dport if r.icmp else r.rsport
+
+
 def _key(w: _Walk, r: _Row) -> tuple[Any, ...]:
-    """The row's lookup key: (zone, proto, orig_src, sport, reply_src, dport), as ``Connection.key`` builds it."""
-    return (r.zone, r.proto, _address(w, _SRC), r.sport, _address(w, _R + _SRC), r.dport if r.icmp else r.rsport)
+    """The row's lookup key: (zone, proto, orig_src, sport, reply_src, the key port), as ``Connection.key``."""
+    return (r.zone, r.proto, _address(w, _SRC), r.sport, _address(w, _R + _SRC), _key_port(r))
 
 
 def _find(conns: dict, key: tuple) -> cython.Py_ssize_t:  # type: ignore[type-arg]

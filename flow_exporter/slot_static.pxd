@@ -5,6 +5,7 @@ cdef extern from "Python.h":
 
 cdef Py_ssize_t _INTERN_MAX
 
+cpdef unsigned char icmp_bits(object icmp_type, object icmp_code, object icmp_id) noexcept
 cpdef tuple intern_key(tuple key, dict intern)
 cpdef bytes static_of(bytes orig_dst, bytes reply_dst, unsigned int orig_dport, unsigned int reply_sport,
                       unsigned int reply_dport, unsigned char icmp)

@@ -31,7 +31,7 @@ if cython.compiled:
     )
     from cython.cimports.libc.string import memcpy  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
-__all__ = ["INTERN_MAX", "STATIC", "intern_key", "static_of"]
+__all__ = ["INTERN_MAX", "STATIC", "icmp_bits", "intern_key", "static_of"]
 
 STATIC = struct.Struct("!HHHB")
 INTERN_MAX = 1 << 17
@@ -52,6 +52,11 @@ def intern_key(key: tuple[Any, ...], intern: dict[Any, Any]) -> tuple[Any, ...]:
         # the collector untracks such a tuple at its first pass over it); declared in slot_static.pxd
         PyObject_GC_UnTrack(out)  # type: ignore[name-defined]  # noqa: F821
     return out
+
+
+def icmp_bits(icmp_type: object, icmp_code: object, icmp_id: object) -> cython.uchar:
+    """The static bytes' last byte: which of a connection's ICMP fields the kernel gave (1 type, 2 code, 4 id)."""
+    return (1 if icmp_type is not None else 0) | (2 if icmp_code is not None else 0) | (4 if icmp_id is not None else 0)
 
 
 def static_of(

@@ -58,7 +58,7 @@ class ConnectionStore(Shutdown):
     max_connections: int = DEFAULTS["limits.maxConnections"]  # bounded memory: beyond this, connections are given up
     adopt: bool = True  # no state to continue from: connections found live are flagged ADOPTED
     id_seed: bytes | None = None  # the id allocator's start (tests); random by default
-    compiled: bool = True  # apply dump buffers with the compiled path when it is built (apply_dump_buffer)
+    compiled: bool = True  # False: the lockstep tests' reference (no fused poll or bulk admission; interpreted rules)
     cache_prefixes: bool = True  # keep an active connection's record prefix for its next record (export.prefixCache)
 
     def __post_init__(self) -> None:

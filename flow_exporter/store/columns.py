@@ -28,31 +28,8 @@ from flow_exporter.flow import (
     Export,
     Totals,
 )
-from flow_exporter.slot_state import (  # the bits of a slot's state column, re-exported: the store takes them here
-    ACTIVE as ACTIVE,
-)
-from flow_exporter.slot_state import (
-    CLOSED as CLOSED,
-)
-from flow_exporter.slot_state import (
-    DESTROYED as DESTROYED,
-)
-from flow_exporter.slot_state import (
-    FINAL_DUE as FINAL_DUE,
-)
-from flow_exporter.slot_state import (
-    LAST_ACTIVE as LAST_ACTIVE,
-)
-from flow_exporter.slot_state import (
-    ORPHAN as ORPHAN,
-)
-from flow_exporter.slot_state import (
-    PRESENT as PRESENT,
-)
-from flow_exporter.slot_state import (
-    UNCOUNTED as UNCOUNTED,
-)
-from flow_exporter.slot_static import STATIC, intern_key, static_of
+from flow_exporter.slot_state import ACTIVE, FINAL_DUE, PRESENT, UNCOUNTED
+from flow_exporter.slot_static import STATIC, icmp_bits, intern_key, static_of
 from flow_exporter.store.stats import StoreStats
 
 _MIN_GROW = 1024
@@ -60,11 +37,7 @@ _MIN_GROW = 1024
 
 def _static(conn: Connection) -> bytes:
     """The connection's static bytes (flow_exporter/slot_static.py says what they hold)."""
-    icmp = (
-        (1 if conn.icmp_type is not None else 0)
-        | (2 if conn.icmp_code is not None else 0)
-        | (4 if conn.icmp_id is not None else 0)
-    )
+    icmp = icmp_bits(conn.icmp_type, conn.icmp_code, conn.icmp_id)
     return static_of(conn.orig_dst, conn.reply_dst, conn.orig_dport, conn.reply_sport, conn.reply_dport, icmp)
 
 

@@ -35,12 +35,7 @@ from flow_exporter.flow import (
     ReportedRows,
     Restored,
 )
-from flow_exporter.store.columns import (
-    ACTIVE,
-    FINAL_DUE,
-    LAST_ACTIVE,
-    ORPHAN,
-)
+from flow_exporter.slot_state import ACTIVE, FINAL_DUE, LAST_ACTIVE, ORPHAN
 from flow_exporter.store.table import GivenUp, Table, Tombstone
 
 # How soon a connection whose record is still in flight is looked at again.

@@ -8,7 +8,7 @@ from flow_exporter.flow import (
     FORCED_END,
     Export,
 )
-from flow_exporter.store.columns import CLOSED, FINAL_DUE
+from flow_exporter.slot_state import CLOSED, FINAL_DUE
 from flow_exporter.store.ledger import Ledger
 
 

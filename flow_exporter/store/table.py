@@ -53,15 +53,8 @@ from flow_exporter.flow import (
     Totals,
 )
 from flow_exporter.ports import DecodeResult
-from flow_exporter.store.columns import (
-    ACTIVE,
-    DESTROYED,
-    FINAL_DUE,
-    ORPHAN,
-    PRESENT,
-    UNCOUNTED,
-    Columns,
-)
+from flow_exporter.slot_state import ACTIVE, DESTROYED, FINAL_DUE, ORPHAN, PRESENT, UNCOUNTED
+from flow_exporter.store.columns import Columns
 from flow_exporter.store.stats import StoreStats
 from flow_exporter.timeouts import Timeouts
 

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flow_exporter import compiled
-from flow_exporter.store.columns import DESTROYED, PRESENT
+from flow_exporter.slot_state import DESTROYED, PRESENT
 
 BUILT = compiled.load("poll_core")
 INTERPRETED = compiled.interpreted("poll_core", as_name="tests_interpreted_poll_core")
@@ -28,9 +28,7 @@ BUILDS = [pytest.param(BUILT, id="compiled" if compiled.is_compiled(BUILT) else 
     st.data(),
     st.integers(0, 3),
 )
-def test_swept_is_the_comprehension_in_both_builds(
-    slots: list[tuple[int, int]], data: st.DataObject, gen: int
-) -> None:
+def test_swept_is_the_comprehension_in_both_builds(slots: list[tuple[int, int]], data: st.DataObject, gen: int) -> None:
     seen = array("I", [s for s, _ in slots])
     bits = bytearray(b for _, b in slots)
     keyed = data.draw(st.permutations(range(len(slots))))
