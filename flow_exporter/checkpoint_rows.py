@@ -72,7 +72,11 @@ _ACK_SIZE: cython.Py_ssize_t = ACK.size
 
 # flow.RECORD_FLAGS: the record's own flags, kept in a journaled row beside its ROW_* kind bits
 _RECORD_FLAGS = 0x0F
-_COLUMN_CODES = ("I", "q", "q", "q", "I", "Q", "Q", "Q", "Q")  # flow.ReportedRows.columns, then a bytearray
+# flow.RowColumns by name: an array's typecode, or "flags" for the one bytearray
+_COLUMN_CODES = (
+    ("ct", "I"), ("start", "q"), ("first", "q"), ("fid", "q"), ("seq", "I"),
+    ("bp", "Q"), ("bb", "Q"), ("brp", "Q"), ("brb", "Q"), ("flags", "flags"),
+)  # fmt: skip
 
 
 def row_size(alen: cython.Py_ssize_t) -> cython.Py_ssize_t:
@@ -299,23 +303,25 @@ def _put_message(o: _Out, topic: bytes, key: bytes, value: bytes) -> None:
 @cython.final
 @cython.cclass
 class _Columns:
-    """The store's columns (flow.ReportedRows.columns), checked: nine arrays of these typecodes, then a
+    """The store's columns (flow.RowColumns), checked by name: nine arrays of these typecodes, then a
     bytearray. Compiled, held as typed views (the .pxd), so reading a slot's value is one load."""
 
-    def __init__(self, columns: tuple[Any, ...]) -> None:
-        if len(columns) != 10:
-            raise TypeError(f"10 columns are needed, not {len(columns)}")
-        for c, code in zip(columns[:9], _COLUMN_CODES, strict=True):
-            if not isinstance(c, array) or c.typecode != code:
-                raise TypeError(f"a column is an array of {code!r}, not {type(c).__name__}")
-        if not isinstance(columns[9], bytearray):
-            raise TypeError(f"the flags column is a bytearray, not {type(columns[9]).__name__}")
-        self.ct, self.start, self.first, self.fid, self.seq, self.bp, self.bb, self.brp, self.brb, self.flags = columns
-        self.rows = min(len(c) for c in columns)
+    def __init__(self, columns: Any) -> None:
+        got = []
+        for name, code in _COLUMN_CODES:
+            c = getattr(columns, name, None)
+            if code == "flags":
+                if not isinstance(c, bytearray):
+                    raise TypeError(f"the {name} column is a bytearray, not {type(c).__name__}")
+            elif not isinstance(c, array) or c.typecode != code:
+                raise TypeError(f"the {name} column is an array of {code!r}, not {type(c).__name__}")
+            got.append(c)
+        self.ct, self.start, self.first, self.fid, self.seq, self.bp, self.bb, self.brp, self.brb, self.flags = got
+        self.rows = min(len(c) for c in got)
 
 
-def pack_columns(slots: list[int], keys: Sequence[Any], columns: tuple[Any, ...], out: bytearray) -> int:
-    """The ROW of every slot, from the store's columns (flow.ReportedRows), appended to ``out``; their count."""
+def pack_columns(slots: list[int], keys: Sequence[Any], columns: Any, out: bytearray) -> int:
+    """The ROW of every slot, from the store's columns (flow.RowColumns), appended to ``out``; their count."""
     c = _Columns(columns)
     o = _Out(out)
     s: cython.Py_ssize_t

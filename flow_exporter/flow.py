@@ -167,6 +167,21 @@ class Restored(NamedTuple):
     flags: int
 
 
+class RowColumns(NamedTuple):
+    """The store's columns a checkpoint row is read from, by name, each indexed by slot."""
+
+    ct: Sequence[int]
+    start: Sequence[int]
+    first: Sequence[int]  # first-seen stamp
+    fid: Sequence[int]  # connectionId
+    seq: Sequence[int]  # next sequence
+    bp: Sequence[int]  # base totals: packets, bytes, reverse packets, reverse bytes
+    bb: Sequence[int]
+    brp: Sequence[int]
+    brb: Sequence[int]
+    flags: Sequence[int]
+
+
 @dataclass(frozen=True, slots=True)
 class ReportedRows:
     """What a checkpoint keeps, as the store holds it: slots into its columns, then rows already made.
@@ -178,15 +193,16 @@ class ReportedRows:
 
     slots: list[int]
     keys: Sequence[ConnectionKey | None]  # indexed by slot (None: a free slot, never among the slots)
-    # ct_id, start, first seen, flow id, next sequence, base totals x4, flags: indexed by slot
-    columns: tuple[Sequence[int], ...]
+    columns: RowColumns
     rest: Iterable[Restored]  # given-up, restored and ended rows, made as they are
     adopting: bool = False  # connections found live are still flagged ADOPTED (checkpoint.Loaded.adopting)
 
     def __iter__(self) -> Iterator[Restored]:
         new = tuple.__new__  # a NamedTuple without its __new__ overhead
         keys = self.keys
-        ct, start, first, fid, seq, bp, bb, brp, brb, flags = self.columns
+        c = self.columns
+        ct, start, first, fid, seq, flags = c.ct, c.start, c.first, c.fid, c.seq, c.flags
+        bp, bb, brp, brb = c.bp, c.bb, c.brp, c.brb
         for s in self.slots:
             yield new(Restored, (keys[s], ct[s], start[s], first[s], fid[s], seq[s], (bp[s], bb[s], brp[s], brb[s]),
                                  flags[s]))  # fmt: skip

@@ -5,8 +5,8 @@ totals become the base of the next delta at once, and it is the one record in fl
 :func:`settle_delivered` settles delivered records of live connections. Both work on a batch, straight on
 the store's columns (``flow_exporter.store.columns``), in Cython's pure-Python mode: compiled, a column is a
 typed view and a record's fields are struct members; interpreted, the same code indexes the arrays.
-:class:`flow_exporter.store.Ledger` calls them; what they leave to it (a record of a restored or ended
-connection settled) it does itself.
+:class:`flow_exporter.store.table.Table` calls them (its batch API: ``due``, ``build``, ``settle``); what
+they leave to it (a record of a restored or ended connection settled) it does itself.
 
 Why compiled: at 50k records/s the build and the settling of each record were ~9% of the node run's CPU as
 Python (bench_node, py-spy); the hand-written C they replaced (``_records.c``, before issue 39) was the same work.

@@ -30,7 +30,6 @@ from flow_exporter.flow import (
 )
 from flow_exporter.slot_state import ACTIVE, FINAL_DUE, PRESENT, UNCOUNTED
 from flow_exporter.slot_static import STATIC, icmp_bits, intern_key, static_of
-from flow_exporter.store.stats import StoreStats
 
 _MIN_GROW = 1024
 
@@ -44,11 +43,9 @@ def _static(conn: Connection) -> bytes:
 class Columns:
     """The slot columns and their mechanics: allocate, write a row, release, read back."""
 
-    stats: StoreStats
-    _labels: dict[int, bytes]
     _generation: int  # the current dump's number (the table's; rows it shows are stamped with it)
 
-    def _init_columns(self) -> None:
+    def __init__(self) -> None:
         self.queue = ExpiryQueue()  # deadlines per slot
         self._idle: dict[int, None] = {}  # slots of idle connections, oldest first: eviction candidates
         # Slot columns (one element per slot; see the module docstring).
@@ -101,7 +98,7 @@ class Columns:
             self._grow(n - len(self._keys))
 
     def _grow(self, more: int = 0) -> None:
-        self._views = None  # see _init_columns: the columns cannot be resized while viewed
+        self._views = None  # see __init__: the columns cannot be resized while viewed
         n = len(self._keys)
         # The slack is touched memory: keep it small. Growing costs only the new part (large arrays and lists
         # are reallocated in place), so small steps are cheap.

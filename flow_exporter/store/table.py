@@ -15,8 +15,9 @@ contract (README, "Counting: the contract"):
   fields: what the store forgot and meets again is a new connection, flagged adopted when the
   kernel's stamps show it was seen before.
 
-Ending a connection for the exporter (scheduling the record that reports it) is the ledger's
-(``_end``, :mod:`flow_exporter.store.ledger`); this layer decides when.
+The table also holds what was reported of each connection (its columns say it) and answers for it in
+batches: which records are due, their build, their delivery settled, the rows a checkpoint keeps. The
+ledger (:mod:`flow_exporter.store.ledger`) decides when to ask, and keeps the failed records it resends.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from __future__ import annotations
 import logging
 from array import array
 from collections import deque
-from collections.abc import Callable, Container, Iterable, MutableMapping
+from collections.abc import Callable, Container, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from flow_exporter import admission as _admission  # new rows admitted in bulk, written once (compiled where built)
 from flow_exporter import compiled as compiled_build
 from flow_exporter import fused_poll as _fused_poll  # the steady poll, fused, written once (compiled where built)
+from flow_exporter import ledger_core as _ledger_core  # a record built and settled, written once (compiled where built)
 from flow_exporter import poll_core as _poll_core  # the sweep's scan, written once (compiled where built)
 from flow_exporter.column_views import ColumnViews
 from flow_exporter.connection import Connection, ConnectionKey
@@ -45,20 +47,27 @@ from flow_exporter.flow import (
     LACK_OF_RESOURCES,
     RECORD_FLAGS,
     ROW_ENDED,
+    ROW_GIVEN_UP,
     ROW_RESET,
     ZERO,
+    Export,
     IdAllocator,
     NewConnection,
+    ReportedRows,
     Restored,
+    RowColumns,
     Totals,
 )
 from flow_exporter.ports import DecodeResult
-from flow_exporter.slot_state import ACTIVE, DESTROYED, FINAL_DUE, ORPHAN, PRESENT, UNCOUNTED
+from flow_exporter.slot_state import ACTIVE, CLOSED, DESTROYED, FINAL_DUE, LAST_ACTIVE, ORPHAN, PRESENT, UNCOUNTED
 from flow_exporter.store.columns import Columns
 from flow_exporter.store.stats import StoreStats
 from flow_exporter.timeouts import Timeouts
 
 log = logging.getLogger("flow_exporter.store")
+
+# How soon a connection whose record is still in flight is looked at again.
+RETRY_DELAY = 1.0
 
 # The cap's log line comes at most this often (seconds), with the counts since the last one.
 CAP_LOG_INTERVAL = 60.0
@@ -191,26 +200,40 @@ class _Newcomer:
 
 
 class Table(Columns):
-    """The keyed table of tracked connections, and the memory of what left it."""
+    """The keyed table of tracked connections, the memory of what left it, and its records' batch API.
 
-    timeouts: Timeouts
-    on_new: Callable[[NewConnection], None] | None
-    max_connections: int
-    adopt: bool
-    id_seed: bytes | None
-    compiled: bool
+    It owns every column (:class:`~flow_exporter.store.columns.Columns`) and every index into them, and is
+    the only object that writes them. The ledger and the shutdown use it through its batch API (apply a dump
+    or events, ``due``, ``build``, ``settle``, ``finals``), never through its columns.
+    """
 
-    def _init_table(self) -> None:
+    def __init__(
+        self,
+        timeouts: Timeouts,
+        stats: StoreStats,
+        *,
+        on_new: Callable[[NewConnection], None] | None,
+        max_connections: int,
+        adopt: bool,
+        id_seed: bytes | None,
+        compiled: bool,
+        cache_prefixes: bool,
+    ) -> None:
+        super().__init__()
+        self.timeouts = timeouts
+        self.on_new = on_new
+        self.max_connections = max_connections
+        self.adopt = adopt
         # The poll's rules written once (compiled where built), or (compiled=False, a test seam) the interpreted build.
-        self._poll_core = _poll_core if self.compiled else compiled_build.reference("poll_core")
+        self._poll_core = _poll_core if compiled else compiled_build.reference("poll_core")
         # The fused poll and the bulk admission: optimisations of the pair they stand for (decode, then
         # update_batch row by row), which is all a store with compiled=False (the lockstep tests' reference) runs.
-        self._fused_poll = _fused_poll if self.compiled else None
-        self._admission = _admission if self.compiled else None
+        self._fused_poll = _fused_poll if compiled else None
+        self._admission = _admission if compiled else None
         # The fused poll's memory of the dump's order: the slot each row position held last poll (-1: none).
         self._dump_order = array("q")
         self._dump_rows = 0  # rows of the current dump applied so far
-        self._new_id = IdAllocator(self.id_seed)
+        self._new_id = IdAllocator(id_seed)
         self.connections: dict[ConnectionKey, int] = {}  # key -> slot of the incarnation that holds the tuple
         self._orphans: dict[int, int] = {}  # flow_id -> slot: out of the table, final record pending
         # (tuple, ct_id) -> replaced incarnations still owing their end-of-flow record, for their DESTROY
@@ -229,17 +252,21 @@ class Table(Columns):
         self._polls_done = 0
         self._cap_logged_at = float("-inf")
         self._cap_unlogged: dict[str, int] = {}
-        self.stats = StoreStats()
+        self.stats = stats
         self.tombstone_ttl = max(4 * self.timeouts.poll_interval, TOMBSTONE_MIN_TTL)
         self.max_tombstones = max(self.max_connections, 1024)
         # Wall-clock (begin, end) of recent complete dumps: an entry that lived through one of them was
         # seen by it, so meeting it as unknown means it was forgotten (bounded: a few hours of polls).
         self._dumps: deque[tuple[int, int]] = deque(maxlen=4096)
         self._dump_begin = 0
-
-    def _end(self, s: int, reason: int, now: float, *, force_record: bool = False) -> None:
-        """Slot ``s`` ended for the exporter: the ledger schedules the record that reports it."""
-        raise NotImplementedError
+        # The compiled build of the record rules, or (compiled=False, a test seam) the interpreted one beside it.
+        self._core = _ledger_core if compiled else compiled_build.reference("ledger_core")
+        # The bit that keeps a delivered record's prefix for the connection's next one: ACTIVE, or 0 when
+        # prefixes are not cached (every record rebuilds its own; export.prefixCache).
+        self._keep_prefix = ACTIVE if cache_prefixes else 0
+        self._orphan_due: list[int] = []  # orphans owing their final record (they are not in the queue)
+        self._loose: dict[tuple[int, int], Export] = {}  # restored records in flight: no connection holds them
+        self._loose_last: dict[int, int] = {}  # flow id -> the sequence of its last loose record, until met again
 
     def __len__(self) -> int:
         return len(self.connections) + len(self._orphans)
@@ -419,7 +446,7 @@ class Table(Columns):
         return i
 
     def _column_views(self) -> ColumnViews:
-        """The columns' typed views for the fused poll and the admission, made once a poll (see Columns._views)."""
+        """The columns' typed views for the fused poll and the admission, made once a poll (see Columns.__init__)."""
         views: ColumnViews | None = self._views
         if views is None:
             views = self._views = ColumnViews(self)
@@ -750,6 +777,15 @@ class Table(Columns):
     def _continue(
         self, key: ConnectionKey, conn: Connection, known: Tombstone | Restored, now: float, wall_ns: int
     ) -> int:
+        """Track ``conn`` again as it was known (:meth:`_continued`), with its own record still in flight."""
+        s = self._continued(key, conn, known, now, wall_ns)
+        if self._loose_last:
+            self._attach_in_flight(known.flow_id, s)
+        return s
+
+    def _continued(
+        self, key: ConnectionKey, conn: Connection, known: Tombstone | Restored, now: float, wall_ns: int
+    ) -> int:
         """Track ``conn`` again under the identity and reported state it had (a tombstone or a checkpoint row).
 
         A connectionId that ended with a counter reset is not continued: its entry goes on under a
@@ -1003,3 +1039,230 @@ class Table(Columns):
             tomb = self._tombs.get(tkey)
             if tomb is not None and tomb.deadline <= now:
                 del self._tombs[tkey]
+
+    # ---------------------------------------------------------------- records: the ledger's batch API
+    def restore(self, rows: Iterable[Restored], in_flight: Iterable[Export], *, adopting: bool) -> None:
+        """A previous process's checkpoint (before the first poll): its rows, matched to the table by tuple and
+        incarnation as the first dump (or an event) shows them, and its records in flight, each held by no
+        connection until its own is met again (:meth:`_attach_in_flight`). ``adopting``: see Ledger.restore."""
+        self.adopt = adopting
+        given_up = self._given_up
+        for row in rows:
+            if row.flags & ROW_GIVEN_UP:
+                g = GivenUp(row.ct_id, row.start_ns, row.first_seen_ns, row.flow_id, None)
+                if row.key in given_up:  # several given-up incarnations of one tuple: the first dump tells which
+                    self._given_up_replaced.setdefault((row.key, row.ct_id), []).append(g)  # one is live
+                else:
+                    given_up[row.key] = g
+            else:
+                self._restored.setdefault(row.key, []).append(row)
+        last = self._loose_last
+        for e in in_flight:
+            self._loose[(e.flow_id, e.sequence)] = e
+            if e.sequence >= last.get(e.flow_id, -1):
+                last[e.flow_id] = e.sequence
+
+    def _attach_in_flight(self, flow_id: int, s: int) -> None:
+        """A restored connection's own record still in flight becomes its connection's again (its pending record).
+
+        A connection has at most one record in flight; a restored one held by no connection let the next
+        record be built and delivered while it was still failing, and a process dying then (its state deleted
+        for a full disk) left a sequence gap where a tail is all it may lose (found by the model soak).
+        """
+        seq = self._loose_last.pop(flow_id, None)
+        if seq is None:
+            return
+        e = self._loose.get((flow_id, seq))
+        if self._fid[s] != flow_id:
+            s = self._orphans.get(flow_id, -1)  # ended by a reset found at the restart: its last record waits
+        if e is None or s < 0 or self._pending[s] is not None:
+            return
+        del self._loose[(flow_id, seq)]
+        e.slot = s
+        self._pending[s] = e
+
+    def _end(self, s: int, reason: int, now: float, *, force_record: bool = False) -> None:
+        """Slot ``s`` ended for the exporter: schedule the record that reports it, or forget it if there is none."""
+        self._reason[s] = reason
+        b = self._bits[s]
+        if force_record or self._seq[s] == 0 or b & LAST_ACTIVE or self._totals_of(s) != self._base_of(s):
+            self._bits[s] = b | FINAL_DUE
+            if b & ORPHAN:
+                self._orphan_due.append(s)
+            elif s in self.queue:
+                self.queue.update(s, active_expire=now)
+            else:
+                self.queue.push(s, now, now)
+        else:
+            self._bits[s] = b & ~FINAL_DUE
+            if self._pending[s] is None:
+                self._forget(s, now)
+
+    def next_due(self) -> float | None:
+        """When the next record is due (-inf: an orphan owes one now; None: nothing is queued)."""
+        if any(self._pending[s] is None for s in self._orphan_due):
+            return float("-inf")
+        return self.queue.next_deadline()
+
+    def due(self, now: float, limit: int | None, out: list[Export]) -> None:
+        """The records due at ``now`` (at most ``limit``), built and appended to ``out``.
+
+        What the limit holds back stays due and is built later with its latest counters. Which slots
+        get a record, and why, is decided first; the records are built after, in that order
+        (:meth:`build`): a build touches only its own slot. An orphan may be queued too: once taken
+        here, it waits in the queue as one whose record is in flight would (the build makes it so).
+        """
+        todo: list[int] = []
+        why = bytearray()
+        pending = self._pending
+        bits = self._bits
+        reason = self._reason
+        taken: set[int] = set()
+        if self._orphan_due:
+            waiting = []
+            for s in self._orphan_due:
+                if pending[s] is not None or s in taken or (limit is not None and len(todo) >= limit):
+                    waiting.append(s)  # goes when its record in flight settles
+                elif bits[s] & FINAL_DUE and bits[s] & ORPHAN and self._keys[s] is not None:
+                    todo.append(s)
+                    why.append(reason[s])
+                    taken.add(s)
+            self._orphan_due = waiting
+        retry: list[int] = []
+        self._core.due(self, now, -1 if limit is None else limit, todo, why, retry, taken)
+        queue = self.queue
+        for s in retry:
+            queue.push(s, now + RETRY_DELAY, now + RETRY_DELAY)
+        if todo:
+            self.build(todo, bytes(why), out)
+
+    def build(self, slots: list[int], reasons: bytes, out: list[Export]) -> None:
+        """The records of ``slots`` (for ``reasons``), appended to ``out`` in order (ledger_core.build_records)."""
+        before = len(out)
+        try:
+            self._core.build_records(self, slots, reasons, out, self._view)
+        finally:
+            self.stats.records_built += len(out) - before
+
+    def settle(self, exports: list[Export], now: float) -> None:
+        """Records delivered, or failed for good, in order: a live connection may have its next record; one
+        that ended may be forgotten (ledger_core.settle_delivered, the rest in :meth:`_settle_other`)."""
+        self._core.settle_delivered(self, exports, self._keep_prefix, lambda e: self._settle_other(e, now))
+
+    def _settle_other(self, export: Export, now: float) -> None:
+        """A settled record that is not a live connection's one in flight: restored from a checkpoint (no slot),
+        stale (its slot holds another record), or of a connection that ended (it may be forgotten now)."""
+        s = export.slot
+        if s < 0:
+            self._loose.pop((export.flow_id, export.sequence), None)
+            return
+        if self._pending[s] is not export:
+            return
+        self._pending[s] = None
+        b = self._bits[s]
+        if b & FINAL_DUE or self._totals_of(s) != self._base_of(s):
+            self._bits[s] = b | FINAL_DUE  # more counts arrived (a late DESTROY) after its record was built
+            if b & ORPHAN:
+                self._orphan_due.append(s)
+            elif s not in self.queue:
+                self.queue.push(s, now, now)
+        elif self._settled(s):
+            self._forget(s, now)
+
+    def slots(self) -> list[int]:
+        """Every slot that holds a connection: the orphans first, then the keyed table (a shutdown's pass)."""
+        return [*self._orphans.values(), *self.connections.values()]
+
+    def finals(self, todo: list[int], i: int, room: int | None, reason: int, out: list[Export]) -> int:
+        """Shutdown: the last records of ``todo``'s slots from ``i`` on (at most ``room``), appended to ``out``;
+        where the next call goes on.
+
+        Live connections get ``reason`` (forced end); ones that already ended get their own end reason. A
+        connection with a record in flight is skipped (the next pass meets it once that settles), so no
+        counts are sent twice; a slot freed since ``todo`` was taken is skipped too.
+        """
+        self._orphan_due = []  # the orphans owing a record are met here, in this call or a later one
+        bits = self._bits
+        keys = self._keys
+        slots: list[int] = []
+        why = bytearray()
+        while i < len(todo) and (room is None or len(slots) < room):
+            s = todo[i]
+            i += 1
+            if keys[s] is None or self._pending[s] is not None or bits[s] & CLOSED:
+                continue  # forgotten since the pass began (its slot is free), in flight, or done
+            r = self._reason[s]
+            if r:
+                if bits[s] & FINAL_DUE:
+                    slots.append(s)
+                    why.append(r)
+                continue
+            bits[s] |= CLOSED
+            if self._dying(s) and self._seq[s] and self._totals_of(s) == self._base_of(s):
+                continue  # its end-of-flow record told it all (TIME_WAIT)
+            self.queue.remove(s)
+            slots.append(s)
+            why.append(reason)
+        self.build(slots, bytes(why), out)
+        return i
+
+    def unfinished(self) -> int:
+        """Records built and not delivered, plus connections still owing one (shutdown)."""
+        n = len(self._loose)
+        bits = self._bits
+        for s in self.slots():
+            if self._pending[s] is not None or (bits[s] & FINAL_DUE if self._reason[s] else not bits[s] & CLOSED):
+                n += 1
+        return n
+
+    def in_flight(self) -> Iterator[Export]:
+        """Every record built and not known to be delivered (in flight or waiting to be resent)."""
+        yield from self._loose.values()  # restored from a checkpoint: no connection holds them
+        for s in [*self.connections.values(), *self._orphans.values()]:
+            e = self._pending[s]
+            if e is not None:
+                yield e
+
+    def reported(self) -> ReportedRows:
+        """What a checkpoint keeps: every connection a restarted exporter may meet again with a record built.
+
+        Tracked connections, connections given up at the cap, and rows restored from the
+        last checkpoint that no dump has matched yet; not the orphans that ended. The tracked
+        ones as slots into the columns, read when packed (under the caller's lock).
+        """
+        seq = self._seq
+        fl = self._flags
+        # Reset successors before their first record too: their ended predecessor no longer says so; and adopted
+        # connections: a restart that met them as new would report counts an earlier lineage may have, unflagged.
+        keep = COUNTERS_RESET | ADOPTED
+        slots = [s for s in self.connections.values() if seq[s] or fl[s] & keep]
+        columns = RowColumns(
+            ct=self._ct, start=self._start, first=self._first, fid=self._fid, seq=seq,
+            bp=self._bp, bb=self._bb, brp=self._brp, brb=self._brb, flags=fl,
+        )  # fmt: skip
+        return ReportedRows(slots, self._keys, columns, self._untracked_rows(), self.adopt)
+
+    def _untracked_rows(self) -> Iterator[Restored]:
+        for rows in self._restored.values():
+            yield from rows
+        orphans = self._orphans
+        for key, g in self._given_up.items():
+            s = orphans.get(g.flow_id)
+            if s is not None and self._owes_give_up(s):
+                # Never "given up" without the record it owes: a restart would take the row's word for it and
+                # never report the connection. Until that record is built it is kept as what it was before.
+                if self._seq[s] or self._flags[s] & (ADOPTED | COUNTERS_RESET):
+                    yield Restored(
+                        key, self._ct[s], self._start[s], self._first[s], g.flow_id, self._seq[s], self._base_of(s),
+                        self._flags[s] & RECORD_FLAGS,
+                    )  # fmt: skip
+                continue  # nothing reported yet: a restart meets it as new, as this process first did
+            yield Restored(key, g.ct_id, g.start_ns, g.first_seen_ns, g.flow_id, 1, ZERO, ROW_GIVEN_UP)
+        for (key, _), t in self._tombs.items():
+            if not t.destroyed:  # a destroyed entry cannot be met again by a later process
+                kind = ROW_ENDED | (ROW_RESET if t.reset else 0)
+                yield Restored(key, t.ct_id, t.start_ns, t.first_seen_ns, t.flow_id, t.next_seq, t.base, t.flags | kind)
+
+    def _owes_give_up(self, s: int) -> bool:
+        """Whether orphan ``s`` was given up at the cap and its lack-of-resources record is not built yet."""
+        return self._reason[s] == LACK_OF_RESOURCES and self._pending[s] is None and bool(self._bits[s] & FINAL_DUE)

@@ -28,6 +28,7 @@ from flow_exporter.probes import readiness
 from flow_exporter.record import load_schema
 from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.store import ConnectionStore
+from flow_exporter.store.table import Table
 from flow_exporter.timeouts import Timeouts
 from tests.support import contract
 from tests.support.fakes import FakeBroker, FakeTable
@@ -666,7 +667,7 @@ def test_a_restored_state_that_raises_is_dropped_for_a_new_lineage_not_a_crash_l
         rows = [rows[0]._replace(flags=None), *rows[1:]]
     with monkeypatch.context() as m:  # only applying the restored state is broken: the fresh store works
         if where != "restore":
-            m.setattr(ConnectionStore, "_continue", broken)
+            m.setattr(Table, "_continue", broken)
         exp2.restore(rows, got.resends)
         if where == "first poll":
             exp2.poll_once()
@@ -693,7 +694,7 @@ def test_a_restored_state_that_raises_is_dropped_for_a_new_lineage_not_a_crash_l
     # Past the first poll the same exception is a bug like any other: fatal, as before.
     table.entries.append(tcp(47000, packets=1))
     with monkeypatch.context() as m:
-        m.setattr(ConnectionStore, "_track", broken)
+        m.setattr(Table, "_track", broken)
         with pytest.raises(KeyError):
             exp2.poll_once()
 

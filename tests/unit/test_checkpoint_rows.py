@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from flow_exporter import checkpoint, compiled
 from flow_exporter.checkpoint import Checkpoint
 from flow_exporter.connection import PROTO_TCP, PROTO_UDP, Connection
-from flow_exporter.flow import ROW_ENDED, Export, ReportedRows, Restored
+from flow_exporter.flow import ROW_ENDED, Export, ReportedRows, Restored, RowColumns
 from flow_exporter.store import ConnectionStore
 from flow_exporter.timeouts import Timeouts
 
@@ -87,7 +87,7 @@ def reported_rows(draw: Any) -> ReportedRows:
     rest = [
         Restored(k, 1, 2, 3, 4, 5, (6, 7, 8, 9), ROW_ENDED) for k in draw(st.lists(keys, max_size=2))
     ]  # fmt: skip
-    return ReportedRows(slots, table, tuple(cols), rest)
+    return ReportedRows(slots, table, RowColumns(*cols), rest)
 
 
 texts = st.sampled_from([None, "", "flows", "flüsse", "\ud800"])
@@ -121,7 +121,7 @@ def one_row(**change: Any) -> ReportedRows:
     for name, value in change.items():
         i = ["ct", "start", "first", "fid", "seq", "bp", "bb", "brp", "brb", "flags"].index(name)
         cols[i] = type(cols[i])(cols[i].typecode, [value]) if isinstance(cols[i], array) else bytearray([value])
-    return ReportedRows([0], [(0, PROTO_TCP, ADDRS[0], 1, ADDRS[1], 2)], tuple(cols), [])
+    return ReportedRows([0], [(0, PROTO_TCP, ADDRS[0], 1, ADDRS[1], 2)], RowColumns(*cols), [])
 
 
 @pytest.mark.parametrize(
@@ -143,9 +143,10 @@ def one_row(**change: Any) -> ReportedRows:
         pytest.param(ReportedRows([0], [(0, 6, "10.0.0.1", 1, ADDRS[0], 2)], one_row().columns, []), id="str addr"),
         pytest.param(ReportedRows([0], [(0, 6, ADDRS[0], 1)], one_row().columns, []), id="short key"),
         pytest.param(ReportedRows([True], one_row().keys, one_row().columns, []), id="bool slot"),
-        pytest.param(ReportedRows([0], one_row().keys, tuple([5] for _ in range(10)), []), id="lists"),
+        pytest.param(ReportedRows([0], one_row().keys, RowColumns(*([5] for _ in range(10))), []), id="lists"),
+        pytest.param(ReportedRows([0], one_row().keys, tuple(one_row().columns), []), id="unnamed"),  # type: ignore[arg-type]
         pytest.param(ReportedRows([-1], one_row().keys, one_row().columns, []), id="negative slot"),
-        pytest.param(ReportedRows([0], one_row().keys, one_row().columns[:9], []), id="nine columns"),
+        pytest.param(ReportedRows([0], one_row().keys, one_row().columns[:9], []), id="nine columns"),  # type: ignore[arg-type]
     ],
 )
 def test_a_hostile_row_packs_or_fails_alike(reported: ReportedRows) -> None:

@@ -174,11 +174,11 @@ def test_the_poll_makes_room_for_the_table_in_one_step() -> None:
     exp, table, broker, clock = rig(max_connections=5000)
     table.entries = [tcp(1000 + i % 60000, orig_src=bytes([10, 1, i >> 8, i & 255])) for i in range(3000)]
     step(exp, broker, clock)
-    assert len(exp.store) == 3000 and len(exp.store._keys) == 3000  # exactly: no slack past the table
+    assert len(exp.store) == 3000 and len(exp.store.table._keys) == 3000  # exactly: no slack past the table
     zoned, table, broker, clock = rig(zones=frozenset({0}))
     table.entries = [tcp(2000 + i) for i in range(100)]
     step(zoned, broker, clock)
-    assert len(zoned.store) == 100 and len(zoned.store._keys) == 1024  # grown in the usual steps
+    assert len(zoned.store) == 100 and len(zoned.store.table._keys) == 1024  # grown in the usual steps
 
 
 def test_shutdown_sends_every_final_record() -> None:

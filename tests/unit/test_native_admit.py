@@ -213,7 +213,7 @@ def test_new_rows_in_freed_slots_order_the_heap_as_pure(fused: bool) -> None:
     pair.dump([conns[:40]])
     pair.dump([conns[0:40:4]])  # 30 of them end
     pair.expire()
-    assert len(pair.stores["compiled"]._free) == 30  # the slots the next dump's new rows take, highest first
+    assert len(pair.stores["compiled"].table._free) == 30  # the slots the next dump's new rows take, highest first
     pair.dump([conns[0:40:4] + conns[40:]])
 
 
@@ -244,13 +244,13 @@ def test_rows_admitted_in_place_after_python_ran_mid_buffer_as_pure() -> None:
     pair.dump([conns[:10]])
     compiled = pair.stores["compiled"]
     handed: list[int] = []  # rows the fused poll handed to Python
-    update_batch = compiled.update_batch
+    update_batch = compiled.table.update_batch
 
     def counted(rows: list[Connection], now: float, wall_ns: int) -> None:
         handed.append(len(rows))
         update_batch(rows, now, wall_ns)
 
-    compiled.update_batch = counted  # type: ignore[method-assign]
+    compiled.table.update_batch = counted  # type: ignore[method-assign]
     pair.dump([[*conns[10:1100], conns[3], *conns[1100:]]])
     assert len(compiled.connections) == 1200
     # 1,014 rows fill the first chunk's 1,024 slots in place; the next 76 wait for the known row and go to

@@ -235,9 +235,9 @@ def test_an_error_in_the_due_loop_leaves_the_queue_count_exact() -> None:
         poll(store, clock, *[udp(5000 + k) for k in range(4)])
         clock.tick(TIMEOUTS.active + 1)  # every one due for its active timeout, in slot order
         s = sorted(store.connections.values())[1]
-        k = store._keys[s]
+        k = store.table._keys[s]
         assert k is not None
-        store._keys[s] = (k[0], Exploding(), *k[2:])
+        store.table._keys[s] = (k[0], Exploding(), *k[2:])
         with pytest.raises(Boom):
             store.expire(clock.now, clock.wall())
         queued = store.queue.parts()[1]

@@ -59,7 +59,7 @@ def test_no_cache_sends_the_same_bytes_and_keeps_no_prefix(compiled: bool, ops: 
             sent[k].extend(encoder.encode(e, 1_700_000_000_000) for e in out)
             for j, e in enumerate(out):
                 store.acknowledge(e, j % 3 != fail, now)
-            kept[k] += sum(p is not None for p in store._prefix)
+            kept[k] += sum(p is not None for p in store.table._prefix)
 
     poll()
     for op, i, arg in ops:
@@ -82,7 +82,7 @@ def test_no_cache_sends_the_same_bytes_and_keeps_no_prefix(compiled: bool, ops: 
         poll()
         expire(-1)
     assert sent[0] == sent[1]
-    assert kept[1] == 0 and all(p is None for p in stores[1]._prefix)
+    assert kept[1] == 0 and all(p is None for p in stores[1].table._prefix)
     assert kept[0] > 0  # the caching store did keep prefixes: the two differ only in that
 
 
