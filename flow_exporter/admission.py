@@ -99,10 +99,11 @@ class Admission:
         if self.open:
             return
         t = self.table
-        self.orphans, self.restored, self.given_up, self.tombs = t._orphans, t._restored, t._given_up, t._tombs
+        m = t.memory  # what the store remembers: a row it names is the table's Python path's
+        self.orphans, self.restored, self.given_up, self.tombs = t._orphans, m.restored, m.given_up, m.tombs
         self.labels, self.free, self.intern = t._labels, t._free, t._intern
         self.max_conns = t.max_connections
-        self.readmit_before = t._readmit_bound()
+        self.readmit_before = m.readmit_bound()
         self.gen = t._generation
         self.flags = ADOPTED if t.adopt else 0
         self.heap = t.queue.parts()[0]

@@ -7,9 +7,12 @@ clock.
 One concept a module; objects that own their data, composed (``.importlinter`` enforces the order):
 
 * :mod:`~flow_exporter.store.columns`: slot mechanics, every connection's fields in flat columns;
+* :mod:`~flow_exporter.store.memory`: what the store remembers of connections it does not track
+  (tombstones, given-up connections, a checkpoint's unmatched rows, the dumps seen), and what that
+  memory says a row or an event is;
 * :mod:`~flow_exporter.store.table`: the one object that owns the columns and the key index:
-  following the kernel's table (dumps, events, the cap, tombstones, given-up connections) and
-  what was reported of each connection, through a batch API (due, build, settle, finals);
+  following the kernel's table (dumps, events, the cap) with its memory, and what was reported of
+  each connection, through a batch API (due, build, settle, finals);
 * :mod:`~flow_exporter.store.ledger`: records asked for when due, delivered, resent (it owns
   the resend queue);
 * :mod:`~flow_exporter.store.shutdown`: final records at SIGTERM (it owns the closing pass).
@@ -28,15 +31,10 @@ from flow_exporter.flow import FORCED_END, GIVE_UP_IDLE, GIVE_UP_REFUSED, Export
 from flow_exporter.ports import DecodeResult
 from flow_exporter.settings import DEFAULTS
 from flow_exporter.store.ledger import RESEND_MAX_DELAY, RETRY_DELAY, Ledger
+from flow_exporter.store.memory import TOMBSTONE_MIN_TTL, GivenUp, Tombstone
 from flow_exporter.store.shutdown import Shutdown
 from flow_exporter.store.stats import StoreStats
-from flow_exporter.store.table import (
-    TOMBSTONE_MIN_TTL,
-    GivenUp,
-    Table,
-    Tombstone,
-    TrackedState,
-)
+from flow_exporter.store.table import Table, TrackedState
 from flow_exporter.timeouts import Timeouts
 
 __all__ = [
@@ -84,7 +82,7 @@ class ConnectionStore:
         self._shutdown = Shutdown(self.table, self._ledger)
         self.queue: ExpiryQueue = self.table.queue
         self.connections: dict[ConnectionKey, int] = self.table.connections
-        self.tombstone_ttl = self.table.tombstone_ttl
+        self.tombstone_ttl = self.table.memory.tombstone_ttl
 
     # ----------------------------------------------------------------- the kernel's table
     @property

@@ -1,4 +1,4 @@
-"""Following the kernel's table: which connection holds each tuple, and what the store remembers.
+"""Following the kernel's table: which connection holds each tuple, and what was reported of each.
 
 Behaviour follows Antrea's ConntrackConnectionStore (mark-and-sweep on presence, dying
 detection, re-queue on renewed activity); what differs is there to keep the accounting
@@ -15,6 +15,10 @@ contract (README, "Counting: the contract"):
   fields: what the store forgot and meets again is a new connection, flagged adopted when the
   kernel's stamps show it was seen before.
 
+What the store remembers of connections it no longer tracks (tombstones, given-up connections, a
+checkpoint's rows) is its :class:`~flow_exporter.store.memory.Memory`'s, which says what a row or an
+event the keyed table does not hold is; the table acts on the answer.
+
 The table also holds what was reported of each connection (its columns say it) and answers for it in
 batches: which records are due, their build, their delivery settled, the rows a checkpoint keeps. The
 ledger (:mod:`flow_exporter.store.ledger`) decides when to ask, and keeps the failed records it resends.
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections import deque
 from collections.abc import Callable, Container, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -46,7 +49,6 @@ from flow_exporter.flow import (
     GIVE_UP_REFUSED,
     LACK_OF_RESOURCES,
     RECORD_FLAGS,
-    ROW_ENDED,
     ROW_GIVEN_UP,
     ROW_RESET,
     ZERO,
@@ -61,6 +63,7 @@ from flow_exporter.flow import (
 from flow_exporter.ports import DecodeResult
 from flow_exporter.slot_state import ACTIVE, CLOSED, DESTROYED, FINAL_DUE, LAST_ACTIVE, ORPHAN, PRESENT, UNCOUNTED
 from flow_exporter.store.columns import Columns
+from flow_exporter.store.memory import TOMBSTONE_MIN_TTL, GivenUp, Memory, Tombstone, same_incarnation
 from flow_exporter.store.stats import StoreStats
 from flow_exporter.timeouts import Timeouts
 
@@ -71,43 +74,6 @@ RETRY_DELAY = 1.0
 
 # The cap's log line comes at most this often (seconds), with the counts since the last one.
 CAP_LOG_INTERVAL = 60.0
-
-
-# A tombstone lives at least this long (seconds) after its connection was forgotten: a DESTROY
-# event read later than that (listener lag under load, a large conntrack.eventBuffer) finds no
-# record of it. limits.maxConnections also bounds how many are kept (oldest go first, counted).
-TOMBSTONE_MIN_TTL = 60.0
-
-# Slack (ns) between the kernel's start stamp and our reading of the clock before a dump.
-_DUMP_MARGIN_NS = 100_000_000
-_NO_DUMP = -(1 << 63)  # the compiled admission's readmission bound while no dump has been timed
-
-
-@dataclass(slots=True)
-class GivenUp:
-    """A connection given up at the cap: remembered (and checkpointed) while its entry lasts."""
-
-    ct_id: int
-    start_ns: int
-    first_seen_ns: int
-    flow_id: int
-    last_seen: float | None  # monotonic time of the last dump that showed it; None: restored, not seen yet
-
-
-@dataclass(slots=True)
-class Tombstone:
-    """What is left of a connection after it was forgotten, for late events and rows."""
-
-    flow_id: int
-    ct_id: int
-    start_ns: int
-    first_seen_ns: int
-    next_seq: int
-    base: Totals
-    flags: int
-    destroyed: bool
-    deadline: float
-    reset: bool = False  # ended by a counter reset: its entry lives on under a successor id
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,47 +87,6 @@ class TrackedState:
     next_seq: int
     totals: Totals
     base: Totals
-
-
-def _same_incarnation(ct_id: int, start_ns: int, conn: Connection, first_seen_ns: int = 0) -> bool:
-    """Whether ``conn`` is the entry known by (ct_id, start_ns); unknown values (0) match anything.
-
-    An entry first learned from a NEW event has no start time, but it started before the
-    exporter saw it: a start later than ``first_seen_ns`` is a later incarnation (a tuple
-    re-created with the same conntrack id).
-    """
-    if ct_id and conn.ct_id and ct_id != conn.ct_id:
-        return False
-    if start_ns:
-        return not (conn.start_ns and start_ns != conn.start_ns)
-    return not (first_seen_ns and conn.start_ns > first_seen_ns)
-
-
-def _ambiguous(start_ns: int, next_seq: int, conn: Connection) -> bool:
-    """A start-less entry with records (known from its NEW event only) met by a row with a start stamp.
-
-    The row started before the entry was first seen (else it is plainly a later incarnation), so
-    it is that entry, or a later incarnation of its tuple whose predecessor's NEW was read late:
-    nothing tells them apart, and continuing could put two incarnations under one connectionId.
-    """
-    return not start_ns and bool(conn.start_ns) and next_seq > 0
-
-
-def _unsure(g: GivenUp, conn: Connection) -> bool:
-    """A restored given-up entry with no start stamp, met by a dump row that started before it was first seen.
-
-    A NEW event never gives a connection up (``apply_events``), so a given-up entry has the kernel's start
-    wherever the kernel stamps starts; a start-less one comes from a state an earlier release wrote, which gave
-    connections up at their NEW. The row is that entry, or a later incarnation of its tuple with the same
-    conntrack id whose predecessor's DESTROY died unread with the previous process: nothing tells them apart,
-    and taking it for the given-up entry would never report a live connection, so it is tracked under a new id,
-    flagged adopted (or given up again, with a record, at the cap).
-    """
-    return g.last_seen is None and _ambiguous(g.start_ns, 1, conn)  # 1: it has its one record
-
-
-def _totals(c: Connection) -> Totals:
-    return (c.orig_packets, c.orig_bytes, c.reply_packets, c.reply_bytes)
 
 
 def _with_totals(conn: Connection, totals: Totals) -> Connection:
@@ -239,25 +164,16 @@ class Table(Columns):
         # (tuple, ct_id) -> replaced incarnations still owing their end-of-flow record, for their DESTROY
         # (several when the kernel re-created a tuple with the same conntrack id more than once).
         self._orphan_index: dict[tuple[ConnectionKey, int], list[int]] = {}
-        self._tombs: dict[tuple[ConnectionKey, int], Tombstone] = {}
-        self._tomb_order: deque[tuple[float, tuple[ConnectionKey, int]]] = deque()
-        self._given_up: dict[ConnectionKey, GivenUp] = {}
-        # Given-up incarnations whose tuple a newer incarnation took in the registry before their DESTROY was read:
-        # kept for a tombstone's life, so that DESTROY is known (unreported, as the registry's own) and not met as
-        # an incarnation never seen, which the cap would give up a second time (found by the model soak).
-        self._given_up_replaced: dict[tuple[ConnectionKey, int], list[GivenUp]] = {}  # (tuple, ct id): oldest first
-        self._restored: dict[ConnectionKey, list[Restored]] = {}
         self._generation = 0
         self._last_stamp = 0
         self._polls_done = 0
         self._cap_logged_at = float("-inf")
         self._cap_unlogged: dict[str, int] = {}
         self.stats = stats
-        self.tombstone_ttl = max(4 * self.timeouts.poll_interval, TOMBSTONE_MIN_TTL)
-        self.max_tombstones = max(self.max_connections, 1024)
-        # Wall-clock (begin, end) of recent complete dumps: an entry that lived through one of them was
-        # seen by it, so meeting it as unknown means it was forgotten (bounded: a few hours of polls).
-        self._dumps: deque[tuple[int, int]] = deque(maxlen=4096)
+        # What it remembers of the connections it does not track (tombstones, given-up ones, a checkpoint's rows).
+        self.memory = Memory(
+            stats, max(4 * self.timeouts.poll_interval, TOMBSTONE_MIN_TTL), max(self.max_connections, 1024)
+        )
         self._dump_begin = 0
         # The compiled build of the record rules, or (compiled=False, a test seam) the interpreted one beside it.
         self._core = _ledger_core if compiled else compiled_build.reference("ledger_core")
@@ -315,71 +231,10 @@ class Table(Columns):
         if self._dump_rows > len(order):  # room for every row position of a dump this large
             order.frombytes(b"\xff" * (8 * (self._dump_rows - len(order))))
         self._polls_done += 1
-        if self._dump_begin and wall_ns:
-            self._dumps.append((self._dump_begin, wall_ns))
+        self.memory.dumped(self._dump_begin, wall_ns)
         if self._polls_done == 1:
             self.adopt = False  # from now on, a connection the exporter has not seen is new
-            if self._restored:
-                # Rows no dump showed: their entries ended while no exporter ran, or just before this
-                # dump (the listener may still bring their DESTROY): remembered as tombstones, so a late
-                # event continues them instead of meeting them as new.
-                gone = 0
-                for rows in self._restored.values():
-                    for row in rows:
-                        gone += 1
-                        self._bury_row(row, now)
-                self.stats.restored_gone += gone
-                log.info(
-                    "%d connections of the checkpoint ended while no exporter ran; "
-                    "counts after their last record are unknown unless their DESTROY is still read",
-                    gone,
-                )
-                self._restored.clear()
-
-    def _bury_row(self, row: Restored, now: float) -> None:
-        """A checkpoint row no dump matched: keep it as a tombstone for late events."""
-        flags = row.flags
-        self._add_tomb(
-            (row.key, row.ct_id),
-            Tombstone(
-                row.flow_id, row.ct_id, row.start_ns, row.first_seen_ns, row.next_seq, row.base,
-                flags & RECORD_FLAGS, False, now + self.tombstone_ttl,
-                bool(flags & ROW_ENDED and flags & ROW_RESET),
-            ),
-            now,
-        )  # fmt: skip
-
-    def _add_tomb(self, tkey: tuple[ConnectionKey, int], tomb: Tombstone, now: float) -> None:
-        """Remember a forgotten connection until its deadline; past the bound, the oldest goes first."""
-        tombs = self._tombs
-        tombs[tkey] = tomb
-        order = self._tomb_order
-        order.append((tomb.deadline, tkey))
-        while len(tombs) > self.max_tombstones and order:
-            deadline, old = order.popleft()
-            t = tombs.get(old)
-            if t is not None and t.deadline == deadline:
-                del tombs[old]
-                if deadline > now:
-                    self.stats.tombstones_dropped_early += 1
-
-    def _forgotten(self, conn: Connection, wall_ns: int) -> bool:
-        """Whether ``conn`` lived through a complete dump of this process, so the store saw and then forgot it.
-
-        A dump shows every entry that exists from its begin to its end. An entry the store meets
-        as unknown although it started before such a dump, and ended after it (or lives on),
-        was tracked once and forgotten (its tombstone or give-up record went before it did):
-        it gets a new connectionId flagged adopted, and ``readmitted`` counts it.
-        """
-        start = conn.start_ns
-        dumps = self._dumps
-        if not start or not dumps or start > dumps[-1][0] - _DUMP_MARGIN_NS:
-            return False
-        stop = conn.stop_ns or wall_ns
-        for begin, end in dumps:
-            if begin - _DUMP_MARGIN_NS >= start:
-                return end <= stop
-        return False
+            self.memory.bury_restored(now)  # rows no dump showed
 
     @property
     def fused(self) -> bool:
@@ -452,12 +307,6 @@ class Table(Columns):
             views = self._views = ColumnViews(self)
         return views
 
-    def _readmit_bound(self) -> int:
-        """The bulk admission's bound: a row that started at or before it may be one the store forgot
-        (:meth:`_forgotten`), which the admission leaves to the Python path."""
-        dumps = self._dumps
-        return dumps[-1][0] - _DUMP_MARGIN_NS if dumps else _NO_DUMP
-
     def _admitted(self, next_slot: int, sequence: int, last_stamp: int, count: int) -> None:
         """The counters of the ``count`` connections an admission admitted since it last read them."""
         if count:  # nothing admitted: nothing moved (and Python may have moved them since)
@@ -493,8 +342,9 @@ class Table(Columns):
         mark = self._mark
         labels = self._labels
         last_active = self._last_active
-        restored = self._restored
-        given_up = self._given_up
+        memory = self.memory
+        restored = memory.restored
+        given_up = memory.given_up
         cap = self.max_connections
         begin = i
         # From ``begin`` by index, not islice: islice would step over the rows before it again on every
@@ -510,7 +360,7 @@ class Table(Columns):
             if s is None:
                 if stop_at_new and i != begin and key not in restored and key not in given_up and len(conns) < cap:
                     return i  # the compiled admission's (update_batch); it would stop again at the others at once
-                if self._given_up or self._tombs:
+                if given_up or memory.tombs:
                     self._admit_row(key, conn, now, wall_ns)
                 else:  # nothing to match it against: a new connection (the first poll's path)
                     self._admit(key, conn, now, wall_ns, adopted=self.adopt)
@@ -617,17 +467,8 @@ class Table(Columns):
                 if not self._bits[s] & DESTROYED:
                     continue
                 self._orphan(s, END_OF_FLOW, now)
-            if self._tombs:
-                tomb = self._tombs.get((key, ct_id))
-                if tomb is not None:
-                    if not tomb.destroyed:
-                        continue  # seen by a dump, swept, its DESTROY still to come
-                    del self._tombs[(key, ct_id)]
-            if key in self._given_up:
-                # The given-up entry itself, or an incarnation of its tuple whose NEW is read late or
-                # comes after a DESTROY that was lost: a NEW carries no start stamp to tell them apart.
-                # Its DESTROY (read in kernel order) or the next dump decides; a NEW never does.
-                continue
+            if self.memory.meet_new(key, ct_id):
+                continue  # a tombstone's entry whose DESTROY is still to come, or a given-up tuple
             s = self._admit(key, conn, now, wall_ns, adopted=False, refuse=False)
             if s is not None:
                 self.stats.added_from_events += 1
@@ -639,37 +480,21 @@ class Table(Columns):
         key = conn.key
         self.stats.destroyed_events += 1
         s = self.connections.get(key)
-        if s is not None and _same_incarnation(self._ct[s], self._start[s], conn, self._first[s]):
+        if s is not None and same_incarnation(self._ct[s], self._start[s], conn, self._first[s]):
             self._destroy(s, conn, now, wall_ns)
             return
         for o in self._orphan_index.get((key, conn.ct_id), ()):
-            if _same_incarnation(self._ct[o], self._start[o], conn, self._first[o]):
+            if same_incarnation(self._ct[o], self._start[o], conn, self._first[o]):
                 self._destroy(o, conn, now, wall_ns)  # a replaced incarnation, still awaiting its final record
                 return
-        tomb = self._tombs.get((key, conn.ct_id))
-        if tomb is not None and _same_incarnation(tomb.ct_id, tomb.start_ns, conn, tomb.first_seen_ns):
-            if tomb.destroyed or conn.orig_packets + conn.reply_packets == 0 or _totals(conn) == tomb.base:
-                self.stats.late_destroys_dropped += 1
-                # Nothing to report, but the entry is gone: a later row or NEW of this tuple and id is
-                # a new incarnation, even one whose start precedes our first sighting of this one
-                # (its NEW event was read late). The event's start stamp pins the incarnation.
-                tomb.destroyed = True
-                if not tomb.start_ns:
-                    tomb.start_ns = conn.start_ns
-                return
-            del self._tombs[(key, conn.ct_id)]
+        settled, tomb = self.memory.meet_destroy(key, conn)
+        if settled:
+            return
+        if tomb is not None:
             if s is not None:
                 return self._late_end_of_replaced(tomb, conn, now, wall_ns)
             s = self._from_tomb(key, conn, tomb, now, wall_ns)
             self._destroy(s, conn, now, wall_ns)
-            return
-        g = self._given_up.get(key)
-        if g is not None and _same_incarnation(g.ct_id, g.start_ns, conn):
-            del self._given_up[key]
-            self.stats.unreported_ends += 1  # given up at the cap: its last counts are not reported
-            return
-        if self._given_up_replaced and self._take_replaced(key, conn) is not None:
-            self.stats.unreported_ends += 1
             return
         # An incarnation the store never saw (it lived and died between dumps, and its NEW was
         # not taken): reported in full. If another incarnation holds the tuple, beside it.
@@ -692,7 +517,7 @@ class Table(Columns):
         """A new connection that will not enter the keyed table (it only owes its one record)."""
         first_seen = conn.start_ns or self._stamp(wall_ns)
         flow_id = self._new_id()
-        flags = ADOPTED if adopted or (self._dumps and self._readmitted(conn, wall_ns)) else 0
+        flags = ADOPTED if adopted or self.memory.readmitted(conn, wall_ns) else 0
         s = self._alloc(key, conn, flow_id, first_seen, wall_ns, flags)
         if self.on_new is not None:
             self.on_new(_Newcomer(self, s, flow_id, conn))
@@ -726,49 +551,14 @@ class Table(Columns):
         self, key: ConnectionKey, conn: Connection, now: float, wall_ns: int, adopted: bool | None = None
     ) -> None:
         """A dump row for a tuple the store does not hold (``adopted``: flag it so whatever else decides)."""
-        g = self._given_up.get(key)
-        if g is not None:
-            if not _same_incarnation(g.ct_id, g.start_ns, conn, g.first_seen_ns):
-                g.last_seen = now
-                self._given_up_replaced.setdefault((key, g.ct_id), []).append(g)
-            elif not _unsure(g, conn):
-                g.last_seen = now
-                return
-            else:
-                adopted = True
-            del self._given_up[key]
-        if self._given_up_replaced:
-            # The row may be an incarnation given up before the registry's (a restart restores every given-up
-            # row of a tuple; which one is live, only a dump tells): it is the registry's again.
-            g = self._take_replaced(key, conn)
-            if g is not None:
-                if not _unsure(g, conn):
-                    g.last_seen = now
-                    self._given_up[key] = g
-                    return
-                adopted = True
-        if self._tombs:
-            tomb = self._tombs.get((key, conn.ct_id))
-            if tomb is not None and _same_incarnation(tomb.ct_id, tomb.start_ns, conn, tomb.first_seen_ns):
-                if tomb.destroyed:
-                    return  # a dump older than its DESTROY event
-                if _ambiguous(tomb.start_ns, tomb.next_seq, conn):
-                    adopted = True  # the tomb stays for its own DESTROY
-                else:
-                    del self._tombs[(key, conn.ct_id)]
-                    self._from_tomb(key, conn, tomb, now, wall_ns)
-                    return
+        met = self.memory.meet_row(key, conn, now, adopted)
+        if met is None:
+            return  # the given-up entry itself, or a dump older than its DESTROY
+        tomb, adopted = met
+        if tomb is not None:
+            self._from_tomb(key, conn, tomb, now, wall_ns)
+            return
         self._admit(key, conn, now, wall_ns, adopted=self.adopt if adopted is None else adopted)
-
-    def _take_replaced(self, key: ConnectionKey, conn: Connection) -> GivenUp | None:
-        """The replaced given-up incarnation ``conn`` is, taken out of their list (a list: the kernel re-creates a
-        tuple with the same id again and again), or None."""
-        replaced = self._given_up_replaced.get((key, conn.ct_id), [])
-        for i, g in enumerate(replaced):
-            if _same_incarnation(g.ct_id, g.start_ns, conn, g.first_seen_ns):
-                del replaced[i]
-                return g
-        return None
 
     def _from_tomb(self, key: ConnectionKey, conn: Connection, tomb: Tombstone, now: float, wall_ns: int) -> int:
         self.stats.resurrected += 1
@@ -827,46 +617,22 @@ class Table(Columns):
 
         ``refuse`` False (a NEW event): at the cap, nothing happens; the next dump, or the entry's DESTROY,
         gives it up. A NEW has no start stamp, and a given-up entry named by none is one the next process
-        cannot tell from a later incarnation of its tuple with the same conntrack id (``_unsure``).
+        cannot tell from a later incarnation of its tuple with the same conntrack id (memory.py, ``_unsure``).
         """
-        if self._restored:
-            rows = self._restored.get(key)
-            if rows is not None:
-                # A live row before an ended one: a reset successor with records outranks its ended predecessor.
-                match = [
-                    (bool(row.flags & ROW_ENDED), i)
-                    for i, row in enumerate(rows)
-                    if _same_incarnation(row.ct_id, row.start_ns, conn, row.first_seen_ns)
-                    and not _ambiguous(row.start_ns, row.next_seq, conn)
-                ]
-                if not match and any(
-                    _same_incarnation(row.ct_id, row.start_ns, conn, row.first_seen_ns) for row in rows
-                ):
-                    adopted = True  # only start-less rows with records match: a new id, flagged
-                if match:
-                    # Of several live rows (a reset seen, the old id's forced-end record not journaled yet when the
-                    # process died), the one written last: the connectionId the entry went on under.
-                    live = [i for ended, i in match if not ended]
-                    row = rows[live[-1] if live else match[-1][1]]
-                    answered = {i for _, i in match}  # every row of this incarnation is answered by this one
-                    rows[:] = [r for i, r in enumerate(rows) if i not in answered]
-                    if not rows:
-                        del self._restored[key]
-                    self.stats.restored += 1
-                    return self._continue(key, conn, row, now, wall_ns)
+        if self.memory.restored:
+            row, unsure = self.memory.match_restored(key, conn)
+            if unsure:
+                adopted = True  # only start-less rows with records match: a new id, flagged
+            if row is not None:
+                self.stats.restored += 1
+                return self._continue(key, conn, row, now, wall_ns)
         if len(self.connections) + len(self._orphans) >= self.max_connections and not self._evict_idle(now):
             if refuse:
                 self._refuse(key, conn, now, wall_ns, adopted, gone=gone)
             return None
         first_seen = conn.start_ns or self._stamp(wall_ns)
-        flags = ADOPTED if adopted or (self._dumps and self._readmitted(conn, wall_ns)) else 0
+        flags = ADOPTED if adopted or self.memory.readmitted(conn, wall_ns) else 0
         return self._track(key, conn, self._new_id(), first_seen, now, wall_ns, flags)
-
-    def _readmitted(self, conn: Connection, wall_ns: int) -> bool:
-        if not self._forgotten(conn, wall_ns):
-            return False
-        self.stats.readmitted += 1
-        return True
 
     def _stamp(self, wall_ns: int) -> int:
         """First-seen time for an entry without a kernel start time: strictly increasing, so unique."""
@@ -933,7 +699,7 @@ class Table(Columns):
         key = self._keys[s]
         assert key is not None
         if remember:
-            self._given_up[key] = GivenUp(self._ct[s], self._start[s], self._first[s], self._fid[s], now)
+            self.memory.give_up(key, GivenUp(self._ct[s], self._start[s], self._first[s], self._fid[s], now))
         else:
             self._bits[s] |= DESTROYED  # its record leaves no given-up row: that tuple may hold a live one
         self.stats.given_up[why] = self.stats.given_up.get(why, 0) + 1
@@ -1004,11 +770,11 @@ class Table(Columns):
         elif self.connections.get(key) == s:
             del self.connections[key]
             self.stats.deleted += 1
-        self._add_tomb(
-            (key, ct_id),
+        self.memory.bury(
+            key, ct_id,
             Tombstone(
                 self._fid[s], ct_id, self._start[s], self._first[s], self._seq[s], self._base_of(s),
-                self._flags[s], bool(self._bits[s] & DESTROYED), now + self.tombstone_ttl,
+                self._flags[s], bool(self._bits[s] & DESTROYED), now + self.memory.tombstone_ttl,
             ),
             now,
         )  # fmt: skip
@@ -1021,24 +787,7 @@ class Table(Columns):
             bits[s] &= ~PRESENT
             if not self._reason[s]:
                 self._end(s, END_OF_FLOW, now)
-        if self._given_up:
-            # Kept while dumps show it, and a tombstone's life after: one dump that misses an entry
-            # does not make it new again (a given-up connection is not taken back while it lasts).
-            ttl = self.tombstone_ttl
-            for key in [k for k, g in self._given_up.items() if g.last_seen is None or now - g.last_seen > ttl]:
-                del self._given_up[key]
-        if self._given_up_replaced:
-            ttl = self.tombstone_ttl
-            for k, gs in list(self._given_up_replaced.items()):
-                gs[:] = [g for g in gs if g.last_seen is not None and now - g.last_seen <= ttl]
-                if not gs:
-                    del self._given_up_replaced[k]
-        order = self._tomb_order
-        while order and order[0][0] <= now:
-            _, tkey = order.popleft()
-            tomb = self._tombs.get(tkey)
-            if tomb is not None and tomb.deadline <= now:
-                del self._tombs[tkey]
+        self.memory.expire(now)
 
     # ---------------------------------------------------------------- records: the ledger's batch API
     def restore(self, rows: Iterable[Restored], in_flight: Iterable[Export], *, adopting: bool) -> None:
@@ -1046,16 +795,7 @@ class Table(Columns):
         incarnation as the first dump (or an event) shows them, and its records in flight, each held by no
         connection until its own is met again (:meth:`_attach_in_flight`). ``adopting``: see Ledger.restore."""
         self.adopt = adopting
-        given_up = self._given_up
-        for row in rows:
-            if row.flags & ROW_GIVEN_UP:
-                g = GivenUp(row.ct_id, row.start_ns, row.first_seen_ns, row.flow_id, None)
-                if row.key in given_up:  # several given-up incarnations of one tuple: the first dump tells which
-                    self._given_up_replaced.setdefault((row.key, row.ct_id), []).append(g)  # one is live
-                else:
-                    given_up[row.key] = g
-            else:
-                self._restored.setdefault(row.key, []).append(row)
+        self.memory.restore(rows)
         last = self._loose_last
         for e in in_flight:
             self._loose[(e.flow_id, e.sequence)] = e
@@ -1243,10 +983,9 @@ class Table(Columns):
         return ReportedRows(slots, self._keys, columns, self._untracked_rows(), self.adopt)
 
     def _untracked_rows(self) -> Iterator[Restored]:
-        for rows in self._restored.values():
-            yield from rows
+        yield from self.memory.restored_rows()
         orphans = self._orphans
-        for key, g in self._given_up.items():
+        for key, g in self.memory.given_up.items():
             s = orphans.get(g.flow_id)
             if s is not None and self._owes_give_up(s):
                 # Never "given up" without the record it owes: a restart would take the row's word for it and
@@ -1258,10 +997,7 @@ class Table(Columns):
                     )  # fmt: skip
                 continue  # nothing reported yet: a restart meets it as new, as this process first did
             yield Restored(key, g.ct_id, g.start_ns, g.first_seen_ns, g.flow_id, 1, ZERO, ROW_GIVEN_UP)
-        for (key, _), t in self._tombs.items():
-            if not t.destroyed:  # a destroyed entry cannot be met again by a later process
-                kind = ROW_ENDED | (ROW_RESET if t.reset else 0)
-                yield Restored(key, t.ct_id, t.start_ns, t.first_seen_ns, t.flow_id, t.next_seq, t.base, t.flags | kind)
+        yield from self.memory.tomb_rows()
 
     def _owes_give_up(self, s: int) -> bool:
         """Whether orphan ``s`` was given up at the cap and its lack-of-resources record is not built yet."""
