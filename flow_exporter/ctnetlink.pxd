@@ -9,7 +9,7 @@ cdef bint _LITTLE
 cdef int _SRC, _DST, _PROTO, _SPORT, _DPORT, _ICMP_ID, _ICMP_TYPE, _ICMP_CODE, _ICMP6_ID, _ICMP6_TYPE, _ICMP6_CODE
 cdef int _TZONE, _R, _STATUS, _MARK, _ID, _ZONE, _OPK, _OBY, _OPK32, _OBY32, _RPK, _RBY, _RPK32, _RBY32
 cdef int _START, _STOP, _TCP, _LABELS
-cdef unsigned long long _REQUIRED
+cdef unsigned long long _REQUIRED, _ONE
 
 cdef class _Walk:
     cdef const unsigned char[::1] buf

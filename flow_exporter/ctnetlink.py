@@ -70,6 +70,7 @@ _INET6: cython.int = 10  # AF_INET6
 _ICMP: cython.uint = PROTO_ICMP
 _ICMPV6: cython.uint = PROTO_ICMPV6
 _LITTLE: cython.bint = sys.byteorder == "little"  # the headers' order
+_ONE: cython.ulonglong = 1  # a value's bit is _ONE << f (not a cast: interpreted, Cython's cast is a slow call)
 
 # Where each value goes in a walk's value table: twelve per tuple (the original's at 0, the reply's at _R),
 # then the message's own. An address (and the labels) keeps its offset in the buffer there, not its bytes.
@@ -162,7 +163,7 @@ def _put(w: _Walk, f: cython.int, pos: cython.Py_ssize_t, plen: cython.Py_ssize_
     An address or the labels: its offset."""
     if plen < size:
         return False
-    bit: cython.ulonglong = cython.cast(cython.ulonglong, 1) << f
+    bit: cython.ulonglong = _ONE << f
     if w.have & bit:
         return True
     w.have |= bit
