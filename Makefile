@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-k8s setup-prometheus setup-flink setup-image image image-check-arm64 test unit lint demo bench clean lock spark-job flink-job model-soak sanitize
+.PHONY: setup setup-k8s setup-prometheus setup-flink setup-image image image-check-arm64 test unit lint demo bench clean lock spark-job flink-job model-soak sanitize kafka-cluster
 
 setup:
 	@bash tools/setup.sh
@@ -80,6 +80,12 @@ model-soak: setup
 
 demo: setup setup-k8s
 	$(PY) -m devtools.demo
+
+# A three-broker KRaft cluster (replication 3, min.insync.replicas 2), each broker in its own network namespace
+# (root: namespaces), until Ctrl-C; it prints bootstrap.servers and each broker's namespace, to try failover on.
+# Topics: make kafka-cluster ARGS="--topic flows".
+kafka-cluster: setup
+	$(PY) -m devtools.kafka_cluster serve $(ARGS)
 
 bench: setup setup-flink
 	$(PY) -m bench $(BENCH)

@@ -46,6 +46,7 @@ __all__ = [
     "KafkaBroker",
     "KafkaBrokerError",
     "cache_dir",
+    "cluster_id",
     "ensure_jars",
     "make_ca",
 ]
@@ -193,7 +194,7 @@ def ensure_jars() -> Path:
 # --------------------------------------------------------------------------- helpers
 
 
-def _cluster_id() -> str:
+def cluster_id() -> str:
     """A random Kafka Uuid in its text form (URL-safe base64, no padding), like ``random-uuid``.
 
     Kafka avoids ids starting with '-' because they read as options on a command line.
@@ -354,6 +355,11 @@ class KafkaBroker:
     ``ca_path``, ``client_cert_path`` and ``client_key_path`` are PEM files for librdkafka.
 
     ``jvm_options`` may be changed before ``start()`` (e.g. a larger heap for benchmarks).
+
+    One of a cluster (:mod:`devtools.kafka_cluster`): ``netns`` runs it in that network namespace,
+    listening on ``host`` (ports 9092 for clients, 9093 for the controller there); ``node_id``,
+    ``voters`` (the static quorum, ``id@host:port`` comma-separated) and ``cluster_id`` make it one
+    voter of a multi-node KRaft quorum, with internal topics replicated three ways.
     """
 
     def __init__(
@@ -364,7 +370,21 @@ class KafkaBroker:
         auto_create_topics: bool = True,
         extra_props: dict[str, str] | None = None,
         tls: bool = False,
+        host: str = "127.0.0.1",
+        netns: str | None = None,
+        node_id: int = 1,
+        voters: str | None = None,
+        cluster_id: str | None = None,
     ) -> None:
+        if (netns is None) != (voters is None) or (voters is None) != (cluster_id is None):
+            raise ValueError("netns, voters and cluster_id go together (a cluster's broker) or not at all")
+        if netns is not None and (scram_users or tls):
+            raise ValueError("a cluster's broker has a PLAINTEXT listener only")
+        self.host = host
+        self.netns = netns
+        self.node_id = node_id
+        self.voters = voters
+        self.cluster_id = cluster_id
         self.scram_users: dict[str, str] = dict(scram_users or {})
         for user, password in self.scram_users.items():
             # Names become JAAS option keys (user_<name>) for PLAIN; the storage tool's --add-scram
@@ -378,12 +398,17 @@ class KafkaBroker:
         self.extra_props: dict[str, str] = dict(extra_props or {})
         self.jvm_options: list[str] = list(DEFAULT_JVM_OPTIONS)
         self.tls = tls
-        ports = free_ports(2 + int(bool(scram_users)) + int(tls) + int(tls and bool(scram_users)))
+        # In a namespace of its own the ports are the broker's alone; on loopback, free ones.
+        ports = (
+            [9092, 9093]
+            if netns
+            else free_ports(2 + int(bool(scram_users)) + int(tls) + int(tls and bool(scram_users)))
+        )
         self.port, self.controller_port = ports.pop(0), ports.pop(0)
         self.sasl_port: int | None = ports.pop(0) if scram_users else None
         self.ssl_port: int | None = ports.pop(0) if tls else None
         self.sasl_ssl_port: int | None = ports.pop(0) if tls and scram_users else None
-        self.bootstrap = f"127.0.0.1:{self.port}"
+        self.bootstrap = f"{host}:{self.port}"
         self.sasl_bootstrap: str | None = f"127.0.0.1:{self.sasl_port}" if self.sasl_port else None
         self.ssl_bootstrap: str | None = f"127.0.0.1:{self.ssl_port}" if self.ssl_port else None
         self.sasl_ssl_bootstrap: str | None = f"127.0.0.1:{self.sasl_ssl_port}" if self.sasl_ssl_port else None
@@ -459,11 +484,12 @@ class KafkaBroker:
             **overrides,
         }
 
-    def start(self, timeout: float = 90.0) -> None:
+    def start(self, timeout: float = 90.0, *, wait: bool = True) -> None:
         """Start the broker (formatting storage the first time) and wait until it answers metadata.
 
         Raises KafkaBrokerError quoting the last 30 lines of ``broker.log`` if the process exits or
-        ``timeout`` seconds pass first.
+        ``timeout`` seconds pass first. ``wait`` False: return once it runs (a cluster's voters answer
+        only once a quorum of them runs: :meth:`wait_ready` then).
         """
         if self._closed:
             raise KafkaBrokerError("this KafkaBroker was closed; make a new one")
@@ -480,11 +506,23 @@ class KafkaBroker:
         if not (self.data_dir / "meta.properties").is_file():
             self._format(java, lib)
         self._launch(java, lib)
+        if wait:
+            self.wait_ready(deadline - time.monotonic())
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        """Wait until the started broker answers metadata (killing it if it does not in ``timeout`` s)."""
         try:
-            self._wait_ready(deadline, timeout)
+            self._wait_ready(time.monotonic() + timeout, timeout)
         except BaseException:
             self.kill()
             raise
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the broker's process (SIGSTOP and SIGCONT for a paused broker)."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            raise KafkaBrokerError(f"broker {self.node_id} is not running")
+        proc.send_signal(signum)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Shut the broker down cleanly (SIGTERM), falling back to SIGKILL after ``timeout`` s."""
@@ -572,8 +610,9 @@ class KafkaBroker:
 
     def properties(self) -> dict[str, str]:
         """The broker's server.properties, as written at each start (``extra_props`` win)."""
-        listeners = [f"PLAINTEXT://127.0.0.1:{self.port}", f"CONTROLLER://127.0.0.1:{self.controller_port}"]
-        advertised = [f"PLAINTEXT://127.0.0.1:{self.port}"]
+        h = self.host
+        listeners = [f"PLAINTEXT://{h}:{self.port}", f"CONTROLLER://{h}:{self.controller_port}"]
+        advertised = [f"PLAINTEXT://{h}:{self.port}"]
         for name, port in (
             ("SASL_PLAINTEXT", self.sasl_port),
             ("SSL", self.ssl_port),
@@ -584,8 +623,8 @@ class KafkaBroker:
                 advertised.append(f"{name}://127.0.0.1:{port}")
         props = {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.bootstrap.servers": f"127.0.0.1:{self.controller_port}",
+            "node.id": str(self.node_id),
+            "controller.quorum.bootstrap.servers": f"{h}:{self.controller_port}",
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
             "listeners": ",".join(listeners),
@@ -637,6 +676,20 @@ class KafkaBroker:
                     "listener.name.sasl_ssl.ssl.client.auth": "none",
                 }
             )
+        if self.voters is not None:  # one voter of a static three-node quorum; internal topics replicated
+            del props["controller.quorum.bootstrap.servers"]
+            props["controller.quorum.voters"] = self.voters
+            for key in (
+                "default.replication.factor", "offsets.topic.replication.factor",
+                "transaction.state.log.replication.factor", "share.coordinator.state.topic.replication.factor",
+            ):  # fmt: skip
+                props[key] = "3"
+            for key in (
+                "min.insync.replicas",
+                "transaction.state.log.min.isr",
+                "share.coordinator.state.topic.min.isr",
+            ):
+                props[key] = "2"
         props.update(self.extra_props)
         return props
 
@@ -670,7 +723,10 @@ class KafkaBroker:
 
     def _format(self, java: str, lib: Path) -> None:
         """Format the data dir as a one-voter dynamic quorum, adding the SCRAM users."""
-        args = ["format", "--standalone", "-t", _cluster_id(), "-c", str(self.props_path)]
+        if self.cluster_id is not None:  # a static quorum's voter: the cluster's id, the voters from the config
+            args = ["format", "-t", self.cluster_id, "-c", str(self.props_path)]
+        else:
+            args = ["format", "--standalone", "-t", cluster_id(), "-c", str(self.props_path)]
         for user, password in self.scram_users.items():
             for mech in ("SCRAM-SHA-256", "SCRAM-SHA-512"):
                 # The storage tool splits on "," and strips one pair of surrounding quotes, with
@@ -687,7 +743,8 @@ class KafkaBroker:
         # PR_SET_DEATHSIG fires when the *thread* exits, which would kill a broker started from a
         # short-lived worker thread.
         parent = os.getpid() if threading.current_thread() is threading.main_thread() else 0
-        cmd = [sys.executable, "-c", _EXEC_SHIM, str(parent), *self._java_cmd(java, lib, "kafka.Kafka")]
+        inside = ["ip", "netns", "exec", self.netns] if self.netns else []  # ip execs java: one pid throughout
+        cmd = [sys.executable, "-c", _EXEC_SHIM, str(parent), *inside, *self._java_cmd(java, lib, "kafka.Kafka")]
         cmd.append(str(self.props_path))
         with open(self.stdout_path, "ab") as out:
             # A new session: Ctrl-C in a terminal reaches Python, which then stops the broker

@@ -658,4 +658,11 @@ class Exporter:
             log.error("shutdown: grace period over, %d connections' final records were not delivered", left)
         else:
             log.info("shutdown: %d final records delivered", sent)
+        sc = self.sink.counters
+        # The process's whole account, the one line a user can hold the topic against after exit (the metrics
+        # endpoint is gone by then): every acknowledged record is on the topic, once per (connectionId, sequence).
+        log.info(
+            "shutdown: %d records built; Kafka acknowledged %d, refused %d for good; %d deliveries failed and were "
+            "resent", self.store.stats.records_built, sc.acked, self.stats.records_given_up, self.store.stats.resends,
+        )  # fmt: skip
         return 0

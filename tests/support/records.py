@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import time
 from collections import defaultdict
@@ -65,3 +66,45 @@ def by_connection(records: list[dict]) -> dict[int, list[dict]]:
     for recs in groups.values():
         recs.sort(key=lambda r: r["sequence"])
     return groups
+
+
+def read_raw_records(bootstrap: str, topic: str, expect_at_least: int = 1, timeout: float = 60.0) -> list[bytes]:
+    """Every record value on the topic, as the bytes a consumer gets (for byte-identity checks), in no order."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"t-{time.time_ns()}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+        }
+    )
+    consumer.subscribe([topic])
+    out: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    idle_since = None
+    try:
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None:
+                if len(out) >= expect_at_least:
+                    idle_since = idle_since or time.monotonic()
+                    if time.monotonic() - idle_since > 3:
+                        break
+                continue
+            idle_since = None
+            assert msg.error() is None, msg.error()
+            out.append(msg.value())
+    finally:
+        consumer.close()
+    return out
+
+
+@functools.cache
+def _reader() -> avro.io.DatumReader:
+    return avro.io.DatumReader(avro.schema.parse(schema_path().read_text()))
+
+
+def decode(value: bytes) -> dict:
+    """One record value decoded with the reference avro implementation."""
+    return _reader().read(avro.io.BinaryDecoder(io.BytesIO(value)))
