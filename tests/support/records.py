@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import avro.io
 import avro.schema
-from confluent_kafka import Consumer
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from flow_exporter.record import schema_path
 
@@ -68,36 +68,34 @@ def by_connection(records: list[dict]) -> dict[int, list[dict]]:
     return groups
 
 
-def read_raw_records(bootstrap: str, topic: str, expect_at_least: int = 1, timeout: float = 60.0) -> list[bytes]:
-    """Every record value on the topic, as the bytes a consumer gets (for byte-identity checks), in no order."""
+def read_raw_records(bootstrap: str, topic: str, timeout: float = 60.0) -> list[tuple[int, int, bytes]]:
+    """Every record on the topic as (partition, offset, value bytes), read up to each partition's high watermark
+    as it stood when reading began: an exact end, not a wait for silence (duplicates would fool a count)."""
     consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"t-{time.time_ns()}",
-            "auto.offset.reset": "earliest",
-            "enable.auto.commit": False,
-            "isolation.level": "read_committed",
-        }
+        {"bootstrap.servers": bootstrap, "group.id": f"t-{time.time_ns()}", "enable.auto.commit": False}
     )
-    consumer.subscribe([topic])
-    out: list[bytes] = []
-    deadline = time.monotonic() + timeout
-    idle_since = None
     try:
-        while time.monotonic() < deadline:
+        meta = consumer.list_topics(topic, timeout=timeout)
+        parts = sorted(meta.topics[topic].partitions)
+        ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)[1] for p in parts}
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in parts])
+        out: list[tuple[int, int, bytes]] = []
+        left = {p for p, end in ends.items() if end > 0}
+        deadline = time.monotonic() + timeout
+        while left:
+            assert time.monotonic() < deadline, f"partitions {sorted(left)} not read to their end in {timeout}s"
             msg = consumer.poll(0.5)
             if msg is None:
-                if len(out) >= expect_at_least:
-                    idle_since = idle_since or time.monotonic()
-                    if time.monotonic() - idle_since > 3:
-                        break
                 continue
-            idle_since = None
             assert msg.error() is None, msg.error()
-            out.append(msg.value())
+            p, offset = msg.partition(), msg.offset()
+            if offset < ends[p]:
+                out.append((p, offset, msg.value()))
+            if offset + 1 >= ends[p]:
+                left.discard(p)
+        return out
     finally:
         consumer.close()
-    return out
 
 
 @functools.cache
