@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                 cluster.create_topic(t)
             print(f"bootstrap.servers={cluster.bootstrap}", flush=True)
             for i, b in cluster.brokers.items():
-                print(f"broker {i}: {b.bootstrap} in netns {b.netns}, log {b.log_path}", flush=True)
+                print(f"broker {i}: {b.bootstrap}, pid {b.pid}, netns {b.netns}, log {b.log_path}", flush=True)
             with contextlib.suppress(KeyboardInterrupt):
                 while True:
                     time.sleep(3600)
