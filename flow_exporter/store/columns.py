@@ -9,8 +9,8 @@ Hand-written because no library keeps dict-keyed, growable, mixed-type columns a
 dependency for a few element reads per row, where it is slower than ``array``.
 
 This layer knows slots and rows only: which connection a slot holds, and what the kernel
-said of it. What the table does with them is :mod:`flow_exporter.store.table`'s; what was
-reported, :mod:`flow_exporter.store.ledger`'s.
+said of it. What is done with them (the key index, ending, reporting) is the table's
+(:mod:`flow_exporter.store.table`, the one class built on this one).
 """
 
 from __future__ import annotations
