@@ -4,7 +4,8 @@
 checkpoint, latency, k8s, spark: the Spark and Flink downstream jobs on one input, pipeline, decode: dump and
 decode against the kernel's own recv loop, compiled: the poll pure and compiled from 100k to 1M beside the
 kernel's dump, ti-mo/conntrack and conntrack -L, scaling: `flow-exporter run`'s CPU and
-records/s against table size, pure and compiled, encoder: one enriched record's encode cost, soak: 10 minutes at 250k).
+records/s against table size, pure and compiled, encoder: one enriched record's encode cost, cluster: the node
+pipeline against three brokers beside a plain loop on them, soak: 10 minutes at 250k).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ SUITE = {
     "compiled": ("bench.bench_compiled", []),
     "scaling": ("bench.bench_scaling", []),
     "encoder": ("bench.bench_encoder", []),
+    "cluster": ("bench.bench_cluster", []),
     "soak": ("bench.bench_soak", []),  # 10 minutes: last
 }
 
