@@ -110,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {r} {label}: " + ", ".join(f"{k} {value(res, k):.4g}" for k, *_ in METRICS), flush=True)
     medians = {lab: {k: statistics.median(value(x, k) for x in rs) for k, *_ in METRICS} for lab, rs in runs.items()}
     name = f"gate_{args.label}"
-    write_json(name, {"label": args.label, "connections": n, "active": args.active, "idle": args.idle,
-                      "window_s": args.window, "commits": commits, "runs": runs, "medians": medians})  # fmt: skip
+    command = " ".join(["python -m bench.bench_gate", *shown])  # without this machine's paths
+    write_json(name, {"command": command, "label": args.label, "connections": n, "active": args.active,
+                      "idle": args.idle, "window_s": args.window, "commits": commits, "runs": runs,
+                      "medians": medians})  # fmt: skip
 
     def draw(ax: Any) -> None:
         for i, (k, *_) in enumerate(METRICS[:5]):

@@ -111,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(["ip", "netns", "del", ns], check=False)
     med = {w: {k: statistics.median(x[k] for x in runs[w]) for k, _ in MEASURES} for w in runs}
     name = f"poll_trees_{args.label}"
-    write_json(name, {"revs": revs, "entries": args.entries, "runs": runs, "medians": med})
+    command = " ".join(["python -m bench.bench_poll_trees", *shown])  # without this machine's paths
+    write_json(name, {"command": command, "revs": revs, "entries": args.entries, "runs": runs, "medians": med})
 
     def draw(ax: Any) -> None:
         xs = range(len(MEASURES))
