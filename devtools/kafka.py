@@ -49,6 +49,7 @@ __all__ = [
     "cluster_id",
     "ensure_jars",
     "make_ca",
+    "sigterm_as_interrupt",
 ]
 
 KAFKA_VERSION = "4.4.0"
@@ -818,7 +819,7 @@ def _parse_users(pairs: list[str]) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
+def sigterm_as_interrupt() -> Iterator[None]:
     """Treat SIGTERM like Ctrl-C so ``serve`` stops its broker cleanly either way."""
 
     def handler(signum: int, frame: object) -> None:
@@ -866,7 +867,7 @@ def main(argv: list[str] | None = None) -> int:
             auto_create_topics=not args.no_auto_create,
             tls=args.tls,
         )
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             try:
                 t0 = time.monotonic()
                 with broker:

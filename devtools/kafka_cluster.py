@@ -25,12 +25,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from devtools.kafka import KafkaBroker, KafkaBrokerError, cluster_id, ensure_jars
+from devtools.kafka import KafkaBroker, KafkaBrokerError, cluster_id, ensure_jars, sigterm_as_interrupt
+from devtools.lab.shell import run, run_in
 
 __all__ = ["BROKERS", "KafkaCluster"]
 
@@ -38,12 +38,6 @@ BROKERS = 3
 _QUIET = logging.getLogger(__name__ + ".rdkafka")
 _QUIET.addHandler(logging.NullHandler())
 _QUIET.propagate = False
-
-
-def _run(*cmd: str, input: str | None = None) -> None:
-    proc = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=30, check=False)
-    if proc.returncode != 0:
-        raise KafkaBrokerError(f"{' '.join(cmd)}: {(proc.stderr or proc.stdout).strip()}")
 
 
 class KafkaCluster:
@@ -151,28 +145,28 @@ class KafkaCluster:
 
     def _build_net(self) -> None:
         self._net_up = True
-        _run("ip", "link", "add", self.bridge, "type", "bridge")
-        _run("ip", "addr", "add", f"{self.host_ip}/24", "dev", self.bridge)
-        _run("ip", "link", "set", self.bridge, "up")
+        run("ip", "link", "add", self.bridge, "type", "bridge")
+        run("ip", "addr", "add", f"{self.host_ip}/24", "dev", self.bridge)
+        run("ip", "link", "set", self.bridge, "up")
         for i, ns in self.namespaces.items():
-            _run("ip", "netns", "add", ns)
+            run("ip", "netns", "add", ns)
             host_end = f"{self.name}v{i}"
-            _run("ip", "link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _run("ip", "link", "set", host_end, "master", self.bridge)
-            _run("ip", "link", "set", host_end, "up")
-            _run(
+            run("ip", "link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            run("ip", "link", "set", host_end, "master", self.bridge)
+            run("ip", "link", "set", host_end, "up")
+            run(
                 "ip", "-n", ns, "-b", "-",
                 input=f"link set lo up\naddr add {self.ips[i]}/24 dev eth0\nlink set eth0 up\n",
             )  # fmt: skip
             # The fault table: empty until cut() fills it.
-            _run("ip", "netns", "exec", ns, "nft", "-f", "-", input=_FAULT_TABLE)
+            run_in(ns, "nft", "-f", "-", input=_FAULT_TABLE)
 
     def _delete_net(self) -> None:
         if not self._net_up:
             return
         for ns in self.namespaces.values():
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, check=False)
+            run("ip", "netns", "del", ns, check=False)
+        run("ip", "link", "del", self.bridge, check=False)
         self._net_up = False
 
     def restore(self, timeout: float = 120.0) -> None:
@@ -292,12 +286,12 @@ class KafkaCluster:
         rules = "".join(
             f"add rule inet fault in ip saddr {a} drop\nadd rule inet fault out ip daddr {a} drop\n" for a in addrs
         )
-        _run("ip", "netns", "exec", self.namespaces[i], "nft", "-f", "-", input=rules)
+        run_in(self.namespaces[i], "nft", "-f", "-", input=rules)
 
     def heal(self, i: int) -> None:
         """Remove every cut of broker ``i``."""
         flush = "flush chain inet fault in\nflush chain inet fault out\n"
-        _run("ip", "netns", "exec", self.namespaces[i], "nft", "-f", "-", input=flush)
+        run_in(self.namespaces[i], "nft", "-f", "-", input=flush)
 
     def __repr__(self) -> str:
         up = [i for i, b in self.brokers.items() if b.running]
@@ -327,18 +321,6 @@ table inet fault {
 """
 
 
-@contextlib.contextmanager
-def _interrupt_on_sigterm() -> Iterator[None]:
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m devtools.kafka_cluster", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -346,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--topic", action="append", default=[], help="create this topic (3 partitions, RF 3)")
     args = parser.parse_args(argv)
     if args.cmd == "serve":
-        with _interrupt_on_sigterm(), KafkaCluster() as cluster:
+        with sigterm_as_interrupt(), KafkaCluster() as cluster:
             for t in args.topic:
                 cluster.create_topic(t)
             print(f"bootstrap.servers={cluster.bootstrap}", flush=True)

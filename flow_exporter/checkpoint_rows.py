@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from flow_exporter.export import Export
-from flow_exporter.flow import ReportedRows
+from flow_exporter.flow import ReportedRows, RowColumns
 
 if TYPE_CHECKING:  # Cython's top-level `cython` module has no type information; the shim states the same names
     from flow_exporter import cython_shim as cython
@@ -72,11 +72,8 @@ _ACK_SIZE: cython.Py_ssize_t = ACK.size
 
 # flow.RECORD_FLAGS: the record's own flags, kept in a journaled row beside its ROW_* kind bits
 _RECORD_FLAGS = 0x0F
-# flow.RowColumns by name: an array's typecode, or "flags" for the one bytearray
-_COLUMN_CODES = (
-    ("ct", "I"), ("start", "q"), ("first", "q"), ("fid", "q"), ("seq", "I"),
-    ("bp", "Q"), ("bb", "Q"), ("brp", "Q"), ("brb", "Q"), ("flags", "flags"),
-)  # fmt: skip
+# The typecode of each flow.RowColumns field, in its order: an array's, or None for the one bytearray (flags)
+_COLUMN_CODES = ("I", "q", "q", "q", "I", "Q", "Q", "Q", "Q", None)
 
 
 def row_size(alen: cython.Py_ssize_t) -> cython.Py_ssize_t:
@@ -308,9 +305,9 @@ class _Columns:
 
     def __init__(self, columns: Any) -> None:
         got = []
-        for name, code in _COLUMN_CODES:
+        for name, code in zip(RowColumns._fields, _COLUMN_CODES, strict=True):
             c = getattr(columns, name, None)
-            if code == "flags":
+            if code is None:
                 if not isinstance(c, bytearray):
                     raise TypeError(f"the {name} column is a bytearray, not {type(c).__name__}")
             elif not isinstance(c, array) or c.typecode != code:

@@ -37,6 +37,8 @@ from tests.support.records import decode, read_raw_records
 pytestmark = [pytest.mark.lab, pytest.mark.kafka]
 
 LEADER = 1  # the broker every test topic's partitions prefer: the fault's target
+# Delivery timeouts a fault of ~10 s outlasts, so records in flight fail and are resent
+SHORT_TIMEOUTS = ("--set", "kafka.producer={request.timeout.ms: 2000, message.timeout.ms: 5000}")
 ACCOUNT = re.compile(r"shutdown: (\d+) records built; Kafka acknowledged (\d+), refused (\d+) for good")
 
 
@@ -131,6 +133,22 @@ class Run:
 
     def log_text(self) -> str:
         return self.logs[-1].read_text()[-4000:]
+
+    def restart_broker(self, i: int, traffic_s: float = 2.0) -> None:
+        """SIGTERM broker ``i``, traffic while it is away, start it and wait until every replica is in sync."""
+        self.cluster.terminate(i)
+        self.traffic.during(traffic_s)
+        self.cluster.start(i)
+        self.cluster.wait_in_sync(self.topic)
+
+    def wait_ready(self, code: int, within: float, traffic: bool = False) -> None:
+        """Until /readyz answers ``code`` (with a burst of traffic per try when ``traffic``)."""
+        deadline = time.monotonic() + within
+        while scrape(self.port, "/readyz")[0] != code:
+            if traffic:
+                self.traffic.burst()
+            assert time.monotonic() < deadline, f"/readyz not {code} within {within:.0f} s"
+            time.sleep(0.2)
 
 
 @dataclass
@@ -246,11 +264,7 @@ def test_leader_sigkill(lab: Lab, healthy: KafkaCluster, tmp_path: Path) -> None
 def test_leader_bounced_five_times(lab: Lab, healthy: KafkaCluster, tmp_path: Path) -> None:
     def fault(run: Run) -> None:
         for _ in range(5):
-            leader = run.cluster.leader(run.topic)
-            run.cluster.terminate(leader)
-            run.traffic.during(2)
-            run.cluster.start(leader)
-            run.cluster.wait_in_sync(run.topic)
+            run.restart_broker(run.cluster.leader(run.topic))
 
     scenario(lab, healthy, tmp_path, "bounce", fault)
 
@@ -283,7 +297,7 @@ def test_leader_paused_past_the_delivery_timeout(lab: Lab, healthy: KafkaCluster
 
     scenario(
         lab, healthy, tmp_path, "sigstop", fault,
-        "--set", "kafka.producer={request.timeout.ms: 2000, message.timeout.ms: 5000}",
+        *SHORT_TIMEOUTS,
     )  # fmt: skip
 
 
@@ -294,19 +308,12 @@ def test_two_brokers_down_coalesces_and_recovers_exactly(lab: Lab, healthy: Kafk
     def fault(run: Run) -> None:
         run.cluster.kill(2)
         run.cluster.kill(3)
-        deadline = time.monotonic() + 60
-        while scrape(run.port, "/readyz")[0] != 503:
-            run.traffic.burst()
-            assert time.monotonic() < deadline, "still ready 60 s into an outage of two brokers"
-            time.sleep(0.5)
+        run.wait_ready(503, within=60, traffic=True)  # kafka.readyTimeout (5 s) with records waiting
         run.notes["readyz"] = scrape(run.port, "/readyz")[1].strip()
         run.traffic.during(3)
         run.cluster.start(2, timeout=120)
         back = time.monotonic()
-        deadline = back + 60
-        while scrape(run.port, "/readyz")[0] != 200:
-            assert time.monotonic() < deadline, "not ready 60 s after a second broker came back"
-            time.sleep(0.2)
+        run.wait_ready(200, within=60)
         run.notes["ready again after"] = f"{time.monotonic() - back:.1f} s"
 
     scenario(lab, healthy, tmp_path, "two-down", fault, "--set", "kafka.readyTimeout=5s")
@@ -315,10 +322,7 @@ def test_two_brokers_down_coalesces_and_recovers_exactly(lab: Lab, healthy: Kafk
 def test_rolling_restart_of_all_three(lab: Lab, healthy: KafkaCluster, tmp_path: Path) -> None:
     def fault(run: Run) -> None:
         for i in run.cluster.brokers:
-            run.cluster.terminate(i)
-            run.traffic.during(2)
-            run.cluster.start(i)
-            run.cluster.wait_in_sync(run.topic)
+            run.restart_broker(i)
 
     scenario(lab, healthy, tmp_path, "rolling", fault)
 
@@ -338,7 +342,7 @@ def test_leader_cut_off_from_the_exporter_only(lab: Lab, healthy: KafkaCluster, 
 
     scenario(
         lab, healthy, tmp_path, "cut-clients", fault,
-        "--set", "kafka.producer={request.timeout.ms: 2000, message.timeout.ms: 5000}",
+        *SHORT_TIMEOUTS,
     )  # fmt: skip
 
 
@@ -357,7 +361,7 @@ def test_leader_cut_off_from_its_followers_only(lab: Lab, healthy: KafkaCluster,
 
     scenario(
         lab, healthy, tmp_path, "cut-peers", fault,
-        "--set", "kafka.producer={request.timeout.ms: 2000, message.timeout.ms: 5000}",
+        *SHORT_TIMEOUTS,
     )  # fmt: skip
 
 
@@ -430,6 +434,6 @@ def test_latency_above_the_delivery_timeout_on_the_exporters_link(
 
     scenario(
         lab, healthy, tmp_path, "latency", fault,
-        "--set", "kafka.producer={request.timeout.ms: 2000, message.timeout.ms: 5000}",
+        *SHORT_TIMEOUTS,
         bootstrap=healthy.slow_bootstrap,
     )  # fmt: skip
