@@ -100,10 +100,17 @@ BATCH mode, so every window is emitted at the end, then prints one JSON line
 COUNT(*) of the decoded records (duplicates included), S the job's net runtime from Flink's
 JobExecutionResult (excludes JVM start and planning). Without it the job streams until Ctrl-C;
 windows are emitted once the watermark passes their end, and ``--output`` files are committed at
-checkpoints (every 10 s) as the filesystem sink requires.
+checkpoints (every ``--checkpoint-interval`` seconds, 10 by default) as the filesystem sink requires:
+a restarted job resumes from its last checkpoint (Kafka offsets and window state), and files of
+the attempt that failed are never committed, so nothing is counted twice.
+
+On a session cluster (README "Run the jobs on a cluster"): ``flink run -m HOST:PORT -py
+flink_flows.py -pyexec PYTHON -- ARGS``, with ``--restarts N`` so that a TaskManager that dies
+restarts the job from its last checkpoint (``--checkpoint URI`` keeps those on a file system
+instead of the JobManager's memory); the local-mode settings below are then the cluster's own.
 
 Local mode is sized for a small machine: ``--parallelism`` (default 1) slots, a 1 GiB JVM heap
-(``--heap``), 256 MiB managed memory, no web UI, no restarts (a failure ends the job with its
+(``--heap``), 256 MiB managed memory, no web UI, no restarts unless ``--restarts`` (a failure ends the job with its
 reason), Flink's own log in ``--log-dir`` (the harness: ``.cache/flink/<version>/log``).
 """
 
@@ -590,6 +597,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bounded", action="store_true", help="read up to the offsets at start, then finish (BATCH)")
     ap.add_argument("--output", type=Path, metavar="DIR", help="write JSON lines under DIR/<table>/ (default: stdout)")
     ap.add_argument("--parallelism", type=int, default=1)
+    ap.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="restart a failed job up to N times (1 s apart) from its last checkpoint; on a cluster, where a\n"
+        "TaskManager can die, give it some (default: 0, a failure ends the job with its reason)",
+    )
+    ap.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        default=10,
+        metavar="SECONDS",
+        help="streaming: checkpoint (and commit --output files) this often (default: 10)",
+    )
+    ap.add_argument(
+        "--checkpoint",
+        metavar="URI",
+        help="streaming: keep checkpoints under this URI (file:///..., s3://...; default: the JobManager's memory)",
+    )
     ap.add_argument("--heap", default="1g", help="JVM heap (-Xmx) of the local Flink (default: 1g)")
     ap.add_argument("--explain", action="store_true", help="print the plan instead of running")
     return ap.parse_args(argv)
@@ -597,9 +624,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def check_args(args: argparse.Namespace) -> str | None:
     """Validate combinations; return the SASL password (from the flag or FLOW_SASL_PASSWORD)."""
-    for name in ("window", "top", "parallelism"):
+    for name in ("window", "top", "parallelism", "checkpoint_interval"):
         if getattr(args, name) < 1:
-            raise UsageError(f"--{name} must be at least 1")
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.restarts < 0:
+        raise UsageError("--restarts must not be negative")
+    if args.checkpoint is not None and args.bounded:
+        raise UsageError("--checkpoint is for streaming runs; a --bounded run takes no checkpoints")
     if args.watermark < 0:
         raise UsageError("--watermark must not be negative")
     if args.schema is None:
@@ -706,15 +737,22 @@ def table_environment(args: argparse.Namespace, jar_urls: str) -> TableEnvironme
         "taskmanager.memory.managed.size": "256m",
         "taskmanager.memory.network.min": "64m",
         "taskmanager.memory.network.max": "64m",
-        # A failure (bad record, lost broker) ends the job with its reason instead of looping.
-        "restart-strategy.type": "none",
+        # By default a failure (bad record, lost broker) ends the job with its reason instead of
+        # looping; on a cluster --restarts lets it resume from its last checkpoint.
+        "restart-strategy.type": "fixed-delay" if args.restarts else "none",
         "table.local-time-zone": "UTC",
         # Sort-based batch shuffles spill less than hash ones on a small heap.
         "table.exec.resource.default-parallelism": str(args.parallelism),
     }
-    if not args.bounded and args.output is not None:
+    if args.restarts:
+        settings["restart-strategy.fixed-delay.attempts"] = str(args.restarts)
+        settings["restart-strategy.fixed-delay.delay"] = "1 s"
+    if not args.bounded and (args.output is not None or args.checkpoint is not None):
         # The streaming filesystem sink commits files at checkpoints only.
-        settings["execution.checkpointing.interval"] = "10 s"
+        settings["execution.checkpointing.interval"] = f"{args.checkpoint_interval} s"
+    if args.checkpoint is not None:
+        settings["execution.checkpointing.storage"] = "filesystem"
+        settings["execution.checkpointing.dir"] = args.checkpoint
     for key, value in settings.items():
         conf.set_string(key, value)
     builder = EnvironmentSettings.new_instance().with_configuration(conf)
@@ -757,8 +795,9 @@ def build_statements(
             if not args.bounded:
                 # Row-format part files are committed at a checkpoint only once rolled; roll
                 # them at the checkpoint interval so results appear within about 20 s.
-                options["sink.rolling-policy.rollover-interval"] = "10 s"
-                options["sink.rolling-policy.check-interval"] = "5 s"
+                interval = args.checkpoint_interval
+                options["sink.rolling-policy.rollover-interval"] = f"{interval} s"
+                options["sink.rolling-policy.check-interval"] = f"{max(1, interval // 2)} s"
         else:
             options = {"connector": "print", "print-identifier": table}
         t_env.execute_sql(sink_ddl(table, options))
@@ -818,7 +857,13 @@ def _wait(client: Any) -> float | None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return future.result().get_net_runtime() / 1000
+    try:
+        return future.result().get_net_runtime() / 1000
+    except Py4JError as exc:
+        # Cancelled from outside (``flink cancel``, the web UI): an ending, not a failure.
+        if "JobCancellationException" in _java_reason(exc):
+            return None
+        raise
 
 
 def run(args: argparse.Namespace, password: str | None) -> int:

@@ -203,10 +203,14 @@ def synthetic_record(
     return record | fields
 
 
-def produce_synthetic(bootstrap: str, topic: str, header: bytes = b"", *, clock_only: bool = False) -> None:
+def produce_synthetic(
+    bootstrap: str, topic: str, header: bytes = b"", *, clock_only: bool = False, partitions: int = 0
+) -> None:
     """The synthetic records, framed like the exporter's (``header``: magic byte and schema id).
 
     ``clock_only``: just the record an hour ahead that closes every window of a Spark run.
+    ``partitions``: that record into each of partitions 0..N-1 (the same bytes: one pair), so that a
+    watermark taken per partition (Flink's) passes too; by default into one partition.
     """
     schema = fastavro.parse_schema(json.loads(schema_path().read_text()))
     now_ms = time.time_ns() // 1_000_000
@@ -243,7 +247,11 @@ def produce_synthetic(bootstrap: str, topic: str, header: bytes = b"", *, clock_
     for r in records[-1:] if clock_only else records:
         buf = io.BytesIO()
         fastavro.schemaless_writer(buf, schema, r)
-        producer.produce(topic, header + buf.getvalue())
+        if partitions and r is records[-1]:
+            for p in range(partitions):
+                producer.produce(topic, header + buf.getvalue(), partition=p)
+        else:
+            producer.produce(topic, header + buf.getvalue())
     assert producer.flush(30) == 0
 
 

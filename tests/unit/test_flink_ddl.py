@@ -150,6 +150,9 @@ def test_the_password_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch
         ["--schema-registry", "reg:8081"],
         ["--ssl-ca-location", "ca.pem"],
         ["--markers-topic", "markers"],  # window_completeness is batch-only for now
+        ["--restarts", "-1"],
+        ["--checkpoint-interval", "0"],
+        ["--bounded", "--checkpoint", "file:///tmp/c"],  # a batch run takes no checkpoints
     ],
 )
 def test_bad_combinations_exit_2(argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
