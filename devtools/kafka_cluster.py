@@ -32,7 +32,7 @@ from typing import Any
 from devtools.kafka import KafkaBroker, KafkaBrokerError, cluster_id, ensure_jars, sigterm_as_interrupt
 from devtools.lab.shell import run, run_in
 
-__all__ = ["BROKERS", "KafkaCluster"]
+__all__ = ["BROKERS", "SASL_USER", "KafkaCluster"]
 
 BROKERS = 3
 _QUIET = logging.getLogger(__name__ + ".rdkafka")
@@ -73,6 +73,8 @@ class KafkaCluster:
         # The same brokers through a relay in each namespace that delays what passes (delay()): a client that
         # bootstraps here talks to every broker through its relay (the SLOW listener advertises the relays).
         self.slow_bootstrap = ",".join(f"{ip}:{_SLOW_PORT}" for ip in self.ips.values())
+        # The SASL listeners: a client there is User:flows (SASL_USER), the principal ACLs can refuse.
+        self.sasl_bootstrap = ",".join(f"{ip}:{_SASL_PORT}" for ip in self.ips.values())
         self._relays: dict[int, subprocess.Popen[bytes]] = {}
         self._net_up = False
         self._closed = False
@@ -170,7 +172,8 @@ class KafkaCluster:
         self._net_up = False
 
     def restore(self, timeout: float = 120.0) -> None:
-        """Undo every fault: links healed, paused brokers resumed, stopped ones started (a test's teardown)."""
+        """Undo every fault: links healed, paused brokers resumed, stopped ones started, ACLs gone (a test's
+        teardown)."""
         for i, b in self.brokers.items():
             self.heal(i)
             if b.running:
@@ -180,6 +183,49 @@ class KafkaCluster:
                 b.start(timeout, wait=False)
         for b in self.brokers.values():
             b.wait_ready(timeout)
+        self.allow_producer_ids()
+
+    # ------------------------------------------------------------------ ACLs
+    def _producer_id_acls(self, filters: bool = False) -> list[Any]:
+        """ACLs that refuse :data:`SASL_USER` a producer id.
+
+        An idempotent producer gets its id (InitProducerId) with IdempotentWrite on the cluster or Write on
+        any topic (KIP-679), so both are denied (its produce requests fail too, with a retriable-looking
+        TOPIC_AUTHORIZATION_FAILED).
+        """
+        from confluent_kafka.admin import (
+            AclBinding,
+            AclBindingFilter,
+            AclOperation,
+            AclPermissionType,
+            ResourcePatternType,
+        )
+        from confluent_kafka.admin import ResourceType as R
+
+        make = AclBindingFilter if filters else AclBinding
+
+        def acl(kind: Any, name: str, op: Any, permission: Any) -> Any:
+            return make(kind, name, ResourcePatternType.LITERAL, f"User:{SASL_USER[0]}", "*", op, permission)
+
+        return [
+            # Wildcard ACLs replace "no ACL found": describing the topics stays allowed, writing them does not.
+            acl(R.TOPIC, "*", AclOperation.ALL, AclPermissionType.ALLOW),
+            acl(R.BROKER, "kafka-cluster", AclOperation.IDEMPOTENT_WRITE, AclPermissionType.DENY),
+            acl(R.TOPIC, "*", AclOperation.WRITE, AclPermissionType.DENY),
+        ]
+
+    def refuse_producer_ids(self) -> None:
+        """From now on every new idempotent producer fails with CLUSTER_AUTHORIZATION_FAILED, which librdkafka
+        raises as a fatal error ("Failed to acquire idempotence PID"): the real cause of one, on a real cluster."""
+        admin = self.admin()  # kept until the futures resolve: a dropped client cancels them
+        for future in admin.create_acls(self._producer_id_acls()).values():
+            future.result()
+
+    def allow_producer_ids(self) -> None:
+        """Remove :meth:`refuse_producer_ids`' ACLs (what an operator who fixed them would do)."""
+        admin = self.admin()
+        for future in admin.delete_acls(self._producer_id_acls(filters=True)).values():
+            future.result()
 
     # ------------------------------------------------------------------ what the cluster says
     def admin(self, **overrides: Any) -> Any:
@@ -299,17 +345,31 @@ class KafkaCluster:
 
 
 _RELAY = str(Path(__file__).resolve().with_name("delay_relay.py"))
+_SASL_PORT = 9094  # SASL_PLAINTEXT (PLAIN), for a client with a principal of its own
+SASL_USER = ("flows", "flows-cluster-secret")  # that client's user and password
 _SLOW_PORT = 9095  # where the relay listens, on the broker's address; advertised as the SLOW listener
 _SLOW_INNER_PORT = 9196  # where the broker's SLOW listener binds, on the namespace's loopback
 
 
 def _slow_listener(ip: str) -> dict[str, str]:
-    """The listeners of a cluster's broker: PLAINTEXT (clients, replication) and CONTROLLER on its address, and
-    SLOW bound to loopback behind the delaying relay, which its advertised address names."""
+    """The listeners of a cluster's broker: PLAINTEXT (clients, replication) and CONTROLLER on its address, SASL
+    (SASL_PLAINTEXT, user :data:`SASL_USER`) on its address, and SLOW bound to loopback behind the delaying relay,
+    which its advertised address names. ACLs are on: a resource no ACL speaks of is open to all, and
+    User:ANONYMOUS (every PLAINTEXT client, the brokers and controllers among them) is a super user, so only
+    :meth:`KafkaCluster.refuse_producer_ids` refuses anything, and only to :data:`SASL_USER`."""
     return {
-        "listeners": f"PLAINTEXT://{ip}:9092,CONTROLLER://{ip}:9093,SLOW://127.0.0.1:{_SLOW_INNER_PORT}",
-        "advertised.listeners": f"PLAINTEXT://{ip}:9092,SLOW://{ip}:{_SLOW_PORT}",
-        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SLOW:PLAINTEXT",
+        "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+        "allow.everyone.if.no.acl.found": "true",
+        "super.users": "User:ANONYMOUS",
+        "listeners": (
+            f"PLAINTEXT://{ip}:9092,CONTROLLER://{ip}:9093,SASL://{ip}:{_SASL_PORT},SLOW://127.0.0.1:{_SLOW_INNER_PORT}"
+        ),
+        "advertised.listeners": f"PLAINTEXT://{ip}:9092,SASL://{ip}:{_SASL_PORT},SLOW://{ip}:{_SLOW_PORT}",
+        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,SASL:SASL_PLAINTEXT,SLOW:PLAINTEXT",
+        "listener.name.sasl.sasl.enabled.mechanisms": "PLAIN",
+        "listener.name.sasl.plain.sasl.jaas.config": (
+            f'org.apache.kafka.common.security.plain.PlainLoginModule required user_{SASL_USER[0]}="{SASL_USER[1]}";'
+        ),
     }
 
 

@@ -95,26 +95,35 @@ def options_from(cfg: Config, *, adopt: bool) -> ExporterOptions:
 
 
 def check_topics(sink: KafkaSink, stop: threading.Event, initial: float, maximum: float) -> bool:
-    """Wait (with backoff) until the broker answers and every topic exists; False if stopped first.
+    """Wait (with backoff) until the broker answers and every topic exists and is usable; False if stopped first.
 
-    A missing topic is an operator's mistake, not a crash: it is reported clearly
-    and retried, so the pod does not crash-loop while someone creates it.
+    A missing topic, or one an ACL hides from this client, is an operator's mistake, not a crash: it is
+    reported clearly (which of the two) and retried, so the pod does not crash-loop while someone fixes it.
     """
     delay = initial
     while not stop.is_set():
         try:
-            missing = sink.missing_topics(timeout=10.0)
+            unusable = sink.unusable_topics(timeout=10.0)
         except KafkaException as exc:
             log.warning("kafka not reachable (%s); retrying in %.1fs", exc.args[0], delay)
         else:
-            if not missing:
+            if not unusable:
                 log.info("broker reachable, topics present: %s", ", ".join(sorted(sink.topics())))
                 return True
-            log.error(
-                "kafka topic(s) missing: %s (create them, or enable auto-creation); retrying in %.1fs",
-                ", ".join(sorted(missing)),
-                delay,
-            )
+            missing = sorted(t for t, why in unusable.items() if why == "missing")
+            refused = sorted(f"{t}: {why}" for t, why in unusable.items() if why != "missing")
+            if missing:
+                log.error(
+                    "kafka topic(s) missing: %s (create them, or enable auto-creation); retrying in %.1fs",
+                    ", ".join(missing),
+                    delay,
+                )
+            if refused:
+                log.error(
+                    "kafka topic(s) not usable: %s (check the ACLs of this client's principal); retrying in %.1fs",
+                    ", ".join(refused),
+                    delay,
+                )
         stop.wait(delay)
         delay = min(delay * 2, maximum)
     return False

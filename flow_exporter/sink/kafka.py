@@ -259,15 +259,28 @@ class KafkaSink:
     def topics(self) -> set[str]:
         return {self.topic, *(r.topic for r in self.routes)}
 
-    def missing_topics(self, timeout: float = 10.0) -> set[str]:
-        """Topics this sink writes to that the cluster does not have (raises if unreachable)."""
+    def unusable_topics(self, timeout: float = 10.0) -> dict[str, str]:
+        """Topics this sink writes to that it cannot use, with why (raises if the cluster is unreachable).
+
+        ``missing`` when the cluster does not have the topic; otherwise the broker's own error for it, so
+        that an ACL refusing this client's principal (``Broker: Topic authorization failed``) is named as
+        such instead of passing for a missing topic.
+        """
         admin = AdminClient({k: v for k, v in self.config.items() if _is_admin_key(k)})
         try:
             md = admin.list_topics(timeout=timeout)
         finally:
             admin.poll(0)  # serve error_cb: a refused login says so, not just "transport failure"
         self.counters.connected = True
-        return {t for t in self.topics() if t not in md.topics or md.topics[t].error is not None}
+        out: dict[str, str] = {}
+        for topic in self.topics():
+            meta = md.topics.get(topic)
+            error = None if meta is None else meta.error
+            if meta is None or (error is not None and error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART):
+                out[topic] = "missing"
+            elif error is not None:
+                out[topic] = error.str()
+        return out
 
     # --------------------------------------------------------------- produce
     def route(self, export: Export) -> str:
@@ -403,6 +416,9 @@ class KafkaSink:
         """Serve delivery callbacks (the only place they run)."""
         try:
             return self._producer.poll(timeout)
+        except KafkaException as exc:
+            self._raised(exc)
+            return 0
         finally:
             self._settle()
 
@@ -410,8 +426,31 @@ class KafkaSink:
         """Wait up to ``timeout`` for everything in flight; returns how many are still undelivered."""
         try:
             return self._producer.flush(timeout)
+        except KafkaException as exc:
+            self._raised(exc)
+            return len(self._producer)
         finally:
             self._settle()
+
+    def _raised(self, exc: KafkaException) -> None:
+        """A fatal error that poll/flush raised instead of handing it to ``error_cb``: the same ending.
+
+        Seen on a real cluster (a producer id refused: CLUSTER_AUTHORIZATION_FAILED): librdkafka's
+        fatal error came out of ``poll()`` as an exception and never reached ``error_cb``, so the
+        expire loop logged a traceback and went on forever with a producer that can never deliver.
+        Anything else is re-raised (the loop's own retry handles it).
+        """
+        err = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+        if err is None or not err.fatal():
+            raise exc
+        self._fatal(err)
+
+    def _fatal(self, err: KafkaError) -> None:
+        # E.g. an idempotence epoch error, or a producer id refused: every later record would fail.
+        # The expire loop sees this, the exporter turns not ready, flushes, keeps its state and exits.
+        if self.counters.fatal is None:
+            log.error("kafka producer fatal error: %s", err.str())
+            self.counters.fatal = err.str()
 
     def purge(self) -> None:
         """Drop everything still queued (shutdown after the grace period)."""
@@ -435,10 +474,7 @@ class KafkaSink:
     def _on_error(self, err: KafkaError) -> None:
         # librdkafka's error strings name the broker and the reason, never the configured secrets.
         if err.fatal():
-            # E.g. an idempotence epoch error: every later record would fail. The expire loop
-            # sees this, the exporter turns not ready, flushes, keeps its state and exits.
-            log.error("kafka producer fatal error: %s", err.str())
-            self.counters.fatal = err.str()
+            self._fatal(err)
             return
         kind = _security_failure(err)  # its own rate limit: not drowned out by "brokers are down"
         now = time.monotonic()

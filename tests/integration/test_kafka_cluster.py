@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from devtools.kafka_cluster import KafkaCluster
+from devtools.kafka_cluster import SASL_USER, KafkaCluster
 from devtools.lab import Lab
 from tests.support import contract
 from tests.support.exporter_process import free_port, scrape, start_exporter, stop_exporter
@@ -82,11 +82,13 @@ class Run:
     killed: int = 0  # exporter processes SIGKILLed (their account is never written)
     notes: dict[str, Any] = field(default_factory=dict)
 
-    def start_exporter(self) -> None:
+    def start_exporter(self, wait: bool = True) -> None:
         self.port = free_port()
         self.logs.append(self.tmp_path / f"exporter{len(self.logs) + 1}.log")
         args = ("--set", "shutdown.grace=90s", *self.extra)
-        self.proc = start_exporter(self.lab, self.bootstrap, self.topic, self.logs[-1], *args, metrics_port=self.port)
+        self.proc = start_exporter(
+            self.lab, self.bootstrap, self.topic, self.logs[-1], *args, metrics_port=self.port, wait=wait
+        )
 
     def kill_exporter(self) -> None:
         """SIGKILL the exporter (a node crash): what it had not checkpointed, the next start meets again."""
@@ -399,4 +401,46 @@ def test_latency_above_the_delivery_timeout_on_the_exporters_link(
         lab, healthy, tmp_path, "latency", fault,
         *SHORT_TIMEOUTS,
         bootstrap=healthy.slow_bootstrap,
+    )  # fmt: skip
+
+
+def test_fatal_idempotence_error_keeps_the_state_and_the_next_start_resends(
+    lab: Lab, healthy: KafkaCluster, tmp_path: Path
+) -> None:
+    """A fatal idempotence error from a real cluster: ACLs refuse the exporter's user a producer id, which
+    librdkafka raises as fatal (CLUSTER_AUTHORIZATION_FAILED on InitProducerId). It comes while the state dir
+    holds records Kafka never acknowledged (the exporter before was SIGKILLed with its leader cut off): the
+    exporter says what happened, keeps its state, exits 1; once the ACLs are fixed the next start sends them as
+    the same bytes. The exporter writes as User:flows over the brokers' SASL listeners (ACLs need a principal
+    other than the brokers' own)."""
+
+    def fault(run: Run) -> None:
+        run.cluster.cut(LEADER, "clients")
+        run.traffic.during(3)  # records for the leader's partitions wait, unacknowledged
+        run.kill_exporter()
+        run.cluster.heal(LEADER)
+        run.cluster.refuse_producer_ids()
+        try:
+            run.traffic.burst()
+            run.start_exporter(wait=False)
+            rc = run.proc.wait(60)
+        finally:
+            run.cluster.allow_producer_ids()
+        text = run.logs[-1].read_text()
+        assert rc == 1, text[-4000:]
+        assert "kafka producer fatal error, exiting (state kept for the restart)" in text, text[-4000:]
+        assert "Cluster authorization failed" in text, text[-4000:]
+        assert "Traceback" not in text, text[-4000:]
+        run.notes["fatal exit"] = rc
+        run.traffic.burst()
+        run.start_exporter()
+        run.traffic.during(2)
+
+    user, password = SASL_USER
+    sasl = ("kafka.securityProtocol=SASL_PLAINTEXT", "kafka.sasl.mechanism=PLAIN", f"kafka.sasl.username={user}")
+    flags = [a for setting in (*sasl, f"kafka.sasl.password={password}") for a in ("--set", setting)]
+    state = tmp_path / "state"
+    scenario(
+        lab, healthy, tmp_path, "fatal-idempotence", fault, "--set", f"state.dir={state}", *flags,
+        bootstrap=healthy.sasl_bootstrap,
     )  # fmt: skip

@@ -112,7 +112,7 @@ def test_routes_and_delivery_reports(kafka_broker: Any) -> None:
         RecordEncoder("n1").encode,
         [Route(ended_topic, end_reason=END_OF_FLOW)],
     )
-    assert sink.missing_topics() == set()
+    assert sink.unusable_topics() == {}
     store = ConnectionStore()
     store.update([conn(1), conn(2), conn(3, state=7)], 0.0, time.time_ns())
     exports = store.expire(100.0, time.time_ns())
@@ -190,7 +190,7 @@ def test_missing_topic_is_reported(kafka_broker: Any) -> None:
         "does-not-exist",
         RecordEncoder("n1").encode,
     )
-    assert sink.missing_topics() == {"does-not-exist"}
+    assert sink.unusable_topics() == {"does-not-exist": "missing"}
 
 
 class ListSource:
