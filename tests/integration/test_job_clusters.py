@@ -60,8 +60,8 @@ pytestmark = [pytest.mark.lab, pytest.mark.kafka, pytest.mark.spark]
 
 TOPIC = "flows"
 PARTITIONS = 3
-TRAFFIC_S = 16  # seconds of traffic; the workers die after KILL_AFTER_S of it
-KILL_AFTER_S = 7
+TRAFFIC_S = 12  # seconds of traffic; the workers die after KILL_AFTER_S of it
+KILL_AFTER_S = 6
 CLOCK: Group = ("test/clock", "test/clock")
 
 
@@ -282,7 +282,6 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
                 spark.kill_worker()
                 flink.kill_worker()
                 traffic.during(TRAFFIC_S - KILL_AFTER_S)
-                time.sleep(5)  # the last exchanges' end-of-flow records
                 stop_exporter(exporter, log)
             finally:
                 if exporter.poll() is None:
