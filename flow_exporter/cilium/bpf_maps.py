@@ -13,9 +13,10 @@ which a DaemonSet image should not carry for four system calls.
 * ``BPF_MAP_GET_NEXT_KEY`` and ``BPF_MAP_LOOKUP_ELEM``, one entry at a time, where the kernel refuses
   batches (``EINVAL``/``ENOTSUPP``): the fallback walk.
 
-A hash map being written while it is read has no snapshot: an entry added or deleted during the read
-may be seen or not, and the walk may restart from the first key when the key it stood on was deleted
-(the kernel's rule); a reader must tolerate both, which the decode above this module does.
+A hash map being written while it is read has no snapshot. Batches go bucket by bucket, so an entry
+present for the whole read is returned once; one added or deleted meanwhile may be returned or not.
+The walk starts over from the first key when the key it stood on is deleted (the kernel's rule) and
+skips the keys it already returned, so it also returns each entry at most once.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class MapInfo:
     """What the kernel says a map is (``struct bpf_map_info``)."""
 
     type: int  # BPF_MAP_TYPE_*: 9 is LRU hash
+    id: int  # the kernel's id of this map: a pin recreated (Cilium's upgrade path) is a new map, a new id
     key_size: int
     value_size: int
     max_entries: int
@@ -108,10 +110,10 @@ class PinnedMap:
     def _read_info(self) -> MapInfo:
         out = ctypes.create_string_buffer(_INFO_SIZE)
         self._bpf(_OBJ_GET_INFO_BY_FD, struct.pack("=IIQ", self.fd, _INFO_SIZE, ctypes.addressof(out)), self.path)
-        kind, _id, key_size, value_size, max_entries, flags = struct.unpack_from("=6I", out.raw, 0)
+        kind, map_id, key_size, value_size, max_entries, flags = struct.unpack_from("=6I", out.raw, 0)
         name = out.raw[24:40].split(b"\0", 1)[0].decode(errors="replace")
         (btf_id,) = struct.unpack_from("=I", out.raw, 64)
-        return MapInfo(kind, key_size, value_size, max_entries, flags, name, btf_id)
+        return MapInfo(kind, map_id, key_size, value_size, max_entries, flags, name, btf_id)
 
     def batches(self, batch: int = 4096, *, walk: bool = False) -> Iterator[tuple[int, bytes, bytes]]:
         """``(count, keys, values)`` per batch: ``count`` entries, keys and values packed back to back.
@@ -167,10 +169,14 @@ class PinnedMap:
             started = True
 
     def _walk(self) -> Iterator[tuple[bytes, bytes]]:
+        """One key after the other. When the key it stands on is deleted meanwhile, the kernel answers
+        the next-key call with the map's first key: the walk starts over, so keys already given are
+        skipped (a set of them, kept only on this fallback path)."""
         ks, vs = self.info.key_size, self.info.value_size
         key = ctypes.create_string_buffer(ks)
         nxt = ctypes.create_string_buffer(ks)
         value = ctypes.create_string_buffer(vs)
+        seen: set[bytes] = set()
         first = True
         while True:
             attr = struct.pack("=IIQQ", self.fd, 0, 0 if first else ctypes.addressof(key), ctypes.addressof(nxt))
@@ -182,6 +188,8 @@ class PinnedMap:
                 raise
             first = False
             ctypes.memmove(key, nxt, ks)
+            if key.raw in seen:
+                continue
             attr = struct.pack("=IIQQQ", self.fd, 0, ctypes.addressof(key), ctypes.addressof(value), 0)
             try:
                 self._bpf(_MAP_LOOKUP_ELEM, attr, f"lookup in {self.path}")
@@ -189,6 +197,7 @@ class PinnedMap:
                 if exc.errno == errno.ENOENT:  # deleted between the two calls
                     continue
                 raise
+            seen.add(key.raw)
             yield key.raw, value.raw
 
 

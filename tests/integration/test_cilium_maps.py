@@ -174,3 +174,57 @@ def test_a_pin_that_is_not_there_is_named(bpffs: Bpffs) -> None:
         PinnedMap(str(bpffs.globals / "cilium_ct4_global"))
     assert str(bpffs.globals / "cilium_ct4_global") in str(info.value)
     assert "No such file or directory" in str(info.value)
+
+
+def _put(i: int) -> dict[str, Any]:
+    return {"op": "put", "map": "cilium_ct4_global", "saddr": f"10.1.{i >> 8 & 255}.{i & 255}", "daddr": "10.96.0.10",
+            "sport": 2000 + i, "dport": 443, "nexthdr": 6, "flags": 0, "entry": {"Lifetime": i}}  # fmt: skip
+
+
+def _apply(fs: Bpffs, ops_: list[dict[str, Any]]) -> None:
+    run_ctwriter(ctwriter("v1.20"), fs, "apply", stdin="".join(json.dumps(o) + "\n" for o in ops_))
+
+
+def _sport(key: bytes) -> int:
+    return int(struct.unpack_from("!H", key, 10)[0])
+
+
+@pytest.mark.parametrize("walk", [False, True], ids=["batch", "walk"])
+def test_entries_changed_during_a_read_are_never_returned_twice(bpffs: Bpffs, walk: bool) -> None:
+    """Cilium deletes and adds entries between two steps of a read (driven here between two batches, or two keys
+    of the walk, including the very key the walk stands on): each entry present throughout is returned exactly
+    once, a deleted one not yet read never, an added one at most once."""
+    run_ctwriter(ctwriter("v1.20"), bpffs, "create")
+    _apply(bpffs, [_put(i) for i in range(300)])
+    with PinnedMap(str(bpffs.globals / "cilium_ct4_global")) as m:
+        items = m.items(7, walk=walk)
+        first = [next(items) for _ in range(40)]
+        read_first = {_sport(k) - 2000 for k, _ in first}
+        unread = [i for i in range(300) if i not in read_first]
+        deleted = set(unread[:50])
+        if walk:
+            deleted.add(_sport(first[-1][0]) - 2000)  # the key the walk stands on: it starts over
+        _apply(bpffs, [{**_put(i), "op": "delete"} for i in sorted(deleted)] + [_put(i) for i in range(300, 360)])
+        rest = list(items)
+    got = [_sport(k) - 2000 for k, _ in first + rest]
+    assert len(got) == len(set(got)), "an entry returned twice"
+    throughout = set(range(300)) - deleted
+    assert throughout <= set(got)
+    assert not (deleted - read_first) & set(got)
+    assert set(got) <= set(range(360))
+
+
+def test_a_pin_recreated_empty_is_a_new_map(bpffs: Bpffs) -> None:
+    """Cilium's upgrade path unpins a map and creates it anew: a reader that opened the old pin still sees the old
+    map; opening the pin again gives the new one, empty, with another id (how the source tells them apart)."""
+    binary = ctwriter("v1.20")
+    run_ctwriter(binary, bpffs, "create")
+    _apply(bpffs, [_put(i) for i in range(10)])
+    pin = bpffs.globals / "cilium_ct4_global"
+    with PinnedMap(str(pin)) as old:
+        pin.unlink()
+        run_ctwriter(binary, bpffs, "create")
+        with PinnedMap(str(pin)) as new:
+            assert new.info.id != old.info.id
+            assert list(new.items()) == []
+        assert len(list(old.items())) == 10
