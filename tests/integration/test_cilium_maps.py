@@ -197,16 +197,20 @@ def test_entries_changed_during_a_read_are_never_returned_twice(bpffs: Bpffs, wa
     run_ctwriter(ctwriter("v1.20"), bpffs, "create")
     _apply(bpffs, [_put(i) for i in range(300)])
     with PinnedMap(str(bpffs.globals / "cilium_ct4_global")) as m:
-        items = m.items(7, walk=walk)
-        first = [next(items) for _ in range(40)]
-        read_first = {_sport(k) - 2000 for k, _ in first}
+        ks = m.info.key_size
+        batches = m.batches(7, walk=walk)
+        first: list[bytes] = []  # the keys fetched from the kernel so far (whole batches)
+        while len(first) < 40:
+            count, keys, _ = next(batches)
+            first += [keys[i * ks : (i + 1) * ks] for i in range(count)]
+        read_first = {_sport(k) - 2000 for k in first}
         unread = [i for i in range(300) if i not in read_first]
         deleted = set(unread[:50])
         if walk:
-            deleted.add(_sport(first[-1][0]) - 2000)  # the key the walk stands on: it starts over
+            deleted.add(_sport(first[-1]) - 2000)  # the key the walk stands on: it starts over
         _apply(bpffs, [{**_put(i), "op": "delete"} for i in sorted(deleted)] + [_put(i) for i in range(300, 360)])
-        rest = list(items)
-    got = [_sport(k) - 2000 for k, _ in first + rest]
+        rest = [keys[i * ks : (i + 1) * ks] for count, keys, _ in batches for i in range(count)]
+    got = [_sport(k) - 2000 for k in first + rest]
     assert len(got) == len(set(got)), "an entry returned twice"
     throughout = set(range(300)) - deleted
     assert throughout <= set(got)
