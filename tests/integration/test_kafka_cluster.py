@@ -171,6 +171,7 @@ def scenario(
     assert refused == 0, account.group(0)
     if not run.killed:  # (a process after a SIGKILL also acknowledges what the killed one built)
         assert built == acked, account.group(0)
+    cluster.wait_agreed(topic)  # no broker left that still believes in the partitions' old leaders
     raw = read_raw_records(cluster.bootstrap, topic, timeout=90)
     # Duplicates only as the same bytes of one pair.
     by_pair: dict[tuple[int, int], bytes] = {}
