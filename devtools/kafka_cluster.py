@@ -78,6 +78,7 @@ class KafkaCluster:
         self._relays: dict[int, subprocess.Popen[bytes]] = {}
         self._net_up = False
         self._closed = False
+        self._refusing = False  # refuse_producer_ids' ACLs are (or may be) in place
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> KafkaCluster:
@@ -217,15 +218,27 @@ class KafkaCluster:
     def refuse_producer_ids(self) -> None:
         """From now on every new idempotent producer fails with CLUSTER_AUTHORIZATION_FAILED, which librdkafka
         raises as a fatal error ("Failed to acquire idempotence PID"): the real cause of one, on a real cluster."""
+        self._refusing = True
         admin = self.admin()  # kept until the futures resolve: a dropped client cancels them
         for future in admin.create_acls(self._producer_id_acls()).values():
             future.result()
 
-    def allow_producer_ids(self) -> None:
-        """Remove :meth:`refuse_producer_ids`' ACLs (what an operator who fixed them would do)."""
-        admin = self.admin()
-        for future in admin.delete_acls(self._producer_id_acls(filters=True)).values():
-            future.result()
+    def allow_producer_ids(self, timeout: float = 60.0) -> None:
+        """Remove :meth:`refuse_producer_ids`' ACLs (what an operator who fixed them would do); nothing to do when
+        they were never set. Retried while a broker's connection is still settling after a fault."""
+        from confluent_kafka import KafkaException
+
+        deadline = time.monotonic() + timeout
+        while self._refusing:
+            admin = self.admin()
+            try:
+                for future in admin.delete_acls(self._producer_id_acls(filters=True)).values():
+                    future.result()
+                self._refusing = False
+            except KafkaException:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.5)
 
     # ------------------------------------------------------------------ what the cluster says
     def admin(self, **overrides: Any) -> Any:
