@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from abc import ABC, abstractmethod
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -102,14 +103,29 @@ class Processes:
         self.master = None
 
 
-class _Lifetime:
-    """``with`` for a cluster: start it (closing what started if that fails), close it at the end."""
+class _Lifetime(ABC):
+    """``with`` for a cluster: start it (closing what started if that fails), close it at the end.
+
+    The one order of starting is here; each cluster says how to start its master and a worker and how to
+    tell that the workers joined."""
 
     procs: Processes
 
     def start(self) -> None:
         """The master, then :data:`WORKERS` workers, until all have joined."""
-        raise NotImplementedError
+        self.start_master()
+        for _ in range(WORKERS):
+            self.start_worker()
+        self.wait_workers(WORKERS)
+
+    @abstractmethod
+    def start_master(self) -> None: ...
+
+    @abstractmethod
+    def start_worker(self) -> int: ...
+
+    @abstractmethod
+    def wait_workers(self, count: int, timeout: float = 90.0) -> None: ...
 
     def __enter__(self) -> Any:
         try:
@@ -163,12 +179,6 @@ class SparkCluster(_Lifetime):
             "SPARK_DAEMON_MEMORY": "256m",
             "SPARK_DAEMON_JAVA_OPTS": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
         }
-
-    def start(self) -> None:
-        self.start_master()
-        for _ in range(WORKERS):
-            self.start_worker()
-        self.wait_workers(WORKERS)
 
     def start_master(self) -> None:
         cmd = [*self._class, "org.apache.spark.deploy.master.Master", "--host", HOST, "--port", str(self.port)]
@@ -267,12 +277,6 @@ class FlinkCluster(_Lifetime):
             "JVM_ARGS": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
         }
         self.url = f"http://{HOST}:{self.rest_port}"
-
-    def start(self) -> None:
-        self.start_master()
-        for _ in range(WORKERS):
-            self.start_worker()
-        self.wait_workers(WORKERS)
 
     def start_master(self) -> None:
         cmd = ["bash", str(self.home / "bin" / "jobmanager.sh"), "start-foreground"]

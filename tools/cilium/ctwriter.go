@@ -29,28 +29,27 @@ import (
 	"github.com/cilium/cilium/pkg/u8proto"
 )
 
+// tuple: a map and a key as the JSON lines name them (ports in host order).
+type tuple struct {
+	Map     string `json:"map"`
+	Saddr   string `json:"saddr"`
+	Daddr   string `json:"daddr"`
+	Sport   uint16 `json:"sport"`
+	Dport   uint16 `json:"dport"`
+	Nexthdr uint8  `json:"nexthdr"`
+	Flags   uint8  `json:"flags"`
+}
+
 type op struct {
-	Op      string        `json:"op"`
-	Map     string        `json:"map"`
-	Saddr   string        `json:"saddr"`
-	Daddr   string        `json:"daddr"`
-	Sport   uint16        `json:"sport"`
-	Dport   uint16        `json:"dport"`
-	Nexthdr uint8         `json:"nexthdr"`
-	Flags   uint8         `json:"flags"`
-	Entry   ctmap.CtEntry `json:"entry"`
+	tuple
+	Op    string        `json:"op"`
+	Entry ctmap.CtEntry `json:"entry"`
 }
 
 type record struct {
-	Map     string        `json:"map"`
-	Saddr   string        `json:"saddr"`
-	Daddr   string        `json:"daddr"`
-	Sport   uint16        `json:"sport"`
-	Dport   uint16        `json:"dport"`
-	Nexthdr uint8         `json:"nexthdr"`
-	Flags   uint8         `json:"flags"`
-	Entry   ctmap.CtEntry `json:"entry"`
-	Cilium  string        `json:"cilium"`
+	tuple
+	Entry  ctmap.CtEntry `json:"entry"`
+	Cilium string        `json:"cilium"`
 }
 
 func die(format string, args ...any) {
@@ -151,7 +150,7 @@ func main() {
 			err := m.DumpWithCallback(func(k bpf.MapKey, v bpf.MapValue) {
 				// As cilium-dbg bpf ct list global prints it: the key in host order, then the value.
 				shown := k.(ctmap.CtKey).ToHost().String() + " " + v.String()
-				r := record{Map: name, Entry: *v.(*ctmap.CtEntry), Cilium: shown}
+				r := record{tuple: tuple{Map: name}, Entry: *v.(*ctmap.CtEntry), Cilium: shown}
 				switch t := k.(type) {
 				case *ctmap.CtKey4Global:
 					r.Saddr, r.Daddr = netip.AddrFrom4(t.SourceAddr).String(), netip.AddrFrom4(t.DestAddr).String()
