@@ -90,6 +90,7 @@ class ExporterOptions:
     compiled: bool = True  # the compiled poll path, when built (a test seam: the build is chosen once)
     cache_prefixes: bool = True  # keep active connections' record prefixes (export.prefixCache, resolved)
     adopt: bool = True  # no state to continue from: connections found live are flagged adopted
+    source_flags: int = 0  # record flags every connection of the source has (flow.BOTH_DIRECTIONS: Cilium >= 1.16)
 
 
 class Exporter:
@@ -160,6 +161,7 @@ class Exporter:
             adopt=adopt,
             compiled=o.compiled,
             cache_prefixes=o.cache_prefixes,
+            source_flags=o.source_flags,
         )
 
     def restore(self, rows: list[Restored], resends: list[Export], *, adopting: bool = False) -> None:

@@ -71,7 +71,7 @@ _RECORD_SIZE: cython.Py_ssize_t = RECORD.size
 _ACK_SIZE: cython.Py_ssize_t = ACK.size
 
 # flow.RECORD_FLAGS: the record's own flags, kept in a journaled row beside its ROW_* kind bits
-_RECORD_FLAGS = 0x0F
+_RECORD_FLAGS = 0x1F
 # The typecode of each flow.RowColumns field, in its order: an array's, or None for the one bytearray (flags)
 _COLUMN_CODES = ("I", "q", "q", "q", "I", "Q", "Q", "Q", "Q", None)
 

@@ -266,6 +266,9 @@ def load(
         values[key] = BY_KEY[key].parse(key, value)
     if values["retry.maxBackoff"] < values["retry.initialBackoff"]:
         raise ConfigError("retry.maxBackoff", values["retry.maxBackoff"], "must be >= retry.initialBackoff")
+    if values["conntrack.source"] == "cilium" and values["conntrack.zones"]:
+        raise ConfigError("conntrack.zones", values["conntrack.zones"], "Cilium's CT maps have no zones "
+                          "(conntrack.source is cilium): leave it empty")  # fmt: skip
     secrets = _kafka_security(values)
     for check in checks:
         check(values)

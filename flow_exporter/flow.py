@@ -50,7 +50,8 @@ GIVE_UP_IDLE = "cap_idle"  # an idle, fully reported connection made room for a 
 GIVE_UP_REASONS = (GIVE_UP_REFUSED, GIVE_UP_IDLE)
 
 # Record ``flags`` bits: facts about the connectionId. ADOPTED and COUNTERS_RESET are the same in
-# all of its records; NO_COUNTERS and OFFLOADED are set from the first record that shows them.
+# all of its records; NO_COUNTERS and OFFLOADED are set from the first record that shows them; BOTH_DIRECTIONS is a
+# property of the source, in every record.
 ADOPTED = 1
 """First seen already live by an exporter with no state to continue from, or met again after the
 store forgot it (the kernel's stamps show it lived through a dump): the first record's deltas
@@ -69,6 +70,11 @@ IPS_OFFLOAD / IPS_HW_OFFLOAD): packets forwarded by the flowtable reach conntrac
 only in batches (software) or not at all (hardware), so the counters may trail the traffic.
 Set from the first record after the offload and kept."""
 
+BOTH_DIRECTIONS = 16
+"""The source counts both directions in one pair of counters (Cilium 1.16 and later keeps one packets and one
+bytes counter per entry): the totals and deltas are in the forward (non-reverse) fields, the reverse ones are 0,
+and how the traffic splits between the two directions is unknown. Set in every record of the connectionId."""
+
 # Row kinds a checkpoint keeps besides live connections, in the high bits of a row's flags byte
 # (record flags use the low four): what the store must remember across a restart so that it
 # never meets a reported incarnation as new.
@@ -78,7 +84,7 @@ ROW_GIVEN_UP = 0x40
 """Given up at the cap: not taken back while its entry lasts."""
 ROW_RESET = 0x20
 """With ROW_ENDED: ended by a counter reset; its entry goes on under a successor connectionId."""
-RECORD_FLAGS = 0x0F
+RECORD_FLAGS = 0x1F
 
 Totals = tuple[int, int, int, int]  # packets, bytes, reverse packets, reverse bytes
 ZERO: Totals = (0, 0, 0, 0)

@@ -16,6 +16,7 @@ cdef class _Columns:
     cdef unsigned char[:] flags, reason, bits
     cdef list keys, meta, prefix, pending
     cdef Py_ssize_t rows
+    cdef unsigned char source_flags
 
 cdef Export _build(_Columns c, Py_ssize_t s, int reason, object view)
 

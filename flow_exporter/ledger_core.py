@@ -171,6 +171,7 @@ class _Columns:
         self.seq, self.status, self.ct, self.epoch = store._seq, store._status, store._ct, store._epoch
         self.last, self.fid, self.first, self.start = store._last_active, store._fid, store._first, store._start
         self.tcp = store._tcp
+        self.source_flags = store.source_flags
         self.flags, self.reason, self.bits = store._flags, store._reason, store._bits
         self.keys, self.meta, self.prefix, self.pending = store._keys, store._meta, store._prefix, store._pending
         self.rows = min(len(store._keys), len(self.op), len(self.bits), len(self.pending), len(self.prefix))
@@ -196,10 +197,12 @@ def _build(c: _Columns, s: cython.Py_ssize_t, reason: cython.int, view: Callable
     end_reason: cython.int = c.reason[s]
     prefix = c.prefix[s]
     flags: cython.uchar = c.flags[s]
-    # Counter fidelity (flow.NO_COUNTERS, flow.OFFLOADED): kept once seen; the cached prefix holds the old
-    # flags, so it goes.
+    # Counter fidelity (flow.NO_COUNTERS, flow.OFFLOADED, the source's flow.BOTH_DIRECTIONS): kept once seen; the
+    # cached prefix holds the old flags, so it goes.
     b: cython.uchar = c.bits[s]
-    seen: cython.uchar = (_NO_COUNTERS if b & _UNCOUNTED else 0) | (_OFFLOADED if c.status[s] & _OFFLOAD_STATUS else 0)
+    seen: cython.uchar = (
+        (_NO_COUNTERS if b & _UNCOUNTED else 0) | (_OFFLOADED if c.status[s] & _OFFLOAD_STATUS else 0) | c.source_flags
+    )
     if seen & ~flags:
         flags = flags | seen
         c.flags[s] = flags

@@ -22,10 +22,11 @@ from flow_exporter.completeness import Completeness
 from flow_exporter.config import Config, ConfigError
 from flow_exporter.conntrack.errors import is_fatal
 from flow_exporter.conntrack.events import ConntrackEvents
+from flow_exporter.flow import BOTH_DIRECTIONS
 from flow_exporter.lifecycle import Lifecycle
 from flow_exporter.listener import Listener
 from flow_exporter.metrics import Metrics
-from flow_exporter.ports import Sink
+from flow_exporter.ports import Sink, Source
 from flow_exporter.probes import liveness, readiness, routes
 from flow_exporter.readings import Readings
 from flow_exporter.sink import KafkaSink, Route
@@ -76,8 +77,8 @@ def timeouts_from(cfg: Config) -> Timeouts:
     )
 
 
-def options_from(cfg: Config, *, adopt: bool) -> ExporterOptions:
-    """The loops' settings from the config (``adopt``: no state to continue from)."""
+def options_from(cfg: Config, *, adopt: bool, source: str = "netfilter") -> ExporterOptions:
+    """The loops' settings from the config (``adopt``: no state to continue from; ``source``: the one chosen)."""
     timeouts = timeouts_from(cfg)
     cache = cfg["export.prefixCache"]
     return ExporterOptions(
@@ -91,7 +92,20 @@ def options_from(cfg: Config, *, adopt: bool) -> ExporterOptions:
         max_in_flight=cfg["limits.maxInFlight"],
         cache_prefixes=timeouts.active < PREFIX_CACHE_BELOW if cache is None else cache,
         adopt=adopt,
+        source_flags=BOTH_DIRECTIONS if source == "cilium" and cfg["cilium.counters"] == "combined" else 0,
     )
+
+
+def chosen_source(cfg: Config) -> str:
+    """``conntrack.source`` resolved: ``auto`` is cilium when Cilium's maps are pinned under ``cilium.bpffs``."""
+    from flow_exporter.cilium.source import maps_pinned
+
+    kind: str = cfg["conntrack.source"]
+    if kind == "auto":
+        kind = "cilium" if maps_pinned(cfg["cilium.bpffs"]) else "netfilter"
+        log.info("conntrack.source auto: %s (Cilium's CT maps %s under %s)", kind,
+                 "pinned" if kind == "cilium" else "not pinned", cfg["cilium.bpffs"])  # fmt: skip
+    return kind
 
 
 def check_topics(sink: KafkaSink, stop: threading.Event, initial: float, maximum: float) -> bool:
@@ -205,9 +219,10 @@ def start_markers(cfg: Config, exporter: Exporter, completeness: Completeness | 
     )  # fmt: skip
 
 
-def start_events(cfg: Config, exporter: Exporter) -> ConntrackEvents | None:
-    """The NEW/DESTROY listener, when on; polling alone goes on if it cannot start."""
-    if not cfg["conntrack.events"]:
+def start_events(cfg: Config, exporter: Exporter, source: str = "netfilter") -> ConntrackEvents | None:
+    """The NEW/DESTROY listener, when on (netfilter only: Cilium's maps have no events); polling alone goes on if it
+    cannot start."""
+    if not cfg["conntrack.events"] or source != "netfilter":
         return None
     try:
         events = ConntrackEvents(
@@ -226,7 +241,17 @@ def start_events(cfg: Config, exporter: Exporter) -> ConntrackEvents | None:
     return events
 
 
-def open_state(cfg: Config, stop: threading.Event) -> tuple[Checkpoint | None, Loaded | None]:
+def table_name(cfg: Config, source: str) -> str:
+    """The table a state directory continues: a state written from another table (another netns, or the other
+    source) is not continued."""
+    if source == "cilium":
+        return "cilium:" + str(cfg["cilium.bpffs"])
+    return cfg["conntrack.netns"] or ""
+
+
+def open_state(
+    cfg: Config, stop: threading.Event, source: str = "netfilter"
+) -> tuple[Checkpoint | None, Loaded | None]:
     """The state directory, locked and loaded; (None, None) without one, or when stopped while waiting."""
     directory = cfg["state.dir"]
     if not directory:
@@ -235,7 +260,7 @@ def open_state(cfg: Config, stop: threading.Event) -> tuple[Checkpoint | None, L
             "connectionIds, flagged adopted (see README, Counting: the contract)"
         )
         return None, None
-    cp = Checkpoint(directory, table=cfg["conntrack.netns"] or "")
+    cp = Checkpoint(directory, table=table_name(cfg, source))
     if not cp.lock(stop):
         return None, None
     loaded = cp.load()
@@ -282,14 +307,29 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
             "FLOW_EXPORTER_INTERPRETED=1 runs the interpreted one",
             compiled.describe(),
         )
-    if cfg["conntrack.setSysctls"]:
-        for warning in enable_accounting(netns):
-            log.warning("%s", warning)
-    try:
-        source = ConntrackDumper(netns=netns)
-    except ConntrackError as exc:
-        log.error("cannot open conntrack: %s", exc)
-        return 1
+    kind = chosen_source(cfg)
+    source: Source
+    if kind == "cilium":
+        from flow_exporter.cilium.bpf_maps import BpfMapError
+        from flow_exporter.cilium.source import CiliumSource
+
+        try:
+            source = CiliumSource(cfg["cilium.bpffs"], cfg["cilium.counters"], cfg["cilium.clock"])
+        except BpfMapError as exc:
+            log.error("cannot read Cilium's CT maps: %s", exc)
+            return 1
+        log.info("source: Cilium's CT maps under %s (counters %s, clock %s); no events: a connection that starts "
+                 "and ends between two polls is not seen", cfg["cilium.bpffs"], cfg["cilium.counters"],
+                 cfg["cilium.clock"])  # fmt: skip
+    else:
+        if cfg["conntrack.setSysctls"]:
+            for warning in enable_accounting(netns):
+                log.warning("%s", warning)
+        try:
+            source = ConntrackDumper(netns=netns)
+        except ConntrackError as exc:
+            log.error("cannot open conntrack: %s", exc)
+            return 1
     # Every service registers its stop as it starts; they stop in the reverse order, however this ends.
     with contextlib.ExitStack() as services:
         services.callback(source.close)
@@ -298,7 +338,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         if install_signals is not None:
             install_signals(stop)
         try:
-            checkpoint, loaded = open_state(cfg, stop)
+            checkpoint, loaded = open_state(cfg, stop, kind)
         except CheckpointError as exc:
             log.error("%s", exc)
             return 2
@@ -319,7 +359,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         exporter = Exporter(
             source,
             sink,
-            options_from(cfg, adopt=not (loaded and loaded.valid) or loaded.adopting),
+            options_from(cfg, adopt=not (loaded and loaded.valid) or loaded.adopting, source=kind),
             is_fatal=is_fatal,
             on_new=enricher,
             checkpoint=checkpoint,
@@ -331,7 +371,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
             exporter.restore(loaded.rows, loaded.resends, adopting=loaded.adopting)
         for start in (
             partial(start_listener, cfg, metrics, exporter, enricher),
-            partial(start_events, cfg, exporter),
+            partial(start_events, cfg, exporter, kind),
             partial(start_health_stream, cfg, exporter),
             partial(start_markers, cfg, exporter, completeness),
         ):

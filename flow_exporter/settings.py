@@ -343,6 +343,33 @@ def parse_user_info(key: str, value: object) -> str | None:
     return s
 
 
+def _one_of(choices: Mapping[str, str]) -> Callable[[str, object], str]:
+    """A parser for one word out of ``choices`` (word -> what it means, for the error)."""
+
+    def parse(key: str, value: object) -> str:
+        s = parse_str(key, value).strip().lower()
+        if s not in choices:
+            raise ConfigError(key, value, "one of " + ", ".join(f"{c} ({why})" for c, why in choices.items()))
+        return s
+
+    return parse
+
+
+parse_source = _one_of({
+    "netfilter": "the kernel's conntrack table",
+    "cilium": "Cilium's BPF connection-tracking maps",
+    "auto": "Cilium's maps when they are pinned under cilium.bpffs, else netfilter",
+})  # fmt: skip
+parse_cilium_counters = _one_of({
+    "combined": "Cilium 1.16 and later: one packets and bytes pair for both directions",
+    "split": "Cilium 1.15 and earlier: received and sent counted apart",
+})  # fmt: skip
+parse_cilium_clock = _one_of({
+    "ktime": "Cilium's default: lifetimes in seconds of the monotonic clock",
+    "jiffies": "Cilium with bpf-clock-probe: lifetimes are not compared",
+})  # fmt: skip
+
+
 # --------------------------------------------------------------------- settings
 @dataclass(frozen=True, slots=True)
 class Setting:
@@ -360,6 +387,28 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("nodeName", parse_str, "", "This node's name in records; empty: $NODE_NAME, else the host name."),
     Setting("clusterName", parse_str, "", "This cluster's name in records (clusterName); empty: null."),
     Setting("communityId.seed", parse_u16, 0, "Community ID seed (0-65535); all tools comparing IDs use one seed."),
+    Setting(
+        "conntrack.source",
+        parse_source,
+        "netfilter",
+        "Where connections are read: netfilter (the kernel's conntrack), cilium (Cilium's BPF CT maps, for "
+        "clusters where Cilium keeps pod traffic out of netfilter), or auto (cilium when its maps are pinned).",
+    ),
+    Setting("cilium.bpffs", parse_str, "/sys/fs/bpf", "The BPF filesystem Cilium pins its maps in (tc/globals/...)."),
+    Setting(
+        "cilium.counters",
+        parse_cilium_counters,
+        "combined",
+        "The counter layout of Cilium's CT entries: combined (Cilium 1.16 and later) or split (1.15 and earlier); "
+        "the maps do not say, and a wrong layout misreads every counter.",
+    ),
+    Setting(
+        "cilium.clock",
+        parse_cilium_clock,
+        "ktime",
+        "Cilium's BPF clock: ktime (its default), or jiffies (bpf-clock-probe on): then an entry past its lifetime "
+        "is over only when Cilium deletes it.",
+    ),
     Setting("conntrack.netns", parse_opt_str, None, "Read conntrack of this named network namespace."),
     Setting("conntrack.zones", parse_zones, (), "Conntrack zones to export; empty means all zones."),
     Setting("conntrack.pollInterval", positive_duration, 5.0, "How often the conntrack table is dumped."),

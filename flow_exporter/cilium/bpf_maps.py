@@ -88,6 +88,7 @@ class PinnedMap:
     def __init__(self, path: str, bpf: _Bpf | None = None) -> None:
         self.path = path
         self._bpf = bpf or _Bpf()
+        self._value: ctypes.Array[ctypes.c_char] | None = None  # contains()'s answer buffer, made once
         name = ctypes.create_string_buffer(os.fsencode(path))
         self.fd = self._bpf(_OBJ_GET, struct.pack("=QII", ctypes.addressof(name), 0, _F_RDONLY), f"open {path}")
         try:
@@ -135,6 +136,22 @@ class PinnedMap:
         for count, keys, values in self.batches(batch, walk=walk):
             for i in range(count):
                 yield keys[i * ks : (i + 1) * ks], values[i * vs : (i + 1) * vs]
+
+    def contains(self, key: bytes) -> bool:
+        """Whether the map holds ``key`` now (one ``BPF_MAP_LOOKUP_ELEM``; the kernel's lookup from a system
+        call leaves an LRU map's recency alone, so asking does not keep an entry alive)."""
+        if len(key) != self.info.key_size:
+            raise ValueError(f"{self.path}: a key of {len(key)} bytes, the map's are {self.info.key_size}")
+        k = ctypes.create_string_buffer(key, len(key))
+        if self._value is None:
+            self._value = ctypes.create_string_buffer(self.info.value_size)
+        attr = struct.pack("=IIQQQ", self.fd, 0, ctypes.addressof(k), ctypes.addressof(self._value), 0)
+        _, code, _ = self._bpf.raw(_MAP_LOOKUP_ELEM, attr)
+        if code == errno.ENOENT:
+            return False
+        if code:
+            raise BpfMapError(code, f"lookup in {self.path}: {os.strerror(code)}")
+        return True
 
     def _lookup_batches(self, batch: int) -> Iterator[tuple[int, bytes, bytes]]:
         ks, vs = self.info.key_size, self.info.value_size

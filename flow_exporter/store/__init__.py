@@ -70,13 +70,14 @@ class ConnectionStore:
         id_seed: bytes | None = None,  # the id allocator's start (tests); random by default
         compiled: bool = True,  # False: the lockstep tests' reference (no fused poll or bulk admission; interpreted)
         cache_prefixes: bool = True,  # keep an active connection's record prefix for its next record
+        source_flags: int = 0,  # record flags every connection of the source has (flow.BOTH_DIRECTIONS)
     ) -> None:
         self.timeouts = timeouts = Timeouts() if timeouts is None else timeouts
         self.max_connections = max_connections
         self.stats = StoreStats()
         self.table = Table(
             timeouts, self.stats, on_new=on_new, max_connections=max_connections, adopt=adopt, id_seed=id_seed,
-            compiled=compiled, cache_prefixes=cache_prefixes,
+            compiled=compiled, cache_prefixes=cache_prefixes, source_flags=source_flags,
         )  # fmt: skip
         self._ledger = Ledger(self.table, self.stats)
         self._shutdown = Shutdown(self.table, self._ledger)

@@ -143,8 +143,11 @@ class Table(Columns):
         id_seed: bytes | None,
         compiled: bool,
         cache_prefixes: bool,
+        source_flags: int = 0,
     ) -> None:
         super().__init__()
+        # Record flags that hold for every connection of the source (flow.BOTH_DIRECTIONS), set from the first record.
+        self.source_flags = source_flags & RECORD_FLAGS
         self.timeouts = timeouts
         self.on_new = on_new
         self.max_connections = max_connections

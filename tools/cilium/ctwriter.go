@@ -13,7 +13,8 @@
 //	                          "dport", "nexthdr", "flags", "entry": {CtEntry's Go fields}}; ports in
 //	                          host order (converted to the map's network order here)
 //	ctwriter dump             every entry as a JSON line, read back by Cilium's DumpWithCallback,
-//	                          with "cilium": the key (in host order) and value as Cilium's String() print them
+//	                          with "cilium": the entry as cilium-dbg bpf ct list global prints it (the
+//	                          key's Dump, originator first, then the value's String)
 package main
 
 import (
@@ -22,6 +23,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"strings"
 
 	"github.com/cilium/cilium/pkg/bpf"
 	"github.com/cilium/cilium/pkg/byteorder"
@@ -149,7 +151,11 @@ func main() {
 			m := open(name, maps)
 			err := m.DumpWithCallback(func(k bpf.MapKey, v bpf.MapValue) {
 				// As cilium-dbg bpf ct list global prints it: the key in host order, then the value.
-				shown := k.(ctmap.CtKey).ToHost().String() + " " + v.String()
+				var sb strings.Builder
+				if !k.(ctmap.CtKey).ToHost().Dump(&sb, true) {
+					sb.WriteString("(no protocol) ")
+				}
+				shown := sb.String() + v.String()
 				r := record{tuple: tuple{Map: name}, Entry: *v.(*ctmap.CtEntry), Cilium: shown}
 				switch t := k.(type) {
 				case *ctmap.CtKey4Global:
