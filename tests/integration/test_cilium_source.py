@@ -11,8 +11,13 @@ client's address, port and reverse-NAT index; counters per layout; closing or pa
 from __future__ import annotations
 
 import ipaddress
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +26,8 @@ from devtools.cilium import RELEASES, Bpffs, ctwriter, run_ctwriter
 from flow_exporter.cilium.source import CiliumSource
 from flow_exporter.connection import IPS_DYING, Connection
 from tests.support.cilium_entries import IN, OUT, RELATED, SERVICE, Listed, apply, counters, listing, put
+from tests.support.records import by_connection, read_records
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.lab
 
@@ -161,6 +168,124 @@ def test_with_the_jiffies_clock_a_lifetime_is_not_compared(layout: str, bpffs: B
 
 
 def test_a_missing_map_family_is_skipped_and_no_maps_at_all_is_an_error(layout: str) -> None:
-    with Bpffs() as fs:
-        with pytest.raises(OSError, match="no Cilium CT map under"):
-            CiliumSource(str(fs.path))
+    with Bpffs() as fs, pytest.raises(OSError, match="no Cilium CT map under"):
+        CiliumSource(str(fs.path))
+
+
+# ---------------------------------------------------------------- the whole exporter, to Kafka and back
+def run_exporter(fs: Bpffs, layout: str, bootstrap: str, topic: str, state: Path, log: Path) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable, "-m", "flow_exporter", "run", "--bootstrap-servers", bootstrap, "--topic", topic,
+        "--node-name", "cilium-node", "--set", "conntrack.source=cilium", "--set", f"cilium.bpffs={fs.path}",
+        "--set", f"cilium.counters={'combined' if layout == 'v1.20' else 'split'}",
+        "--set", "conntrack.pollInterval=0.5s", "--set", "expiry.activeTimeout=1s", "--set", "expiry.idleTimeout=30s",
+        "--set", f"state.dir={state}", "--set", "metrics.port=0",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    until(lambda: log.read_text().count("first poll") == log.read_text().count("flow-exporter starting"), 30,
+             lambda: log.read_text())  # fmt: skip
+    return proc
+
+
+def stop(proc: subprocess.Popen[bytes], log: Path) -> None:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, log.read_text()
+
+
+def totals(layout: str, fs: Bpffs) -> dict[tuple[Any, ...], tuple[int, ...]]:
+    """Each connection's counters as Cilium's listing gives them now (by the README's mapping)."""
+    return {k: v["counters"] for k, v in expected(layout, listing(layout, fs), int(time.monotonic())).items()}
+
+
+def record_key(r: dict[str, Any]) -> tuple[Any, ...]:
+    return (r["protocol"], packed(r["sourceAddress"]), r["sourcePort"], packed(r["destinationAddress"]))
+
+
+def test_the_exporter_counts_ciliums_entries_exactly_through_resets_deletes_and_a_restart(
+    layout: str, bpffs: Bpffs, kafka_broker: Any, kafka_topic: str, tmp_path: Path
+) -> None:
+    """``flow-exporter run`` on the maps: every connection's records sum to what Cilium's listing said last,
+    an entry overwritten with lower counters (a stale entry re-created in place) ends its connectionId and goes
+    on under one flagged counters-reset, a deleted or closing entry ends with an end-of-flow record, and a
+    restart on the state directory continues each connectionId's sequence."""
+    now = int(time.monotonic())
+    c = lambda f, r: counters(layout, f, r)  # noqa: E731
+    a = ("10.0.1.5", 41001, "10.0.2.7", 8080, 6, OUT)
+    b = ("10.0.1.5", 41002, "10.0.2.8", 8080, 6, OUT)
+    gone = ("10.0.1.5", 41003, "10.0.2.9", 53, 17, OUT)
+    closing = ("fd00::5", 41004, "fd00:10::1", 443, 6, OUT)
+    apply(layout, bpffs, [
+        put(*a, life(now, **c((10, 1000), (8, 6000)))),
+        put(*b, life(now, **c((50, 5000), (40, 4000)))),
+        put(*gone, life(now, **c((1, 70), (1, 120)))),
+        put(*closing, life(now, **c((3, 300), (2, 200)))),
+    ])  # fmt: skip
+    last = dict(totals(layout, bpffs))
+    before_reset = last[(6, packed(b[0]), b[1], packed(b[2]))]
+    log, state = tmp_path / "exporter.log", tmp_path / "state"
+    proc = run_exporter(bpffs, layout, kafka_broker.bootstrap, kafka_topic, state, log)
+    try:
+        time.sleep(1.5)
+        apply(layout, bpffs, [put(*a, life(now, **c((20, 2000), (16, 12000)))),  # grew
+                              put(*b, life(now, **c((2, 120), (1, 60)))),  # re-created in place: lower
+                              put(*gone, {}, op="delete"),
+                              put(*closing, life(now, Flags=3, **c((5, 500), (4, 400))))])  # fmt: skip
+        last.update(totals(layout, bpffs))
+        time.sleep(2.5)
+    finally:
+        stop(proc, log)
+    proc = run_exporter(bpffs, layout, kafka_broker.bootstrap, kafka_topic, state, log)
+    try:
+        apply(layout, bpffs, [put(*a, life(now, **c((30, 3000), (24, 18000))))])
+        last.update(totals(layout, bpffs))
+        time.sleep(2.5)
+    finally:
+        stop(proc, log)
+
+    records = read_records(kafka_broker.bootstrap, kafka_topic, expect_at_least=8)
+    seen: dict[tuple[int, int], dict[str, Any]] = {}
+    for r in records:
+        assert seen.setdefault((r["connectionId"], r["sequence"]), r) == r  # one content per (id, sequence)
+    chains = by_connection(list(seen.values()))
+    per_key: dict[tuple[Any, ...], list[int]] = {}
+    for cid, recs in chains.items():
+        assert [r["sequence"] for r in recs] == list(range(len(recs))), cid  # no gaps
+        assert {record_key(r) for r in recs} == {record_key(recs[0])}
+        assert all(r["flags"] & 16 == (16 if layout == "v1.20" else 0) for r in recs)
+        per_key.setdefault(record_key(recs[0]), []).append(cid)
+
+    def sums(cid: int) -> tuple[int, ...]:
+        fields = ("packetDeltaCount", "octetDeltaCount", "reversePacketDeltaCount", "reverseOctetDeltaCount")
+        return tuple(sum(r[f] for r in chains[cid]) for f in fields)
+
+    key = lambda t: (t[4], packed(t[0]), t[1], packed(t[2]))  # noqa: E731
+    (a_id,) = per_key[key(a)]  # one connectionId across the restart
+    assert sums(a_id) == last[key(a)]
+    assert len({r["exporterNode"] for r in chains[a_id]}) == 1
+    old_b, new_b = sorted(per_key[key(b)], key=lambda cid: chains[cid][0]["flags"] & 2)
+    assert sums(old_b) == before_reset and chains[old_b][-1]["flowEndReason"] == 4
+    assert chains[new_b][0]["flags"] & 2 and sums(new_b) == last[key(b)]
+    (gone_id,) = per_key[key(gone)]
+    assert sums(gone_id) == last[key(gone)] and chains[gone_id][-1]["flowEndReason"] == 3
+    (closing_id,) = per_key[key(closing)]
+    assert sums(closing_id) == last[key(closing)]
+    assert 3 in {r["flowEndReason"] for r in chains[closing_id]}
+
+
+def test_a_map_cilium_created_again_is_read_as_the_new_one(
+    layout: str, bpffs: Bpffs, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Cilium's upgrade path: the pin removed and the map created again, empty. The source opens the pins at every
+    read, so it reads the new map (a descriptor kept from before would show the old table, frozen) and says so."""
+    now = int(time.monotonic())
+    old = put("10.0.1.5", 42001, "10.0.2.7", 8080, 6, OUT, life(now, **counters(layout, (4, 400), (4, 400))))
+    apply(layout, bpffs, [old])
+    src = source(layout, bpffs)
+    assert [c.orig_sport for c in read(src)] == [42001]
+    (bpffs.globals / "cilium_ct4_global").unlink()
+    run_ctwriter(ctwriter(layout), bpffs, "create")
+    new = put("10.0.1.5", 42002, "10.0.2.7", 8080, 6, OUT, life(now, **counters(layout, (1, 60), (0, 0))))
+    apply(layout, bpffs, [new])
+    assert [c.orig_sport for c in read(src)] == [42002]
+    assert "cilium_ct4_global was created again" in caplog.text
