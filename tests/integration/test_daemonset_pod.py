@@ -64,19 +64,29 @@ def merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def render_kustomize(workdir: Path, image: str, state: Path, overrides: dict[str, Any]) -> list[dict[str, Any]]:
-    """``kustomize build`` of an overlay over k8s/, as a user points it at their registry and brokers."""
+def render_kustomize(
+    workdir: Path,
+    image: str,
+    state: Path,
+    overrides: dict[str, Any],
+    components: tuple[str, ...] = (),
+    host_paths: dict[str, Path] | None = None,
+) -> list[dict[str, Any]]:
+    """``kustomize build`` of an overlay over k8s/, as a user points it at their registry and brokers; with the
+    ``components`` of k8s/ named (e.g. ``cilium``) and other volumes' host paths (name -> path)."""
     overlay = workdir / "overlay"
     overlay.mkdir()
     config = yaml.safe_load((REPO / "k8s" / "config.yaml").read_text())
     (overlay / "config.yaml").write_text(yaml.safe_dump(merged(config, overrides)))
     name, tag = image.rsplit(":", 1)
     base_name, base_tag = base_image().rsplit(":", 1)
-    state_volume = {"name": "state", "hostPath": {"path": str(state)}}
+    volumes = [{"name": "state", "hostPath": {"path": str(state)}}]
+    volumes += [{"name": name, "hostPath": {"path": str(path)}} for name, path in (host_paths or {}).items()]
     kustomization = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
         "resources": [os.path.relpath(REPO / "k8s", overlay)],  # kustomize takes no absolute root
+        "components": [os.path.relpath(REPO / "k8s" / c, overlay) for c in components],
         "images": [
             {"name": "localhost/flow-exporter", "newName": name, "newTag": tag},
             {"name": "docker.io/library/busybox", "newName": base_name, "newTag": base_tag},
@@ -92,7 +102,7 @@ def render_kustomize(workdir: Path, image: str, state: Path, overrides: dict[str
                         "apiVersion": "apps/v1",
                         "kind": "DaemonSet",
                         "metadata": {"name": "flow-exporter", "namespace": "flow-exporter"},
-                        "spec": {"template": {"spec": {"volumes": [state_volume]}}},
+                        "spec": {"template": {"spec": {"volumes": volumes}}},
                     }
                 ),
             }

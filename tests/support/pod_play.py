@@ -18,6 +18,12 @@ cannot take as written, each for a reason checked on podman 4.3.1:
   (podman 4.3 runs probes through systemd timers, absent here; the tests call /healthz and /readyz.)
 * ``restartPolicy``: a DaemonSet's pods restart Always; podman 4.3 applies that to init containers
   too and reruns the finished init container for about 20 s. OnFailure runs it once, as the kubelet does.
+* ``seccompProfile: RuntimeDefault`` means the runtime's default profile. podman 4.3's (containers-common,
+  /usr/share/containers/seccomp.json) allows ``bpf(2)`` only to a container with CAP_SYS_ADMIN;
+  containerd's and moby's defaults also allow it with CAP_BPF, which is what a pod reading Cilium's maps
+  is given. The pod is played with podman's own default profile changed in that one respect (its refusal
+  of ``bpf`` to containers without CAP_SYS_ADMIN spares CAP_BPF, and a rule allows ``bpf`` with CAP_BPF),
+  so RuntimeDefault means here what it means on a containerd node; nothing else changes.
 
 Everything else (host network, init container, security contexts, resources, the hostPath and
 emptyDir volumes, the grace period) goes to podman as rendered. ``podman kube down`` of 4.3 kills
@@ -37,7 +43,7 @@ from typing import Any
 
 import yaml
 
-from tests.support.container_image import engine_env, podman
+from tests.support.container_image import CONTAINERS_CONF, engine_env, podman
 
 __all__ = ["PodPlay", "daemonset_pod"]
 
@@ -95,6 +101,26 @@ def daemonset_pod(docs: list[dict[str, Any]], *, node_name: str, pod_ip: str, pr
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
 
 
+DEFAULT_SECCOMP = Path("/usr/share/containers/seccomp.json")
+
+
+def _runtime_default(workdir: Path) -> Path:
+    """The engine's settings with RuntimeDefault as containerd's: podman's default seccomp profile plus ``bpf``
+    allowed with CAP_BPF (see the module's docstring). Returns the containers.conf to play with."""
+    profile = json.loads(DEFAULT_SECCOMP.read_text())
+    for rule in profile["syscalls"]:  # its refusal of bpf to containers without CAP_SYS_ADMIN spares CAP_BPF too
+        if "bpf" in rule["names"] and rule["action"] == "SCMP_ACT_ERRNO":
+            rule.setdefault("excludes", {}).setdefault("caps", []).append("CAP_BPF")
+    profile["syscalls"].append({"names": ["bpf"], "action": "SCMP_ACT_ALLOW", "includes": {"caps": ["CAP_BPF"]}})
+    seccomp = workdir / "seccomp-runtime-default.json"
+    seccomp.write_text(json.dumps(profile))
+    conf = workdir / "containers.conf"
+    conf.write_text(
+        CONTAINERS_CONF.read_text().replace("[containers]\n", f'[containers]\nseccomp_profile = "{seccomp}"\n', 1)
+    )
+    return conf
+
+
 class PodPlay:
     """One Pod played with ``podman kube play`` from inside a network namespace (its host network)."""
 
@@ -106,6 +132,7 @@ class PodPlay:
         self.kube_file = workdir / "pod.yaml"
         self.kube_file.write_text(yaml.safe_dump(pod))
         self.workdir = workdir
+        self.conf = _runtime_default(workdir)
 
     def container(self, name: str) -> str:
         return f"{self.name}-{name}"  # how podman names a played pod's containers
@@ -118,7 +145,8 @@ class PodPlay:
                 "podman", "kube", "play", "--replace", "--log-driver", "k8s-file", "--log-opt", f"path={log}",
                 str(self.kube_file),
             ],
-            env=engine_env(), capture_output=True, text=True, timeout=180, check=False, stdin=subprocess.DEVNULL,
+            env={**engine_env(), "CONTAINERS_CONF": str(self.conf)}, capture_output=True, text=True, timeout=180,
+            check=False, stdin=subprocess.DEVNULL,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stdout + proc.stderr
 
