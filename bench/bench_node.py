@@ -58,10 +58,24 @@ def metric(text: str, name: str) -> float:
 
 
 def measure(
-    ns: str, broker: Any, tmp: Path, n: int, *, active: str, idle: str, pure: bool, window: float, topic: str,
-    max_in_flight: int = 50_000, prefix_cache: str = "auto",
+    ns: str | None,
+    broker: Any,
+    tmp: Path,
+    n: int,
+    *,
+    active: str,
+    idle: str,
+    pure: bool,
+    window: float,
+    topic: str,
+    max_in_flight: int = 50_000,
+    prefix_cache: str = "auto",
+    source_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Run ``flow-exporter run`` on the ``n`` entries already in ``ns`` and measure its steady state.
+
+    ``ns`` None: the exporter's own namespace; ``source_args``: more settings for the source (e.g. the Cilium
+    source's, bench_cilium: then ``n`` is the connections it makes of its maps).
 
     Waits for readiness and for every connection's first record to be acknowledged, then measures
     CPU, RSS and the exporter's own counters over ``window`` seconds; stops the exporter.
@@ -71,7 +85,8 @@ def measure(
     broker.create_topic(topic, partitions=3)
     port = free_port()
     log = tmp / f"{topic}.log"
-    cmd = [sys.executable, "-m", "flow_exporter", "run", "--netns", ns, "--bootstrap-servers", broker.bootstrap,
+    cmd = [sys.executable, "-m", "flow_exporter", "run", *(["--netns", ns] if ns else []), *source_args,
+           "--bootstrap-servers", broker.bootstrap,
            "--topic", topic, "--node-name", "bench-node", "--set", f"state.dir={tmp}/{topic}-state",
            "--set", f"metrics.port={port}", "--set", "metrics.address=127.0.0.1",
            "--set", f"expiry.activeTimeout={active}", "--set", f"expiry.idleTimeout={idle}",
@@ -174,8 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pure", action="store_true", help="the interpreted build (FLOW_EXPORTER_INTERPRETED=1)")
     ap.add_argument("--max-in-flight", type=int, default=50_000,
                     help="limits.maxInFlight (the DaemonSet's 50000: 6 s of records at 500k, active 60s)")  # fmt: skip
-    ap.add_argument("--prefix-cache", default="auto", choices=["auto", "true", "false"],
-                    help="export.prefixCache (auto: kept when the active timeout is under 30 s)")
+    ap.add_argument(
+        "--prefix-cache",
+        default="auto",
+        choices=["auto", "true", "false"],
+        help="export.prefixCache (auto: kept when the active timeout is under 30 s)",
+    )
     args = ap.parse_args(argv)
     from devtools.kafka import KafkaBroker
     from devtools.lab import Lab
@@ -218,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         *section_head(
             f"The whole node pipeline at {n:,} connections ({result['path']} path, active {args.active}"
-            + ("" if demanded is None else f", idle {args.idle}") + ")",
-            "bench.bench_node", argv,
+            + ("" if demanded is None else f", idle {args.idle}")
+            + ")",
+            "bench.bench_node",
+            argv,
         ),
         f"`flow-exporter run` on {n:,} real conntrack entries (synthetic, `conntrack -R`), poll 5 s, active timeout",
         f"{args.active}, idle timeout {args.idle}, events on, state.dir on, metrics on, the DaemonSet's limits "
@@ -251,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     update_section(name, "\n".join(lines))
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -29,7 +29,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["BpfMapError", "MapInfo", "PinnedMap"]
+__all__ = ["BpfMapError", "MapInfo", "PinnedMap", "map_contains"]
 
 # bpf(2)'s number per architecture (the image is built for both).
 _SYS_BPF = {"x86_64": 321, "aarch64": 280, "arm64": 280}
@@ -82,13 +82,33 @@ class _Bpf:
         return result, (ctypes.get_errno() if result < 0 else 0), buf.raw
 
 
+_VALUE_ROOM = 4096  # larger than any value this module reads (a lookup writes the whole value)
+_shared: _Bpf | None = None
+
+
+def map_contains(fd: int, key: bytes, bpf: _Bpf | None = None) -> bool:
+    """Whether the map open as ``fd`` holds ``key`` now (one ``BPF_MAP_LOOKUP_ELEM``; the kernel's lookup from a
+    system call leaves an LRU map's recency alone, so asking does not keep an entry alive)."""
+    global _shared
+    if bpf is None:
+        bpf = _shared = _shared or _Bpf()
+    k = ctypes.create_string_buffer(key, len(key))
+    value = ctypes.create_string_buffer(_VALUE_ROOM)
+    attr = struct.pack("=IIQQQ", fd, 0, ctypes.addressof(k), ctypes.addressof(value), 0)
+    _, code, _ = bpf.raw(_MAP_LOOKUP_ELEM, attr)
+    if code == errno.ENOENT:
+        return False
+    if code:
+        raise BpfMapError(code, f"lookup in map fd {fd}: {os.strerror(code)}")
+    return True
+
+
 class PinnedMap:
     """A pinned map opened read-only; close it (or use ``with``) to release the descriptor."""
 
     def __init__(self, path: str, bpf: _Bpf | None = None) -> None:
         self.path = path
         self._bpf = bpf or _Bpf()
-        self._value: ctypes.Array[ctypes.c_char] | None = None  # contains()'s answer buffer, made once
         name = ctypes.create_string_buffer(os.fsencode(path))
         self.fd = self._bpf(_OBJ_GET, struct.pack("=QII", ctypes.addressof(name), 0, _F_RDONLY), f"open {path}")
         try:
@@ -138,20 +158,10 @@ class PinnedMap:
                 yield keys[i * ks : (i + 1) * ks], values[i * vs : (i + 1) * vs]
 
     def contains(self, key: bytes) -> bool:
-        """Whether the map holds ``key`` now (one ``BPF_MAP_LOOKUP_ELEM``; the kernel's lookup from a system
-        call leaves an LRU map's recency alone, so asking does not keep an entry alive)."""
+        """Whether the map holds ``key`` now (:func:`map_contains`)."""
         if len(key) != self.info.key_size:
             raise ValueError(f"{self.path}: a key of {len(key)} bytes, the map's are {self.info.key_size}")
-        k = ctypes.create_string_buffer(key, len(key))
-        if self._value is None:
-            self._value = ctypes.create_string_buffer(self.info.value_size)
-        attr = struct.pack("=IIQQQ", self.fd, 0, ctypes.addressof(k), ctypes.addressof(self._value), 0)
-        _, code, _ = self._bpf.raw(_MAP_LOOKUP_ELEM, attr)
-        if code == errno.ENOENT:
-            return False
-        if code:
-            raise BpfMapError(code, f"lookup in {self.path}: {os.strerror(code)}")
-        return True
+        return map_contains(self.fd, key, self._bpf)
 
     def _lookup_batches(self, batch: int) -> Iterator[tuple[int, bytes, bytes]]:
         ks, vs = self.info.key_size, self.info.value_size

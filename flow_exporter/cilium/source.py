@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from flow_exporter.cilium.bpf_maps import BpfMapError, PinnedMap
+from flow_exporter.cilium.bpf_maps import BpfMapError, PinnedMap, map_contains
 from flow_exporter.cilium_ct import COMBINED, SPLIT, CtDecoder
 from flow_exporter.connection import Connection
 
@@ -112,7 +112,7 @@ class CiliumSource:
         """Every map read in batches, each batch's connections handed to ``consume`` as it is decoded; the
         connections through a service last, once every ``SERVICE`` entry is read. Returns how many were handed."""
         now = int(time.monotonic()) if self.compare_lifetimes else -1
-        decoder = CtDecoder(self.layout, now)
+        decoder = CtDecoder(self.layout, now, map_contains)
         handed = 0
         capacity = 0
         for name, key_size in GLOBAL_MAPS:
@@ -132,7 +132,7 @@ class CiliumSource:
                 capacity += m.info.max_entries
                 before = decoder.entries
                 for count, keys, values in m.batches(self.batch):
-                    batch = decoder.decode(count, keys, values, key_size, m.contains)
+                    batch = decoder.decode(count, keys, values, key_size, m.fd)
                     if batch:
                         consume(batch)
                         handed += len(batch)
