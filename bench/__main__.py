@@ -5,7 +5,8 @@ checkpoint, latency, k8s, spark: the Spark and Flink downstream jobs on one inpu
 decode against the kernel's own recv loop, compiled: the poll pure and compiled from 100k to 1M beside the
 kernel's dump, ti-mo/conntrack and conntrack -L, scaling: `flow-exporter run`'s CPU and
 records/s against table size, pure and compiled, encoder: one enriched record's encode cost, cluster: the node
-pipeline against three brokers beside a plain loop on them, soak: 10 minutes at 250k).
+pipeline against three brokers beside a plain loop on them, cilium: the Cilium source reading 1M entries of
+Cilium's maps beside bpftool and Cilium's lister, and its node beside the netfilter one, soak: 10 minutes at 250k).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ SUITE = {
     "scaling": ("bench.bench_scaling", []),
     "encoder": ("bench.bench_encoder", []),
     "cluster": ("bench.bench_cluster", []),
+    "cilium": ("bench.bench_cilium", ["--node"]),
     "soak": ("bench.bench_soak", []),  # 10 minutes: last
 }
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -127,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from devtools.cilium import Bpffs, ctwriter, run_ctwriter
 
+    if shutil.which("bpftool") is None:  # the peer: Debian's package (a benchmark's need, not the tests')
+        print("bench cilium: installing bpftool (apt-get install bpftool)", flush=True)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "bpftool"], check=True, stdout=subprocess.DEVNULL)
     binary = ctwriter(LAYOUT)
     lines, n = entries(args.scale)
     result: dict[str, Any] = {"entries": n, "runs": {}}

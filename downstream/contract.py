@@ -93,8 +93,9 @@ CONNECTION_KEY = ("exporterNode", "connectionId")
 DEDUP_KEY = (*CONNECTION_KEY, "sequence")
 COUNTERS_RESET = 2  # record flag: this connectionId continues an entry whose counters went down
 
-# A completeness marker's loss counts: a round is lossy when their sum is above 0.
-MARKER_LOSS_FIELDS = ("eventLosses", "connectionsGivenUp", "recordsGivenUp")
+# A completeness marker's loss counts: a round is lossy when their sum is above 0 (mapFullReads: the Cilium source's
+# polls that found a map full, where Cilium's LRU eviction drops live entries unseen).
+MARKER_LOSS_FIELDS = ("eventLosses", "connectionsGivenUp", "recordsGivenUp", "mapFullReads")
 STATUSES = ("lossy", "complete", "unconfirmed")  # window_completeness.status, in order of precedence
 
 # --------------------------------------------------------------------------- groups

@@ -81,7 +81,7 @@ Tables (one StatementSet, so each topic is read once; the planner merges the sca
   README: Completeness markers). The exporters of a window are those with a marker whose interval
   [since, until) overlaps it or whose upTo reaches its start; one is confirmed when some marker of
   it has upTo at or after the window's end, lossy when an overlapping interval has eventLosses +
-  connectionsGivenUp + recordsGivenUp > 0. ``losses`` sums those over the distinct (exporterNode,
+  connectionsGivenUp + recordsGivenUp + mapFullReads > 0. ``losses`` sums those over the distinct (exporterNode,
   since, until) intervals overlapping the window: the counts are node-wide and repeated in the
   marker of every partition. status: ``lossy`` if any exporter is, else ``complete`` if there are
   exporters and all confirmed it, else ``unconfirmed`` (also when no marker speaks of the window).

@@ -759,7 +759,7 @@ def window_completeness(windows: DataFrame, markers: DataFrame, topics: Collecti
     # One row per exporter and interval: the markers of each partition repeat its node-wide losses.
     m = markers.groupBy("exporterNode", "since", "until").agg(
         F.max("upTo").alias("upTo"),
-        F.max(F.col("eventLosses") + F.col("connectionsGivenUp") + F.col("recordsGivenUp")).alias("lost"),
+        F.max(sum((F.col(c) for c in contract.MARKER_LOSS_FIELDS), F.lit(0))).alias("lost"),
     )
     overlaps = (F.col("since") < F.col("window_end")) & (F.col("until") > F.col("window_start"))
     joined = w.join(m, overlaps | (F.col("upTo") >= F.col("window_start")), "left")

@@ -91,6 +91,7 @@ class ExporterOptions:
     cache_prefixes: bool = True  # keep active connections' record prefixes (export.prefixCache, resolved)
     adopt: bool = True  # no state to continue from: connections found live are flagged adopted
     source_flags: int = 0  # record flags every connection of the source has (flow.BOTH_DIRECTIONS: Cilium >= 1.16)
+    source: str = "netfilter"  # conntrack.source as chosen (the health stream and the markers name it)
 
 
 class Exporter:
@@ -561,6 +562,7 @@ class Exporter:
             kafka_client=sc.client,
             delivery_failures=dict(sc.failures_by_error),
             extra=extra or {},
+            source=self.options.source,
         )
 
     # ------------------------------------------------------------- lifecycle

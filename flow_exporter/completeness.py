@@ -81,12 +81,14 @@ class Losses:
     event_losses: int = 0
     connections_given_up: int = 0
     records_given_up: int = 0
+    map_full_reads: int = 0  # the Cilium source's polls that found a map at its capacity
 
     def minus(self, other: Losses) -> Losses:
         return Losses(
             self.event_losses - other.event_losses,
             self.connections_given_up - other.connections_given_up,
             self.records_given_up - other.records_given_up,
+            self.map_full_reads - other.map_full_reads,
         )
 
 
@@ -164,7 +166,7 @@ class Completeness:
                 if r.permanent:
                     settle(id(r.export), None, None)
 
-    def build_round(self, node: str, now_ms: int, losses: Losses) -> Round:
+    def build_round(self, node: str, now_ms: int, losses: Losses, source: str = "netfilter") -> Round:
         """The round to send now: one marker per partition written to (partition -1 before any).
 
         It covers [since, until) from the last confirmed round's ``until``, with everything counted
@@ -191,6 +193,8 @@ class Completeness:
                 "eventLosses": lost.event_losses,
                 "connectionsGivenUp": lost.connections_given_up,
                 "recordsGivenUp": lost.records_given_up,
+                "source": source,
+                "mapFullReads": lost.map_full_reads,
             }
             for number, acked, last_offset in parts
         )
@@ -235,8 +239,10 @@ class MarkerRounds:
         *,
         wall_ms: Callable[[], int],
         losses: Callable[[], Losses],
+        source: str = "netfilter",
     ) -> None:
         self._done, self.node, self._produce = completeness, node, produce
+        self.source = source  # conntrack.source as chosen: what the markers say the node could not see
         self._wall_ms, self._losses = wall_ms, losses
         # Re-entrant: a delivery report may be served from inside produce (a test double does).
         self._lock = threading.RLock()
@@ -256,7 +262,7 @@ class MarkerRounds:
         """The next round if the last one is confirmed; else the pending round's failed markers again."""
         with self._lock:
             if self._round is None:
-                self._round = self._done.build_round(self.node, self._wall_ms(), self._losses())
+                self._round = self._done.build_round(self.node, self._wall_ms(), self._losses(), self.source)
                 self._unsent = set(range(len(self._round.values)))
                 self._acked = set()
                 self.rounds_built += 1

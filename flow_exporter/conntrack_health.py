@@ -40,6 +40,7 @@ KERNEL_FIELDS = {
     "search_restart": "searchRestart",
     "clash_resolve": "clashResolve",
     "chain_toolong": "chainTooLong",
+    "cilium_full_reads": "mapFullReads",  # the Cilium source's (CiliumSource.kernel_stats)
 }
 
 
@@ -66,6 +67,7 @@ def health_record(r: Readings, node: str, now_ms: int, interval: float, flows: b
         "connectionsTracked": r.connections_tracked,
         "connectionsGivenUp": sum(r.given_up.values()),
         "recordsGivenUp": r.records_given_up,
+        "source": r.source,
     }
     for stat, field in KERNEL_FIELDS.items():
         rec[field] = r.conntrack_kernel.get(stat)

@@ -83,3 +83,4 @@ class Readings:
     conntrack_kernel: dict[str, int] = field(default_factory=dict)  # conntrack -S, summed over CPUs
     last_poll_seconds: float = 0.0
     delivery_failures: dict[str, int] = field(default_factory=dict)  # failed deliveries by Kafka error code
+    source: str = "netfilter"  # conntrack.source as chosen

@@ -93,6 +93,7 @@ def options_from(cfg: Config, *, adopt: bool, source: str = "netfilter") -> Expo
         cache_prefixes=timeouts.active < PREFIX_CACHE_BELOW if cache is None else cache,
         adopt=adopt,
         source_flags=BOTH_DIRECTIONS if source == "cilium" and cfg["cilium.counters"] == "combined" else 0,
+        source=source,
     )
 
 

@@ -91,7 +91,12 @@ class MarkerStream:
             self._producer.produce(topic, value, key, on_delivery=report)
 
         self.rounds = MarkerRounds(
-            completeness, node, produce, wall_ms=lambda: time.time_ns() // 1_000_000, losses=self._losses
+            completeness,
+            node,
+            produce,
+            wall_ms=lambda: time.time_ns() // 1_000_000,
+            losses=self._losses,
+            source=read().source,
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="markers", daemon=True)
@@ -100,7 +105,9 @@ class MarkerStream:
 
     def _losses(self) -> Losses:
         r = self._read()
-        return Losses(r.event_losses, sum(r.given_up.values()), r.records_given_up)
+        return Losses(
+            r.event_losses, sum(r.given_up.values()), r.records_given_up, r.conntrack_kernel.get("cilium_full_reads", 0)
+        )
 
     def send_round(self) -> None:
         self.rounds.tick()

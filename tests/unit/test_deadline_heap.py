@@ -44,9 +44,9 @@ def test_the_compiled_build_is_the_one_that_runs_here() -> None:
     assert compiled.COMPILED
     # the .pxd files, found
     assert compiled.MODULES == (
-        "admission", "checkpoint_rows", "column_views", "community_id", "connection", "ctnetlink", "deadline_heap",
-        "deliveries", "dying", "export", "flow_ids", "fused_poll", "ledger_core", "poll_core", "record_bytes",
-        "slot_static",
+        "admission", "checkpoint_rows", "cilium_ct", "column_views", "community_id", "connection", "ctnetlink",
+        "deadline_heap", "deliveries", "dying", "export", "flow_ids", "fused_poll", "ledger_core", "poll_core",
+        "record_bytes", "slot_static",
     )  # fmt: skip
     assert compiled.describe() == "compiled"  # the start-up line's build=
     assert not compiled.is_compiled(INTERPRETED)

@@ -288,7 +288,7 @@ def test_completeness_views_apply_the_marker_rules() -> None:
     assert "FROM flows_by_window" in views["completeness_windows"]
     # Per-partition copies of an interval are one interval.
     assert "GROUP BY exporterNode, `since`, `until`" in views["marker_intervals"]
-    assert "MAX(eventLosses + connectionsGivenUp + recordsGivenUp)" in views["marker_intervals"]
+    assert "MAX(eventLosses + connectionsGivenUp + recordsGivenUp + mapFullReads)" in views["marker_intervals"]
     # Marker times converted as event time is (TO_TIMESTAMP_LTZ, then the UTC session zone).
     assert "CAST(TO_TIMESTAMP_LTZ(`since`, 3) AS TIMESTAMP(3))" in views["marker_intervals"]
     assert "CAST(TO_TIMESTAMP_LTZ(MAX(upTo), 3) AS TIMESTAMP(3))" in views["marker_progress"]
