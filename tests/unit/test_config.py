@@ -45,6 +45,10 @@ def test_durations(text: object, seconds: float) -> None:
         ("kafka:\n  routes: [{topic: ended}]\n", "kafka.routes[0]"),
         ("kafka:\n  routes: [{topic: t, endReason: 9}]\n", "kafka.routes[0].endReason"),
         ("log:\n  level: loud\n", "log.level"),
+        ("conntrack:\n  source: ebpf\n", "conntrack.source"),
+        ("cilium:\n  counters: both\n", "cilium.counters"),
+        ("cilium:\n  clock: tsc\n", "cilium.clock"),
+        ("conntrack:\n  source: cilium\n  zones: [1]\n", "conntrack.zones"),  # Cilium's maps have no zones
         ("- a\n- b\n", "--config"),
         ("a: [\n", "--config"),
     ],
