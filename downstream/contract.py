@@ -28,8 +28,15 @@ from pathlib import Path
 
 DELTAS = ("packetDeltaCount", "octetDeltaCount", "reversePacketDeltaCount", "reverseOctetDeltaCount")
 TOTALS = ("packetTotalCount", "octetTotalCount", "reversePacketTotalCount", "reverseOctetTotalCount")
-# Output counter columns, in the order of DELTAS / TOTALS (forward = original direction).
-COUNTERS = ("forward_packets", "forward_bytes", "reverse_packets", "reverse_bytes")
+# Output counter columns: forward (original direction) and reverse (reply direction) as a record's DELTAS / TOTALS
+# give them, and undirected: the counts of a record flagged BOTH_DIRECTIONS, whose forward fields hold both
+# directions together (Cilium 1.16 and later), so that forward and reverse stay what their names say.
+COUNTERS = (
+    "forward_packets", "forward_bytes", "reverse_packets", "reverse_bytes", "undirected_packets", "undirected_bytes",
+)  # fmt: skip
+PACKETS = ("forward_packets", "reverse_packets", "undirected_packets")  # summed: a row's packets, both directions
+BYTES = ("forward_bytes", "reverse_bytes", "undirected_bytes")
+BOTH_DIRECTIONS = 16  # record flag: one pair of counters for both directions, the split unknown
 
 # The fields that identify a connection in connection_totals (and lead its columns): CONNECTION_KEY
 # and the tuple, which is the same in every record of a connection.
@@ -63,6 +70,7 @@ USED_FIELDS = frozenset(
         *ZONE_FIELDS,
         "flowType",
         "reporter",
+        "flags",
         *DELTAS,
     }
 )
@@ -97,6 +105,20 @@ COUNTERS_RESET = 2  # record flag: this connectionId continues an entry whose co
 # polls that found a map full, where Cilium's LRU eviction drops live entries unseen).
 MARKER_LOSS_FIELDS = ("eventLosses", "connectionsGivenUp", "recordsGivenUp", "mapFullReads")
 STATUSES = ("lossy", "complete", "unconfirmed")  # window_completeness.status, in order of precedence
+
+
+def counter_expressions(counts: tuple[str, ...]) -> tuple[str, ...]:
+    """Each of :data:`COUNTERS` as one SQL expression over a record's four counters (``counts``: :data:`DELTAS` or
+    :data:`TOTALS`) and its ``flags``, read alike by Spark SQL and Flink SQL: a record flagged
+    :data:`BOTH_DIRECTIONS` counts into the undirected columns, any other into forward and reverse."""
+    packets, octets, reverse_packets, reverse_octets = counts
+    both = f"MOD(FLOOR(flags / {BOTH_DIRECTIONS}), 2) = 1"
+    return (
+        f"CASE WHEN {both} THEN 0 ELSE {packets} END", f"CASE WHEN {both} THEN 0 ELSE {octets} END",
+        reverse_packets, reverse_octets,
+        f"CASE WHEN {both} THEN {packets} ELSE 0 END", f"CASE WHEN {both} THEN {octets} ELSE 0 END",
+    )  # fmt: skip
+
 
 # --------------------------------------------------------------------------- groups
 

@@ -56,19 +56,21 @@ seconds behind the newest; the session time zone is UTC, so window bounds and ti
 Tables (one StatementSet, so each topic is read once; the planner merges the scans):
 
 * ``flows_by_window``: window_start, window_end, source, destination, packets, bytes,
-  forward_packets, forward_bytes, reverse_packets, reverse_bytes. A tumbling-window aggregation
+  forward_packets, forward_bytes, reverse_packets, reverse_bytes, undirected_packets, undirected_bytes
+  (``contract.counter_expressions``: a record flagged 16 counts both directions together, undirected). A
+  tumbling-window aggregation
   by (window, exporterNode, connectionId, sequence) drops the duplicates, a cascading window
   aggregation by (window, source, destination) sums; rows with no packets and no bytes are left out.
 * ``top_talkers``: window_start, window_end, rank, source, destination, packets, bytes: Window
   Top-N (ROW_NUMBER per window) over ``flows_by_window``, by bytes descending (ties: source,
   then destination, as the Spark job).
 * ``bytes_by_zone_pair``: window_start, window_end, source_zone, destination_zone, packets,
-  bytes and the four directional counters: the same deduplicated records summed per window and
+  bytes and the six counters: the same deduplicated records summed per window and
   (sourceZone, destinationZone); a null zone (an end outside the cluster, a node without a zone
   label, an exporter older than the field) is a group of its own, as in the Spark job.
 * ``connection_totals``: connectionId, exporterNode, protocol, sourceAddress, sourcePort,
   destinationAddress, destinationPort, source, destination, first_seen, last_seen, records
-  (distinct sequences), packets, bytes and the four directional counters; a GROUP BY over all
+  (distinct sequences), packets, bytes and the six counters; a GROUP BY over all
   time, not windowed. ``source``/``destination`` are the greatest value seen for the connection
   (enrichment can fill pod names in later records). With ``--bounded`` it is a plain batch GROUP
   BY written like the others. In streaming mode it is an updating table (no window ever closes
@@ -337,8 +339,8 @@ def _sum(column: str) -> str:
 
 def view_statements(window_seconds: int, top: int) -> dict[str, str]:
     """The views, by name, in creation order: the enriched records, then the four result tables."""
-    packets = f"{_sum('forward_packets')} + {_sum('reverse_packets')}"
-    octets = f"{_sum('forward_bytes')} + {_sum('reverse_bytes')}"
+    packets = " + ".join(_sum(c) for c in contract.PACKETS)
+    octets = " + ".join(_sum(c) for c in contract.BYTES)
     counters = ", ".join(f"{_sum(c)} AS {c}" for c in COUNTERS)
     ids = ", ".join(contract.CONNECTION_FIELDS)  # the connection (contract.CONNECTION_KEY) and its tuple
     dedup = ", ".join(quote_ident(c) for c in contract.DEDUP_KEY)  # one record content
@@ -350,7 +352,7 @@ SELECT {ids}, `sequence`, event_time,
   {contract.SOURCE_GROUP} AS source,
   {contract.DESTINATION_GROUP} AS destination,
   sourceZone AS source_zone, destinationZone AS destination_zone,
-  {", ".join(f"{d} AS {c}" for d, c in zip(DELTAS, COUNTERS, strict=True))}
+  {", ".join(f"{e} AS {c}" for e, c in zip(contract.counter_expressions(DELTAS), COUNTERS, strict=True))}
 FROM {SOURCE_TABLE}
 WHERE NOT (flowType = {INTER_NODE} AND reporter = {REPORTER_DESTINATION})""",
         # A resent record is the same bytes: same window, same groups, same counts, so one row

@@ -94,6 +94,9 @@ else:  # run as a script: contract.py is beside it (sys.path[0])
 # The rules' vocabulary, bound here by value: the totals step is pickled to Spark's Python workers,
 # which cannot import the contract module of a job run as a script.
 TOTALS, DELTAS, COUNTERS = contract.TOTALS, contract.DELTAS, contract.COUNTERS
+BOTH_DIRECTIONS = contract.BOTH_DIRECTIONS
+# The counter columns as SQL over a record's deltas, and over its totals (contract.counter_expressions).
+COUNTER_EXPRESSIONS = (contract.counter_expressions(DELTAS), contract.counter_expressions(TOTALS))
 CONNECTION_FIELDS = contract.CONNECTION_FIELDS
 # The record fields the job reads; the others are skipped when decoding.
 USED_FIELDS = contract.USED_FIELDS | contract.TOTALS_MODE_FIELDS
@@ -414,6 +417,13 @@ def one_observation(flows: DataFrame) -> DataFrame:
     return flows.where(~((F.col("flowType") == INTER_NODE) & (F.col("reporter") == REPORTER_DESTINATION)))
 
 
+def _total(columns: tuple[str, ...]) -> Column:
+    """The sum of ``columns`` (a row's packets or bytes: forward, reverse and undirected)."""
+    from pyspark.sql import functions as F
+
+    return sum((F.col(c) for c in columns[1:]), F.col(columns[0]))
+
+
 def group_columns(df: DataFrame) -> DataFrame:
     """Add the :data:`GROUPS`: workload, pod or address of each end (the contract's SQL), and each end's zone."""
     from pyspark.sql import functions as F
@@ -541,8 +551,12 @@ def _increments_fn(state_ttl_ms: int) -> Any:
             out = pd.DataFrame({"eventTime": frame["eventTime"].to_numpy()[order]})
             for name in GROUPS:
                 out[name] = frame[name].to_numpy()[order]
-            for i, name in enumerate(COUNTERS):
-                out[name] = inc[:, i]
+            # A connection flagged BOTH_DIRECTIONS (every record of it is) counts into the undirected columns.
+            both = (frame["flags"].to_numpy(np.int64)[order] & BOTH_DIRECTIONS) != 0
+            fp, fb, rp, rb = (inc[:, i] for i in range(4))
+            for name, column in zip(COUNTERS, (np.where(both, 0, fp), np.where(both, 0, fb), rp, rb,
+                                               np.where(both, fp, 0), np.where(both, fb, 0)), strict=True):  # fmt: skip
+                out[name] = column
             yield out
         watermark = state.getCurrentWatermarkMs()
         if watermark > 0:
@@ -586,12 +600,12 @@ def aggregate(
 
     if mode == "deltas":
         counted = counted_records(flows, event_time=event_time, watermark=watermark).select(
-            "eventTime", *GROUPS, *(F.col(d).alias(c) for d, c in zip(DELTAS, COUNTERS, strict=True))
+            "eventTime", *GROUPS, *(F.expr(e).alias(c) for e, c in zip(COUNTER_EXPRESSIONS[0], COUNTERS, strict=True))
         )
     else:
         df = group_columns(flows).withColumn("eventTime", F.col(event_time)).withWatermark("eventTime", watermark)
         counted = (
-            df.select(flow_key().alias("flowKey"), "eventTime", *GROUPS, *TOTALS)
+            df.select(flow_key().alias("flowKey"), "eventTime", *GROUPS, "flags", *TOTALS)
             # Buckets of connections, not single connections, as keys: the Python function is
             # called per key and batch, and a call costs milliseconds whatever its size.
             .withColumn("bucket", F.pmod(F.col("flowKey"), F.lit(state_buckets)))
@@ -614,10 +628,7 @@ def aggregate(
             F.col("window.start").alias("window_start"), F.col("window.end").alias("window_end"), *GROUPS, *COUNTERS
         )
         # A group whose records in a window only repeated what was known adds an all-zero row.
-        .where(
-            (F.col("forward_packets") + F.col("reverse_packets") > 0)
-            | (F.col("forward_bytes") + F.col("reverse_bytes") > 0)
-        )
+        .where((_total(contract.PACKETS) > 0) | (_total(contract.BYTES) > 0))
     )
 
 
@@ -628,8 +639,8 @@ def _window_sums(groups: DataFrame, table: str, keys: tuple[str, ...]) -> DataFr
     return (
         groups.groupBy("window_start", "window_end", *keys)
         .agg(*(F.sum(c).alias(c) for c in COUNTERS))
-        .withColumn("packets", F.col("forward_packets") + F.col("reverse_packets"))
-        .withColumn("bytes", F.col("forward_bytes") + F.col("reverse_bytes"))
+        .withColumn("packets", _total(contract.PACKETS))
+        .withColumn("bytes", _total(contract.BYTES))
         .select(*contract.COLUMNS[table])
     )
 
@@ -658,12 +669,13 @@ def connection_totals(flows: DataFrame, *, mode: str, event_time: str, watermark
     if mode == "deltas":
         df = counted_records(flows, event_time=event_time, watermark=watermark)
         keys = [F.col(c) for c in CONNECTION_FIELDS]
-        counters = [F.sum(d).alias(c) for d, c in zip(DELTAS, COUNTERS, strict=True)]
+        counters = [F.sum(F.expr(e)).alias(c) for e, c in zip(COUNTER_EXPRESSIONS[0], COUNTERS, strict=True)]
         extra = [F.count(F.lit(1)).alias("records")]
     else:
         df = group_columns(flows).withColumn("eventTime", F.col(event_time))
         keys = [flow_key().alias("flowKey"), *(F.col(c) for c in CONNECTION_FIELDS[1:])]
-        counters = [F.max(t).alias(c) for t, c in zip(TOTALS, COUNTERS, strict=True)]
+        # the flag is the same in every record of a connection: the largest counts, put in their columns
+        counters = [F.max(F.expr(e)).alias(c) for e, c in zip(COUNTER_EXPRESSIONS[1], COUNTERS, strict=True)]
         extra = [F.max("connectionId").alias("connectionId"), F.count(F.lit(1)).alias("records")]
     return (
         df.groupBy(*keys)
@@ -682,8 +694,8 @@ def connection_totals(flows: DataFrame, *, mode: str, event_time: str, watermark
             "first_seen",
             "last_seen",
             "records",
-            (F.col("forward_packets") + F.col("reverse_packets")).alias("packets"),
-            (F.col("forward_bytes") + F.col("reverse_bytes")).alias("bytes"),
+            _total(contract.PACKETS).alias("packets"),
+            _total(contract.BYTES).alias("bytes"),
             *COUNTERS,
         )
     )

@@ -12,6 +12,8 @@ cdef unsigned int _RX_CLOSING, _TX_CLOSING, _DYING
 cdef Py_ssize_t _VALUE_SIZE, _LIFETIME, _FLAGS, _REV_NAT
 cdef int _AF_INET, _AF_INET6, _ICMP, _ICMPV6
 
+cdef void _through(Connection conn, bytes address, object port) noexcept
+
 cdef class _Bytes:
     cdef const unsigned char[::1] v
 

@@ -21,10 +21,13 @@ the netfilter source's, not a second copy. What each Cilium field becomes is the
 One connection per ``OUT`` entry, or per ``IN`` entry with no ``OUT`` twin (the same tuple seen at both
 ends of a pod-to-pod connection on one node: the ``OUT`` one is kept, always the same one, so its
 counters never seem to go back); ``RELATED`` entries (ICMP errors riding on a connection) are skipped;
-``SERVICE`` entries give a connection through a service its original destination, joined on the
-client's address and port, the protocol and the service's reverse-NAT index. A connection that may have
-a service entry is held until the whole dump is read (:meth:`CtDecoder.joined`): the maps are hashes,
-the service entry may come after it.
+``SERVICE`` entries give a connection through a service its original destination: an entry's reverse-NAT
+index names the service frontend (the key of Cilium's reverse-NAT map, which holds the frontend's address
+and port), so any ``SERVICE`` entry of the read with the connection's index, family and protocol gives its
+address and port. A connection whose index no ``SERVICE`` entry has shown yet is held until the whole read
+is done (:meth:`CtDecoder.joined`): the maps are hashes, the service entries may come after it. Only those
+are held: a service's first client entry read names it for every later one (holding every connection
+through a service until the end of a 1M-entry read would keep most of them in memory at once).
 
 Cython's pure-Python mode: compiled, the buffers are typed views and each field one load; interpreted,
 the same code.
@@ -100,6 +103,14 @@ def _ule(b: _Bytes, at: cython.Py_ssize_t, size: cython.int) -> cython.ulonglong
     return x
 
 
+def _through(conn: Connection, address: bytes, port: object) -> None:
+    """The service frontend as the connection's original destination (an ICMP connection's destination port is its
+    type and code, part of its key: only the address)."""
+    conn.orig_dst = address
+    if conn.proto != _ICMP and conn.proto != _ICMPV6:  # C comparisons, compiled
+        conn.orig_dport = port  # type: ignore[assignment]  # an int: the frontend's port (object for the C signature)
+
+
 @cython.final
 @cython.cclass
 class _Bytes:
@@ -120,8 +131,8 @@ class CtDecoder:
 
     layout: cython.int
     now: cython.longlong
-    services: dict[tuple[int, int, bytes, int, int], tuple[bytes, int]]
-    held: list[tuple[tuple[int, int, bytes, int, int], Connection]]
+    services: dict[tuple[int, int, int], tuple[bytes, int]]  # (family, protocol, rev_nat_index) -> frontend
+    held: list[tuple[tuple[int, int, int], Connection]]
     entries: cython.Py_ssize_t  # every entry read
     related: cython.Py_ssize_t
     service_entries: cython.Py_ssize_t
@@ -182,20 +193,21 @@ class CtDecoder:
             rev_nat = _u16le(vb, v + _REV_NAT)
             if flags & TUPLE_F_SERVICE:
                 self.service_entries += 1
-                # client (saddr, dport) -> service (daddr, sport)
-                self.services[(family, proto, keys[k + alen : k + 2 * alen], _u16be(kb, k + 2 * alen), rev_nat)] = (
-                    keys[k : k + alen],
-                    _u16be(kb, k + 2 * alen + 2),
-                )
+                # client (saddr, dport) -> service (daddr, sport): the frontend its index names
+                if rev_nat and (family, proto, rev_nat) not in self.services:
+                    self.services[(family, proto, rev_nat)] = (keys[k : k + alen], _u16be(kb, k + 2 * alen + 2))
                 continue
             if flags & TUPLE_F_IN and self._has_twin(fd, kb, keys, k, key_size):
                 self.twins += 1
                 continue
             conn = self._connection(kb, vb, keys, k, v, alen, family, proto, flags)
             if rev_nat:
-                self.held.append(((family, proto, conn.orig_src, conn.orig_sport, rev_nat), conn))
-            else:
-                out.append(conn)
+                frontend = self.services.get((family, proto, rev_nat))
+                if frontend is None:
+                    self.held.append(((family, proto, rev_nat), conn))
+                    continue
+                _through(conn, frontend[0], frontend[1])
+            out.append(conn)
         return out
 
     @cython.boundscheck(False)
@@ -232,9 +244,9 @@ class CtDecoder:
         held = self.held
         out: list[Connection] = []
         for join, conn in held:
-            vip = services.get(join)
-            if vip is not None:
-                conn.orig_dst, conn.orig_dport = vip
+            frontend = services.get(join)
+            if frontend is not None:
+                _through(conn, frontend[0], frontend[1])
             out.append(conn)
         self.held = []
         self.services = {}

@@ -4,13 +4,14 @@ Entries are written by ``ctwriter`` (Cilium's ``pkg/maps/ctmap``, v1.15.19 and v
 fills them (tests.support.cilium_entries). What each connection must be is derived here from Cilium's
 lister's lines for the same maps, by the README's mapping ("Clusters running Cilium"), never from the
 source's decode: one connection per OUT entry or lone IN entry, the originator first; RELATED and
-SERVICE entries no connection, a SERVICE entry the original destination of the connection with the
-client's address, port and reverse-NAT index; counters per layout; closing or past its lifetime: over.
+SERVICE entries no connection, a SERVICE entry's service the original destination of the connections with
+its reverse-NAT index; counters per layout; closing or past its lifetime: over.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import signal
 import subprocess
@@ -72,6 +73,8 @@ def scene(layout: str, now: int) -> list[dict[str, Any]]:
         put("10.0.1.5", 40003, "10.0.2.8", 8443, 6, OUT, life(now, RevNAT=0x0700, **c((3, 300), (2, 200)))),
         # a service connection whose SERVICE entry is gone: no original destination to give
         put("10.0.1.5", 40004, "10.0.2.9", 8443, 6, OUT, life(now, RevNAT=0x0800, **c((1, 60), (0, 0)))),
+        # another client of the first service, its own SERVICE entry gone: the index still names the service
+        put("10.0.1.7", 40008, "10.0.2.8", 8443, 6, OUT, life(now, RevNAT=0x0700, **c((2, 120), (1, 60)))),
         put("10.0.1.5", 0, "10.0.2.7", 0, 1, OUT | RELATED, life(now)),  # an ICMP error's entry
         put("10.0.1.5", 5353, "10.0.0.10", 53, 17, OUT, life(now, **c((1, 70), (1, 120)))),  # UDP
         put("10.0.1.5", 77, "192.0.2.1", 0, 1, OUT, life(now, **c((2, 168), (2, 168)))),  # ICMP echo, id 77
@@ -92,7 +95,8 @@ def packed(addr: str) -> bytes:
 
 def expected(layout: str, listed: list[Listed], now: int) -> dict[tuple[Any, ...], dict[str, Any]]:
     """The connections Cilium's listing stands for, by the README's mapping, keyed as the store keys them."""
-    services = {(e.proto, e.left, e.values["RevNAT"]): e.right for e in listed if e.kind == "SVC"}
+    # A reverse-NAT index names one service frontend (Cilium's lb reverse-NAT map): any SVC entry with it gives it.
+    services = {(":" in e.left[0], e.proto, e.values["RevNAT"]): e.right for e in listed if e.kind == "SVC"}
     outs = {(e.proto, e.left, e.right) for e in listed if e.kind == "OUT" and not e.related}
     out = {}
     for e in listed:
@@ -106,7 +110,7 @@ def expected(layout: str, listed: list[Listed], now: int) -> dict[tuple[Any, ...
         else:
             fwd, rev = (v["RxPackets"], v["RxBytes"]), (v["TxPackets"], v["TxBytes"])
         icmp = e.proto in (1, 58)
-        dst = services.get((e.proto, e.left, v["RevNAT"]), e.right) if v["RevNAT"] else e.right
+        dst = services.get((":" in e.left[0], e.proto, v["RevNAT"]), e.right) if v["RevNAT"] else e.right
         request = 8 if e.proto == 1 else 128
         out[(e.proto, packed(e.left[0]), e.left[1], packed(e.right[0]))] = {
             "orig_sport": e.left[1],
@@ -143,19 +147,21 @@ def test_each_connection_is_what_ciliums_own_listing_says(layout: str, bpffs: Bp
     now = int(time.monotonic())
     apply(layout, bpffs, scene(layout, now))
     listed = listing(layout, bpffs)
-    assert len(listed) == 16
+    assert len(listed) == 17
     truth = expected(layout, listed, now)
     src = source(layout, bpffs)
     conns = read(src)
     assert got(conns) == truth
-    # what the scene holds, seen through Cilium's listing: 13 connections; the service one has the VIP
-    assert len(truth) == 13
+    # what the scene holds, seen through Cilium's listing: 14 connections; both service ones have the VIP
+    assert len(truth) == 14
     assert truth[(6, packed("10.0.1.5"), 40003, packed("10.0.2.8"))]["orig_dst"] == packed("10.96.0.10")
+    assert truth[(6, packed("10.0.1.7"), 40008, packed("10.0.2.8"))]["orig_dst"] == packed("10.96.0.10")
+    assert truth[(6, packed("10.0.1.5"), 40004, packed("10.0.2.9"))]["orig_dst"] == packed("10.0.2.9")
     assert [t["over"] for t in truth.values()].count(True) == 2
     assert [t["counted"] for t in truth.values()].count(False) == 1
-    assert src.stats.entries == 16 and src.stats.twins == 1 and src.stats.related == 1
+    assert src.stats.entries == 17 and src.stats.twins == 1 and src.stats.related == 1
     assert src.stats.service_entries == 1
-    assert src.count() == 16 and src.max_entries() == 2 * 524_288 + 2 * 262_144
+    assert src.count() == 17 and src.max_entries() == 2 * 524_288 + 2 * 262_144
 
 
 def test_with_the_jiffies_clock_a_lifetime_is_not_compared(layout: str, bpffs: Bpffs) -> None:
@@ -289,3 +295,45 @@ def test_a_map_cilium_created_again_is_read_as_the_new_one(
     apply(layout, bpffs, [new])
     assert [c.orig_sport for c in read(src)] == [42002]
     assert "cilium_ct4_global was created again" in caplog.text
+
+
+def test_a_million_entries_with_one_map_written_past_its_capacity() -> None:
+    """1,100,000 entries written by Cilium v1.20.2's code, 600,000 of them into the 524,288-entry TCP map, whose
+    LRU evicts: the source makes one connection of every entry Cilium's own lister still lists, their counters
+    sum to the listing's, and the full map is counted (``cilium_full_reads``), the others not."""
+    layout = "v1.20"
+    shape = (("10", "cilium_ct4_global", 6, 600_000), ("10", "cilium_ct_any4_global", 17, 250_000),
+             ("fd00", "cilium_ct6_global", 6, 250_000))  # fmt: skip
+    lines = []
+    for prefix, name, proto, n in shape:
+        for i in range(n):
+            addr = f"fd00::{i >> 16:x}:{i & 0xFFFF:x}" if prefix == "fd00" else f"10.{i >> 16}.{i >> 8 & 255}.{i & 255}"
+            entry = {"Packets": 1 + i % 7, "Bytes": 60 * (1 + i % 7), "Lifetime": 2**31}
+            op = {"op": "put", "map": name, "daddr": addr, "saddr": addr, "sport": 1024 + i % 50000, "dport": 443,
+                  "nexthdr": proto, "flags": 0, "entry": entry}  # fmt: skip
+            lines.append(json.dumps(op))
+    with Bpffs() as fs:
+        binary = ctwriter(layout)
+        run_ctwriter(binary, fs, "create")
+        run_ctwriter(binary, fs, "apply", stdin="\n".join(lines) + "\n", timeout=900)
+        del lines
+        packets = 0
+        per_map = {name: 0 for _, name, _, _ in shape}
+        for line in run_ctwriter(binary, fs, "dump", timeout=900).splitlines():
+            r = json.loads(line)
+            per_map[r["map"]] += 1
+            packets += r["entry"]["Packets"]
+        listed = sum(per_map.values())
+        assert per_map["cilium_ct_any4_global"] == 250_000 and per_map["cilium_ct6_global"] == 250_000
+        assert 500_000 < per_map["cilium_ct4_global"] <= 524_288  # the LRU kept what fits
+        src = source(layout, fs)
+        count = total = 0
+
+        def consume(batch: list[Connection]) -> None:
+            nonlocal count, total
+            count += len(batch)
+            total += sum(c.orig_packets for c in batch)
+
+        assert src.dump_into(consume) == listed == count
+        assert total == packets
+        assert src.kernel_stats() == {"cilium_full_reads": 1}

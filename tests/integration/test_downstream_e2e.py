@@ -98,7 +98,10 @@ K8S_GROUPS: dict[Group, Counts] = {
     ("shop/Deployment/web", "shop/cart:80/TCP"): (7 + 5, 700 + 500),
     # No owner fields (an older exporter), and a bare pod (owner kind Pod): the pods name both ends.
     ("shop/web-0", "shop/db-0"): (3 + 2, 300 + 200),
+    # A Cilium node's record (flag 16): both directions in one pair, counted as undirected.
+    ("shop/api-0", "shop/db-1"): (9, 900),
 }
+UNDIRECTED_GROUP: Group = ("shop/api-0", "shop/db-1")
 # Their zones are null (not known, or an older exporter): one group of their own.
 K8S_ZONES: dict[ZonePair, Directional] = {(None, None): (7 + 3, 700 + 300, 5 + 2, 500 + 200)}
 CLOCK_GROUP: Group = ("test/clock", "test/clock")
@@ -413,8 +416,14 @@ def test_kubernetes_names_windows_and_top_talkers(scenario: Scenario, run: str) 
         start, end = row["window_start"], row["window_end"]
         assert (end - start).total_seconds() == WINDOW_S
         assert start.timestamp() % WINDOW_S == 0
-        assert row["packets"] == row["forward_packets"] + row["reverse_packets"]
-        assert row["bytes"] == row["forward_bytes"] + row["reverse_bytes"]
+        assert row["packets"] == row["forward_packets"] + row["reverse_packets"] + row["undirected_packets"]
+        assert row["bytes"] == row["forward_bytes"] + row["reverse_bytes"] + row["undirected_bytes"]
+        directions = (row["forward_packets"], row["forward_bytes"], row["reverse_packets"], row["reverse_bytes"])
+        undirected = (row["undirected_packets"], row["undirected_bytes"])
+        if (row["source"], row["destination"]) == UNDIRECTED_GROUP:
+            assert directions == (0, 0, 0, 0) and undirected == (9, 900), row
+        else:
+            assert undirected == (0, 0), row
         by_window[start].append(row)
     # long_b's bytes spread over several windows, and still add up (checked above).
     lb = scenario.long_b
@@ -447,11 +456,17 @@ def test_zone_pairs_equal_conntrack_by_the_zones_assigned(scenario: Scenario, ru
     assert set(expected) == {("zone-a", "zone-a"), ("zone-a", "zone-b"), ("zone-b", "zone-a")}, expected
     expected.update(K8S_ZONES)  # the synthetic records: null zones, one group
     assert got == expected
+    undirected: dict[ZonePair, tuple[int, int]] = defaultdict(lambda: (0, 0))
+    for row in job.zones:
+        p, b = undirected[(row["source_zone"], row["destination_zone"])]
+        undirected[(row["source_zone"], row["destination_zone"])] = (p + row["undirected_packets"],
+                                                                     b + row["undirected_bytes"])  # fmt: skip
+    assert {k: v for k, v in undirected.items() if v != (0, 0)} == {(None, None): (9, 900)}  # the flag-16 record
     # The same records as flows_by_window: per window, the two tables hold the same counts.
     per_window: dict[Any, tuple[int, int]] = defaultdict(lambda: (0, 0))
     for row in job.zones:
-        assert row["packets"] == row["forward_packets"] + row["reverse_packets"]
-        assert row["bytes"] == row["forward_bytes"] + row["reverse_bytes"]
+        assert row["packets"] == row["forward_packets"] + row["reverse_packets"] + row["undirected_packets"]
+        assert row["bytes"] == row["forward_bytes"] + row["reverse_bytes"] + row["undirected_bytes"]
         p, b = per_window[row["window_start"]]
         per_window[row["window_start"]] = (p + row["packets"], b + row["bytes"])
     flows: dict[Any, tuple[int, int]] = defaultdict(lambda: (0, 0))

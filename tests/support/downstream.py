@@ -231,6 +231,17 @@ def produce_synthetic(
             destinationOwnerKind="Pod",
             destinationOwnerName="db-0",
         ),
+        # A Cilium node's connection (Cilium 1.16+): one counter pair for both directions, flag 16: undirected.
+        synthetic_record(
+            40004,
+            ("shop", "api-0"),
+            ("shop", "db-1"),
+            None,
+            now_ms,
+            (9, 900, 0, 0),
+            flags=16,
+            exporterNode="cilium-node",
+        ),
         # The clock: an hour ahead, so the watermark passes every real window. Its zones tell its row apart.
         synthetic_record(
             40003,

@@ -201,6 +201,8 @@ def test_result_tables_have_the_contracts_columns() -> None:
         "forward_bytes",
         "reverse_packets",
         "reverse_bytes",
+        "undirected_packets",
+        "undirected_bytes",
     )
 
 
