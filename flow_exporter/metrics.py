@@ -286,12 +286,20 @@ def _health_families(r: Readings) -> Iterator[Metric]:
     kernel = CounterMetricFamily(
         "flow_exporter_conntrack_kernel",
         "Conntrack's own statistics in the exporter's namespace, summed over CPUs (conntrack -S): "
-        "insert_failed, drop, early_drop, error, invalid, search_restart, clash_resolve, chain_toolong.",
+        "insert_failed, drop, early_drop, error, invalid, search_restart, clash_resolve, chain_toolong; with the "
+        "Cilium source, cilium_full_reads: polls that found one of Cilium's CT maps at its capacity.",
         labels=["stat"],
     )
     for stat, n in sorted(r.conntrack_kernel.items()):
         kernel.add_metric([stat], n)
     yield kernel
+    source = GaugeMetricFamily(
+        "flow_exporter_source",
+        "1 for the source the exporter reads (conntrack.source as chosen): netfilter or cilium.",
+        labels=["source"],
+    )
+    source.add_metric([r.source], 1)
+    yield source
     yield GaugeMetricFamily(
         "flow_exporter_last_poll_seconds", "Duration of the last conntrack poll.", value=r.last_poll_seconds
     )

@@ -351,7 +351,7 @@ def test_every_reading_reaches_the_metrics_endpoint() -> None:
     metrics.bind(lambda: exp.readings({"enrichment_lookups": 3}))
     text = generate_latest(metrics.registry).decode()
     exported = {attr for attr, *_ in _FAMILIES} | {"given_up", "checkpoint", "kafka_client", "extra"}
-    exported |= {"zone_entries", "conntrack_kernel", "last_poll_seconds"}  # the health families
+    exported |= {"zone_entries", "conntrack_kernel", "last_poll_seconds", "source"}  # the health families
     exported |= {"delivery_failures"}
     assert {f.name for f in dataclasses.fields(Readings)} == exported
     assert {attr for attr, *_ in _CHECKPOINT_FAMILIES} == {f.name for f in dataclasses.fields(CheckpointReadings)}
