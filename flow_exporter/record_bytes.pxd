@@ -34,6 +34,7 @@ cdef class RecordEncoder:
     cdef readonly object seed
     cdef _Out _out
     cdef bytes _node
+    cdef bytes _attributes
     cpdef bytes static(self, Export export)
     cdef bytes _static(self, Export e)
     cdef void _put_prefix(self, _Out o, Export e) except *

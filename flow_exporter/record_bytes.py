@@ -321,7 +321,9 @@ class _Out:
 class RecordEncoder:
     """Encodes the exports of one exporter node as bare Avro FlowRecord values (and prepares batches of them)."""
 
-    def __init__(self, node: str, community_id_seed: int = 0, cluster: str = "") -> None:
+    def __init__(
+        self, node: str, community_id_seed: int = 0, cluster: str = "", attributes: dict[str, str] | None = None
+    ) -> None:
         self.node = node
         self.seed = community_id_seed
         self._out = _Out()
@@ -334,6 +336,15 @@ class RecordEncoder:
         else:
             o.u8(0)
         self._node = o.take()
+        # attributes (record.attributes): the record's last field, the same bytes in every record of this exporter
+        o.reset()
+        if attributes:
+            o.varint(len(attributes))
+            for k, v in attributes.items():
+                o.text(k)
+                o.text(v)
+        o.u8(0)
+        self._attributes = o.take()
 
     def static(self, export: Export) -> bytes:
         """The connection-lifetime prefix (connectionId .. reporter), left on ``export``.
@@ -458,7 +469,7 @@ class RecordEncoder:
         o.varint(_long(m.get("flowType", 0)))
 
     def _put_tail(self, o: _Out, e: Export, export_ms: cython.longlong) -> None:
-        """The record's own fields after its prefix (sequence .. deltas)."""
+        """The record's own fields after its prefix (sequence .. deltas), and the exporter's attributes."""
         o.varint(_long(e.sequence))
         o.varint(export_ms)
         end: cython.longlong = _long(e.flow_end_ns)
@@ -479,6 +490,7 @@ class RecordEncoder:
             o.u8(0)
         _put_counters(o, e.totals)
         _put_counters(o, e.deltas)
+        o.raw(self._attributes)
 
     def encode(self, export: Export, export_ms: object) -> bytes:
         """The record's Avro value."""

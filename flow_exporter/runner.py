@@ -58,7 +58,7 @@ def build_sink(cfg: Config, lifecycle: Lifecycle | None = None) -> KafkaSink:
         # Confluent framing if a registry is set, a subject per topic.
         with_registry(
             cfg,
-            RecordEncoder(cfg.node_name, cfg["communityId.seed"], cfg["clusterName"]),
+            RecordEncoder(cfg.node_name, cfg["communityId.seed"], cfg["clusterName"], cfg["record.attributes"]),
             [cfg["kafka.topic"], *(r.topic for r in routes)],
         ),
         routes,

@@ -282,6 +282,41 @@ def parse_label_keys(key: str, value: object) -> tuple[str, ...]:
     return tuple(keys)
 
 
+MAX_ATTRIBUTES = 16  # stamped on every record: a handful of resource attributes, not a payload
+MAX_ATTRIBUTE_VALUE = 256
+_ATTRIBUTE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-/]{0,62}")
+
+
+def parse_attributes(key: str, value: object) -> dict[str, str]:
+    """Static attributes for every record: a map (``{environment: prod, region: eu-west-1}``), or
+    ``environment=prod,region=eu-west-1`` from the environment or a flag."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        pairs: dict[object, object] = {}
+        for part in (p for p in re.split(r"\s*,\s*", value.strip()) if p):
+            name, eq, text = part.partition("=")
+            if not eq:
+                raise ConfigError(key, value, f"{part!r} is not name=value")
+            pairs[name.strip()] = text.strip()
+        value = pairs
+    if not isinstance(value, dict):
+        raise ConfigError(key, value, "expected a map of names to strings, e.g. {environment: prod}")
+    if len(value) > MAX_ATTRIBUTES:
+        raise ConfigError(key, value, f"at most {MAX_ATTRIBUTES} attributes (they go into every record)")
+    out: dict[str, str] = {}
+    for name, text in value.items():
+        if not isinstance(name, str) or not _ATTRIBUTE_NAME.fullmatch(name):
+            raise ConfigError(key, value, f"attribute name {name!r}: letters, digits, _ . - /, at most 63, not a "
+                              "digit first")  # fmt: skip
+        if not isinstance(text, str):
+            raise ConfigError(key, value, f"attribute {name}: {text!r} is not a string (quote it in YAML)")
+        if len(text) > MAX_ATTRIBUTE_VALUE:
+            raise ConfigError(key, value, f"attribute {name}: longer than {MAX_ATTRIBUTE_VALUE} characters")
+        out[name] = text
+    return out
+
+
 def parse_k8s_scope(key: str, value: object) -> str:
     s = parse_str(key, value).lower()
     if s not in ("cluster", "node"):
@@ -386,6 +421,13 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     Setting("nodeName", parse_str, "", "This node's name in records; empty: $NODE_NAME, else the host name."),
     Setting("clusterName", parse_str, "", "This cluster's name in records (clusterName); empty: null."),
+    Setting(
+        "record.attributes",
+        parse_attributes,
+        {},
+        "Static attributes stamped on every record (attributes): at most 16 name: value strings, e.g. "
+        "{environment: prod, region: eu-west-1}; from the environment: environment=prod,region=eu-west-1.",
+    ),
     Setting("communityId.seed", parse_u16, 0, "Community ID seed (0-65535); all tools comparing IDs use one seed."),
     Setting(
         "conntrack.source",

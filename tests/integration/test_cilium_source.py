@@ -186,6 +186,7 @@ def run_exporter(fs: Bpffs, layout: str, bootstrap: str, topic: str, state: Path
         "--set", f"cilium.counters={'combined' if layout == 'v1.20' else 'split'}",
         "--set", "conntrack.pollInterval=0.5s", "--set", "expiry.activeTimeout=1s", "--set", "expiry.idleTimeout=30s",
         "--set", f"state.dir={state}", "--set", "metrics.port=0",
+        "--set", "record.attributes={team: net, environment: lab}",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
@@ -259,6 +260,7 @@ def test_the_exporter_counts_ciliums_entries_exactly_through_resets_deletes_and_
         assert [r["sequence"] for r in recs] == list(range(len(recs))), cid  # no gaps
         assert {record_key(r) for r in recs} == {record_key(recs[0])}
         assert all(r["flags"] & 16 == (16 if layout == "v1.20" else 0) for r in recs)
+        assert all(r["attributes"] == {"team": "net", "environment": "lab"} for r in recs)  # record.attributes
         per_key.setdefault(record_key(recs[0]), []).append(cid)
 
     def sums(cid: int) -> tuple[int, ...]:

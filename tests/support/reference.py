@@ -26,7 +26,9 @@ def _ip(family: int, packed: bytes) -> str:
     return socket.inet_ntop(family, packed)
 
 
-def build_record(export: Export, node: str, export_ms: int, cluster: str = "") -> dict[str, Any]:
+def build_record(
+    export: Export, node: str, export_ms: int, cluster: str = "", attributes: dict[str, str] | None = None
+) -> dict[str, Any]:
     """The record dict for one export (what the Avro writer serializes)."""
     c = export.conn
     assert c is not None, "a connection's first record carries its fields"
@@ -74,6 +76,7 @@ def build_record(export: Export, node: str, export_ms: int, cluster: str = "") -
         "octetDeltaCount": deltas[1],
         "reversePacketDeltaCount": deltas[2],
         "reverseOctetDeltaCount": deltas[3],
+        "attributes": dict(attributes or {}),
         "flowType": 0,
         "flags": export.flags,
         "communityId": _community_id(fam, c),

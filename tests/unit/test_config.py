@@ -46,6 +46,10 @@ def test_durations(text: object, seconds: float) -> None:
         ("kafka:\n  routes: [{topic: t, endReason: 9}]\n", "kafka.routes[0].endReason"),
         ("log:\n  level: loud\n", "log.level"),
         ("conntrack:\n  source: ebpf\n", "conntrack.source"),
+        ("record:\n  attributes: {region: 1}\n", "record.attributes"),  # not a string
+        ("record:\n  attributes: [a, b]\n", "record.attributes"),
+        ("record:\n  attributes: {'1x': a}\n", "record.attributes"),
+        ("record:\n  attributes: {" + ", ".join(f"a{i}: x" for i in range(17)) + "}\n", "record.attributes"),
         ("cilium:\n  counters: both\n", "cilium.counters"),
         ("cilium:\n  clock: tsc\n", "cilium.clock"),
         ("conntrack:\n  source: cilium\n  zones: [1]\n", "conntrack.zones"),  # Cilium's maps have no zones
