@@ -15,7 +15,8 @@ The rules (README "Downstream", "Counting: the contract"), in the order the jobs
 Groups (:data:`SOURCE_GROUP`, :data:`DESTINATION_GROUP`) name each end by its workload, the one
 name that outlives a rollout (``namespace/Kind/Name``: ``shop/Deployment/web``), else by its pod
 (``namespace/pod``: a pod no controller manages, whose owner kind is ``Pod``, or a record of an
-exporter older than the owner fields), else by its address; a destination reached through a
+exporter older than the owner fields), else by its named network (``networks.file``: ``s3-eu-west-1``),
+else by its address; a destination reached through a
 Service is named by the Service first. Zones (:data:`ZONE_FIELDS`) stay null when unknown: a null
 zone is a group of its own in ``bytes_by_zone_pair``, in both jobs.
 """
@@ -68,6 +69,8 @@ USED_FIELDS = frozenset(
         "destinationService",
         *OWNER_FIELDS,
         *ZONE_FIELDS,
+        "sourceNetwork",
+        "destinationNetwork",
         "flowType",
         "reporter",
         "flags",
@@ -128,19 +131,22 @@ BARE_POD = "Pod"
 # Each end's group, as one SQL expression that Spark SQL and Flink SQL read alike (``||`` and
 # CASE give null when a part is null, so a half-known name falls through to the next choice).
 # The rule, in order: the workload (``namespace/Kind/Name``) unless the pod is its own workload,
-# the pod (``namespace/pod``), the address. A destination is named by the Service the client
+# the pod (``namespace/pod``), the named network an external end is in, the address. A destination is named
+# by the Service the client
 # addressed first (``destinationService``, ``namespace/name:port/protocol``), and its address
 # is the one reached, after DNAT, with the port (``[address]:port`` for IPv6).
 SOURCE_GROUP = f"""COALESCE(
   CASE WHEN sourceOwnerKind <> '{BARE_POD}'
     THEN sourcePodNamespace || '/' || sourceOwnerKind || '/' || sourceOwnerName END,
   sourcePodNamespace || '/' || sourcePodName,
+  sourceNetwork,
   sourceAddress)"""
 DESTINATION_GROUP = f"""COALESCE(
   destinationService,
   CASE WHEN destinationOwnerKind <> '{BARE_POD}'
     THEN destinationPodNamespace || '/' || destinationOwnerKind || '/' || destinationOwnerName END,
   destinationPodNamespace || '/' || destinationPodName,
+  destinationNetwork,
   CASE WHEN ipVersion = 6 THEN '[' || destinationAddress || ']' ELSE destinationAddress END
     || ':' || CAST(destinationPort AS STRING))"""
 

@@ -144,6 +144,9 @@ EXTRA_FAMILIES = {
     "enrichment_misses": "Lookups that found neither end known (records with null Kubernetes fields).",
     "enrichment_errors": "Enrichment calls that failed (the record goes out unenriched).",
     "labels_truncated": "Pod label values cut to the maximum length.",
+    "networks_named": "New connections with an end named by networks.file (sourceNetwork, destinationNetwork).",
+    "networks_reloads": "Times networks.file was read again after it changed.",
+    "networks_reload_errors": "Times networks.file changed and could not be used (the table read before is kept).",
 }
 
 

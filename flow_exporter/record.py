@@ -35,6 +35,8 @@ K8S_FIELDS = (
     "sourceOwnerName",
     "destinationOwnerKind",
     "destinationOwnerName",
+    "sourceNetwork",
+    "destinationNetwork",
 )
 
 

@@ -144,28 +144,29 @@ def check_topics(sink: KafkaSink, stop: threading.Event, initial: float, maximum
     return False
 
 
-def start_listener(cfg: Config, metrics: Metrics | None, exporter: Exporter, enricher: Any = None) -> Listener | None:
+def start_listener(
+    cfg: Config, metrics: Metrics | None, exporter: Exporter, enricher: Any = None, namer: Any = None
+) -> Listener | None:
     """/metrics, /healthz and /readyz, unless metrics.port is 0 (then ``metrics`` is None)."""
     if metrics is None:
         return None
     caches_ready: Callable[[], bool] | None = None
     if enricher is not None:
         caches_ready = enricher.caches.ready.is_set
-        st = enricher.stats
 
-        def read() -> Readings:
-            return exporter.readings(
-                {
-                    "enrichment_lookups": st.lookups,
-                    "enrichment_misses": st.misses,
-                    "enrichment_errors": st.errors,
-                    "labels_truncated": st.truncated_labels,
-                }
-            )
+    def read() -> Readings:
+        extra: dict[str, float] = {}
+        if enricher is not None:
+            st = enricher.stats
+            extra.update(enrichment_lookups=st.lookups, enrichment_misses=st.misses, enrichment_errors=st.errors,
+                         labels_truncated=st.truncated_labels)  # fmt: skip
+        if namer is not None:
+            nf = namer.networks
+            extra.update(networks_named=namer.named, networks_reloads=nf.reloads,
+                         networks_reload_errors=nf.reload_errors)  # fmt: skip
+        return exporter.readings(extra)
 
-        metrics.bind(read)
-    else:
-        metrics.bind(exporter.readings)
+    metrics.bind(read)
     sink = exporter.sink
     # Records waiting kafka.readyTimeout with no delivery (a topic ACL removed, say): not ready; 0 turns it off.
     ready_timeout = cfg["kafka.readyTimeout"]
@@ -308,6 +309,18 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
             "FLOW_EXPORTER_INTERPRETED=1 runs the interpreted one",
             compiled.describe(),
         )
+    networks = None
+    if cfg["networks.file"]:  # before anything starts: a bad file is a config error
+        from flow_exporter.network_file import NetworkFile
+        from flow_exporter.networks import NetworkError
+
+        try:
+            networks = NetworkFile(cfg["networks.file"], cfg["networks.maxPrefixes"], cfg["networks.reloadInterval"])
+        except (NetworkError, OSError) as exc:
+            log.error("%s", exc if isinstance(exc, NetworkError) else f"networks.file: {exc}")
+            return 2
+        log.info("networks.file %s: %d prefixes, %d names", networks.path, networks.table.prefixes,
+                 networks.table.names)  # fmt: skip
     kind = chosen_source(cfg)
     source: Source
     if kind == "cilium":
@@ -357,12 +370,23 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
             from flow_exporter.k8s import start_enricher
 
             enricher = start_enricher(cfg, api)
+        namer = None
+        on_new: Any = enricher
+        if networks is not None:
+            from flow_exporter.network_file import NetworkNamer
+
+            namer = NetworkNamer(networks)
+            if enricher is not None:
+                enricher.decorate = namer.decorate
+            else:
+                on_new = namer
+            services.callback(networks.start().stop)
         exporter = Exporter(
             source,
             sink,
             options_from(cfg, adopt=not (loaded and loaded.valid) or loaded.adopting, source=kind),
             is_fatal=is_fatal,
-            on_new=enricher,
+            on_new=on_new,
             checkpoint=checkpoint,
             lifecycle=lifecycle,
             timings=metrics,
@@ -371,7 +395,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         if loaded is not None and loaded.valid:
             exporter.restore(loaded.rows, loaded.resends, adopting=loaded.adopting)
         for start in (
-            partial(start_listener, cfg, metrics, exporter, enricher),
+            partial(start_listener, cfg, metrics, exporter, enricher, namer),
             partial(start_events, cfg, exporter, kind),
             partial(start_health_stream, cfg, exporter),
             partial(start_markers, cfg, exporter, completeness),

@@ -422,6 +422,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("nodeName", parse_str, "", "This node's name in records; empty: $NODE_NAME, else the host name."),
     Setting("clusterName", parse_str, "", "This cluster's name in records (clusterName); empty: null."),
     Setting(
+        "networks.file",
+        parse_opt_str,
+        None,
+        "Named networks for the ends that are not pods or nodes (sourceNetwork, destinationNetwork): a YAML map of "
+        "names to lists of CIDRs, IPv4 and IPv6, longest prefix wins; read again when it changes.",
+    ),
+    Setting(
+        "networks.maxPrefixes",
+        lambda k, v: parse_count(k, v, minimum=1),
+        200_000,
+        "At most this many prefixes in networks.file (a bigger file is refused, at start or at a reload).",
+    ),
+    Setting("networks.reloadInterval", positive_duration, 10.0, "How often networks.file is checked for a change."),
+    Setting(
         "record.attributes",
         parse_attributes,
         {},

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -104,12 +104,19 @@ class Enricher:
         self._token = object()  # tags this enricher's memo on PodInfo.out
         self._shared: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._shared_limit = shared_limit
+        # What else names a connection's ends (the named networks, flow_exporter.network_file), applied to the
+        # meta of every connection enriched, again after the caches synced too; it never mutates a shared dict.
+        self.decorate: Callable[[dict[str, Any] | None, Connection], dict[str, Any] | None] | None = None
+
+    def _meta(self, c: Connection) -> dict[str, Any] | None:
+        meta = self.meta_for(c)
+        return meta if self.decorate is None else self.decorate(meta, c)
 
     def __call__(self, tr: NewConnection) -> None:
         try:
             if not self._synced:
                 self._before_sync(tr)
-            tr.meta = self.meta_for(tr.conn)
+            tr.meta = self._meta(tr.conn)
         except Exception:
             self.stats.errors += 1
             if self.stats.errors == 1:
@@ -126,7 +133,7 @@ class Enricher:
         while self._pending:
             old = self._pending.popleft()
             if not old.settled:
-                old.meta = self.meta_for(old.conn)
+                old.meta = self._meta(old.conn)
                 self.stats.reenriched += 1
 
     def meta_for(self, c: Connection) -> dict[str, Any] | None:
