@@ -6,7 +6,8 @@ decode against the kernel's own recv loop, compiled: the poll pure and compiled 
 kernel's dump, ti-mo/conntrack and conntrack -L, scaling: `flow-exporter run`'s CPU and
 records/s against table size, pure and compiled, encoder: one enriched record's encode cost, cluster: the node
 pipeline against three brokers beside a plain loop on them, cilium: the Cilium source reading 1M entries of
-Cilium's maps beside bpftool and Cilium's lister, and its node beside the netfilter one, soak: 10 minutes at 250k).
+Cilium's maps beside bpftool and Cilium's lister, and its node beside the netfilter one, networks: the named-network
+table at 100k prefixes, soak: 10 minutes at 250k).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ SUITE = {
     "encoder": ("bench.bench_encoder", []),
     "cluster": ("bench.bench_cluster", []),
     "cilium": ("bench.bench_cilium", ["--node"]),
+    "networks": ("bench.bench_networks", []),
     "soak": ("bench.bench_soak", []),  # 10 minutes: last
 }
 
