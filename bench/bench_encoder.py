@@ -17,7 +17,7 @@ from typing import Any
 
 from flow_exporter.connection import PROTO_TCP, Connection
 from flow_exporter.flow import Export
-from flow_exporter.record import K8S_FIELDS
+from flow_exporter.record import META_FIELDS
 from flow_exporter.sink.encoder import RecordEncoder
 
 FILLED: dict[str, Any] = {
@@ -62,7 +62,7 @@ def export(i: int, meta: dict[str, Any]) -> Export:
 
 
 def exports(n: int) -> list[Export]:
-    meta = {k: FILLED.get(k) for k in K8S_FIELDS} | {"flowType": 2}
+    meta = {k: FILLED.get(k) for k in META_FIELDS} | {"flowType": 2}
     return [export(i, meta) for i in range(n)]
 
 

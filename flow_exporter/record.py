@@ -35,9 +35,11 @@ K8S_FIELDS = (
     "sourceOwnerName",
     "destinationOwnerKind",
     "destinationOwnerName",
-    "sourceNetwork",
-    "destinationNetwork",
 )
+# The named networks of the ends that are not pods or nodes (flow_exporter.networks): after the Kubernetes fields.
+NETWORK_FIELDS = ("sourceNetwork", "destinationNetwork")
+# A connection's meta fields (its NewConnection.meta, besides flowType) in the schema's order: the encoder's prefix.
+META_FIELDS = (*K8S_FIELDS, *NETWORK_FIELDS)
 
 
 def schema_path(name: str = SCHEMA_FILE) -> Path:

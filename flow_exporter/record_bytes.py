@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, TCP_STATE_NAMES
 from flow_exporter.export import Export
-from flow_exporter.record import K8S_FIELDS
+from flow_exporter.record import META_FIELDS
 
 if TYPE_CHECKING:  # Cython's top-level `cython` module has no type information; the shim states the same names
     from flow_exporter import cython_shim as cython
@@ -112,8 +112,8 @@ _U14 = [_unsigned_tail(z) for z in range(0x4000)]  # every 1- and 2-byte varint
 _C14 = [bytes(((z & 0x7F) | 0x80, (z >> 7) | 0x80)) for z in range(0x4000)]  # 14 bits, more to come
 # tcpState: a union's branch 1 and the state's name, or null (a byte 0)
 _TCP_STATES: list[bytes] = [b"\x02" + zigzag_varint(len(s)) + s.encode() for s in TCP_STATE_NAMES]
-_K8S: tuple[tuple[str, bool], ...] = tuple((name, name.endswith("Labels")) for name in K8S_FIELDS)
-_NO_K8S: bytes = b"\x00" * len(K8S_FIELDS) + b"\x00"  # all Kubernetes fields null, flowType 0
+_K8S: tuple[tuple[str, bool], ...] = tuple((name, name.endswith("Labels")) for name in META_FIELDS)
+_NO_K8S: bytes = b"\x00" * len(META_FIELDS) + b"\x00"  # all Kubernetes and network fields null, flowType 0
 
 
 # ---------------------------------------------------------------- checked values

@@ -30,7 +30,7 @@ from flow_exporter.flow import INTER_NODE, INTRA_NODE
 from flow_exporter.k8s.cache import RESOURCES, K8sCaches, load_configuration
 from flow_exporter.k8s.enrich import Enricher
 from flow_exporter.k8s.index import pack_ip
-from flow_exporter.record import K8S_FIELDS
+from flow_exporter.record import META_FIELDS
 from tests.support.cluster import controlled_by, create, ensure_node, make_pod, pod_template
 from tests.support.exporter_process import start_exporter, stop_exporter
 from tests.support.fakes import NewFlow
@@ -285,7 +285,7 @@ def first_of(groups: dict[int, list[dict]], client_ip: str, client_port: int) ->
     assert len(hits) == 1, f"{len(hits)} connections from {client_ip}:{client_port}"
     recs = hits[0]
     for r in recs[1:]:  # every record of a connection carries the same metadata
-        assert all(r[k] == recs[0][k] for k in (*K8S_FIELDS, "flowType")), (r, recs[0])
+        assert all(r[k] == recs[0][k] for k in (*META_FIELDS, "flowType")), (r, recs[0])
     return recs[0]
 
 

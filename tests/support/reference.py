@@ -17,7 +17,7 @@ import fastavro
 
 from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_TCP, TCP_STATE_NAMES
 from flow_exporter.flow import Export
-from flow_exporter.record import K8S_FIELDS, load_schema
+from flow_exporter.record import META_FIELDS, load_schema
 
 
 @lru_cache(maxsize=65536)
@@ -83,7 +83,7 @@ def build_record(
         "reporter": 0,
     }
     meta = export.meta
-    for name in K8S_FIELDS:
+    for name in META_FIELDS:
         rec[name] = meta.get(name) if meta else None
     if meta:
         rec["flowType"] = meta.get("flowType", 0)

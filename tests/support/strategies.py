@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, PROTO_SCTP, PROTO_TCP, PROTO_UDP, Connection
 from flow_exporter.flow import Export
-from flow_exporter.record import K8S_FIELDS
+from flow_exporter.record import META_FIELDS
 
 u16 = st.integers(0, 0xFFFF)
 u32 = st.integers(0, 0xFFFFFFFF)
@@ -61,7 +61,7 @@ def exports(draw: st.DrawFn) -> Export:
             name: draw(st.none() | st.dictionaries(text, text, max_size=3))
             if name.endswith("Labels")
             else draw(st.none() | text)
-            for name in K8S_FIELDS
+            for name in META_FIELDS
         }
         meta["flowType"] = draw(st.integers(0, 4))
     first = draw(st.integers(1, 2**62))
