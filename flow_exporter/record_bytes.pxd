@@ -42,6 +42,7 @@ cdef class RecordEncoder:
     cdef void _put_tail(self, _Out o, Export e, long long export_ms) except *
     cpdef bytes encode(self, Export export, object export_ms)
 
+cdef void _put_map(_Out o, dict m) except *
 cdef void _put_counters(_Out o, object counters) except *
 cdef tuple _key(object key)
 cdef void _put_key(_Out o, Export e) except *

@@ -338,12 +338,7 @@ class RecordEncoder:
         self._node = o.take()
         # attributes (record.attributes): the record's last field, the same bytes in every record of this exporter
         o.reset()
-        if attributes:
-            o.varint(len(attributes))
-            for k, v in attributes.items():
-                o.text(k)
-                o.text(v)
-        o.u8(0)
+        _put_map(o, attributes or {})
         self._attributes = o.take()
 
     def static(self, export: Export) -> bytes:
@@ -458,14 +453,8 @@ class RecordEncoder:
             else:
                 if not isinstance(v, dict):
                     raise TypeError(f"{name} is a dict, not {type(v).__name__}")
-                labels: dict[Any, Any] = v
                 o.u8(2)
-                if labels:
-                    o.varint(len(labels))
-                    for k, s in labels.items():
-                        o.text(k)
-                        o.text(s)
-                o.u8(0)
+                _put_map(o, v)
         o.varint(_long(m.get("flowType", 0)))
 
     def _put_tail(self, o: _Out, e: Export, export_ms: cython.longlong) -> None:
@@ -510,6 +499,16 @@ class RecordEncoder:
     ) -> Failures:
         """:func:`prepare` with this encoder."""
         return prepare(self, exports, export_ms, topic, framing)
+
+
+def _put_map(o: _Out, m: dict[Any, Any]) -> None:
+    """An Avro map of strings: one block of its entries (none when empty), then the end block."""
+    if m:
+        o.varint(len(m))
+        for k, s in m.items():
+            o.text(k)
+            o.text(s)
+    o.u8(0)
 
 
 @cython.boundscheck(False)

@@ -157,12 +157,6 @@ class PinnedMap:
             for i in range(count):
                 yield keys[i * ks : (i + 1) * ks], values[i * vs : (i + 1) * vs]
 
-    def contains(self, key: bytes) -> bool:
-        """Whether the map holds ``key`` now (:func:`map_contains`)."""
-        if len(key) != self.info.key_size:
-            raise ValueError(f"{self.path}: a key of {len(key)} bytes, the map's are {self.info.key_size}")
-        return map_contains(self.fd, key, self._bpf)
-
     def _lookup_batches(self, batch: int) -> Iterator[tuple[int, bytes, bytes]]:
         ks, vs = self.info.key_size, self.info.value_size
         keys = ctypes.create_string_buffer(ks * batch)
