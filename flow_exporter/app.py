@@ -35,6 +35,7 @@ from flow_exporter.ports import (
 )
 from flow_exporter.readings import Readings, Timings
 from flow_exporter.retry import sleep_on
+from flow_exporter.sampling import Sampler
 from flow_exporter.settings import DEFAULTS
 from flow_exporter.store import ConnectionStore
 from flow_exporter.timeouts import Timeouts
@@ -92,6 +93,8 @@ class ExporterOptions:
     adopt: bool = True  # no state to continue from: connections found live are flagged adopted
     source_flags: int = 0  # record flags every connection of the source has (flow.BOTH_DIRECTIONS: Cilium >= 1.16)
     source: str = "netfilter"  # conntrack.source as chosen (the health stream and the markers name it)
+    sampling_probability: float = 1.0  # sampling.probability: 1 keeps every connection (no sampler)
+    sampling_seed: str = ""  # sampling.seed (a secret: never logged)
 
 
 class Exporter:
@@ -124,6 +127,9 @@ class Exporter:
         self.clock = clock
         self.wall_ns = wall_ns
         self._on_new = on_new
+        # One sampler for the process (its count of dropped connections is a counter), shared by every store.
+        p = options.sampling_probability
+        self.sampler = Sampler(p, options.sampling_seed) if p < 1 else None
         self.store = self._new_store(options.adopt)
         # A restored state until the first poll after it is complete (see _drop_state), and a dropped one whose
         # new lineage the expire thread, the journal's only writer, has still to start.
@@ -163,6 +169,7 @@ class Exporter:
             compiled=o.compiled,
             cache_prefixes=o.cache_prefixes,
             source_flags=o.source_flags,
+            sampler=self.sampler,
         )
 
     def restore(self, rows: list[Restored], resends: list[Export], *, adopting: bool = False) -> None:
@@ -563,6 +570,8 @@ class Exporter:
             delivery_failures=dict(sc.failures_by_error),
             extra=extra or {},
             source=self.options.source,
+            sampling_probability=self.options.sampling_probability,
+            connections_sampled_out=self.sampler.dropped if self.sampler is not None else 0,
         )
 
     # ------------------------------------------------------------- lifecycle

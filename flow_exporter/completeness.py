@@ -82,6 +82,10 @@ class Losses:
     connections_given_up: int = 0
     records_given_up: int = 0
     map_full_reads: int = 0  # the Cilium source's polls that found a map at its capacity
+    # Not losses, counted alike: connections first met, and the ones of them the sampler kept (RFC 7014's
+    # selectorIDTotalFlowsObserved and selectorIDTotalFlowsSelected).
+    connections_observed: int = 0
+    connections_selected: int = 0
 
     def minus(self, other: Losses) -> Losses:
         return Losses(
@@ -89,6 +93,8 @@ class Losses:
             self.connections_given_up - other.connections_given_up,
             self.records_given_up - other.records_given_up,
             self.map_full_reads - other.map_full_reads,
+            self.connections_observed - other.connections_observed,
+            self.connections_selected - other.connections_selected,
         )
 
 
@@ -166,7 +172,9 @@ class Completeness:
                 if r.permanent:
                     settle(id(r.export), None, None)
 
-    def build_round(self, node: str, now_ms: int, losses: Losses, source: str = "netfilter") -> Round:
+    def build_round(
+        self, node: str, now_ms: int, losses: Losses, source: str = "netfilter", sampling_probability: float = 1.0
+    ) -> Round:
         """The round to send now: one marker per partition written to (partition -1 before any).
 
         It covers [since, until) from the last confirmed round's ``until``, with everything counted
@@ -195,6 +203,9 @@ class Completeness:
                 "recordsGivenUp": lost.records_given_up,
                 "source": source,
                 "mapFullReads": lost.map_full_reads,
+                "samplingProbability": sampling_probability,
+                "connectionsObserved": lost.connections_observed,
+                "connectionsSelected": lost.connections_selected,
             }
             for number, acked, last_offset in parts
         )
@@ -240,9 +251,11 @@ class MarkerRounds:
         wall_ms: Callable[[], int],
         losses: Callable[[], Losses],
         source: str = "netfilter",
+        sampling_probability: float = 1.0,
     ) -> None:
         self._done, self.node, self._produce = completeness, node, produce
         self.source = source  # conntrack.source as chosen: what the markers say the node could not see
+        self.sampling_probability = sampling_probability  # the share of connections kept: what a consumer scales by
         self._wall_ms, self._losses = wall_ms, losses
         # Re-entrant: a delivery report may be served from inside produce (a test double does).
         self._lock = threading.RLock()
@@ -262,7 +275,9 @@ class MarkerRounds:
         """The next round if the last one is confirmed; else the pending round's failed markers again."""
         with self._lock:
             if self._round is None:
-                self._round = self._done.build_round(self.node, self._wall_ms(), self._losses(), self.source)
+                self._round = self._done.build_round(
+                    self.node, self._wall_ms(), self._losses(), self.source, self.sampling_probability
+                )
                 self._unsent = set(range(len(self._round.values)))
                 self._acked = set()
                 self.rounds_built += 1

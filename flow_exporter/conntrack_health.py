@@ -68,6 +68,9 @@ def health_record(r: Readings, node: str, now_ms: int, interval: float, flows: b
         "connectionsGivenUp": sum(r.given_up.values()),
         "recordsGivenUp": r.records_given_up,
         "source": r.source,
+        "samplingProbability": r.sampling_probability,
+        "connectionsObserved": r.connections_added + r.connections_sampled_out,
+        "connectionsSelected": r.connections_added,
     }
     for stat, field in KERNEL_FIELDS.items():
         rec[field] = r.conntrack_kernel.get(stat)

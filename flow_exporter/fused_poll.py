@@ -50,6 +50,7 @@ if not cython.compiled:
         _row_of,
         _Walk,
     )
+    from flow_exporter.sampling import Sampler
 else:  # the walk's state and rules, and the admission, as C calls
     from cython.cimports.flow_exporter.admission import (  # type: ignore[import-untyped,import-not-found,no-redef,unused-ignore]
         STOPPED,
@@ -69,6 +70,9 @@ else:  # the walk's state and rules, and the admission, as C calls
         _Row,
         _row_of,
         _Walk,
+    )
+    from cython.cimports.flow_exporter.sampling import (  # type: ignore[import-untyped,import-not-found,no-redef,unused-ignore]
+        Sampler,
     )
     from cython.cimports.libc.string import memcmp  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
@@ -215,6 +219,29 @@ def _admit(adm: Admission, key: tuple[Any, ...], w: _Walk, r: _Row) -> cython.Py
     )  # fmt: skip
 
 
+def _word(w: _Walk, at: cython.Py_ssize_t, n: cython.Py_ssize_t) -> cython.ulonglong:
+    """``n`` bytes of the buffer from ``at``, big-endian (an address, as the sampler's words)."""
+    x: cython.ulonglong = 0
+    i: cython.Py_ssize_t
+    for i in range(at, at + n):
+        x = (x << 8) | w.buf[i]
+    return x
+
+
+def _sampled(w: _Walk, r: _Row, sampler: Sampler) -> cython.bint:
+    """Whether the sampler keeps the walked row (``Sampler.keeps`` of its Connection, read from the buffer): the
+    original source and the destination after DNAT (the reply's source), ICMP's identifier on both ends."""
+    src: cython.Py_ssize_t = w.v[_SRC]
+    dst: cython.Py_ssize_t = w.v[_R + _SRC]
+    dport: cython.ulonglong = r.sport if r.icmp else r.rsport
+    if w.family == _INET:
+        return sampler.decide(4, r.proto, 0, _word(w, src, 4), r.sport, 0, _word(w, dst, 4), dport, r.ct_id)
+    return sampler.decide(
+        6, r.proto, _word(w, src, 8), _word(w, src + 8, 8), r.sport, _word(w, dst, 8), _word(w, dst + 8, 8), dport,
+        r.ct_id,
+    )  # fmt: skip
+
+
 def _count_zone(zone_counts: MutableMapping[int, int], zone: cython.ulonglong, count: cython.Py_ssize_t) -> None:
     if count:
         zone_counts[zone] = zone_counts.get(zone, 0) + count
@@ -227,7 +254,7 @@ def _hand_over(table: Any, pending: list[Any], adm: Admission | None, now: float
         adm.pause()
     rows = pending[:]
     del pending[:]
-    table.update_batch(rows, now, wall_ns)
+    table.apply_rows(rows, now, wall_ns)  # sampled already
     if adm is not None:
         adm.resume()
     views: ColumnViews = table._column_views()
@@ -257,6 +284,7 @@ def apply_dump(
     gen: cython.ulonglong = table._generation
     ordinal: cython.Py_ssize_t = table._dump_rows
     admit: cython.bint = table.on_new is None
+    sampler: Sampler | None = table.sampler
     adm: Admission | None = None
     pending: list[Any] = []
     run_zone: cython.ulonglong = 0
@@ -273,7 +301,9 @@ def apply_dump(
                 _count_zone(zone_counts, run_zone, run)
                 run = 0
             run_zone = r.zone
-            run += 1
+            run += 1  # (a row the sampler drops is in the table: counted, as the Connections' path counts it)
+            if sampler is not None and not _sampled(w, r, sampler):
+                continue
             key = None
             if pos < c.orders and _slot_holds(c, c.order[pos], w, r):
                 s = c.order[pos]

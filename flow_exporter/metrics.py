@@ -72,6 +72,18 @@ _FAMILIES: tuple[tuple[str, str, str, str], ...] = (
         "Connections first seen in a NEW or DESTROY event rather than a dump.",
         "counter",
     ),
+    (
+        "connections_sampled_out",
+        "connections_sampled_out",
+        "Connections the sampler dropped (sampling.probability), each counted once, when first met.",
+        "counter",
+    ),
+    (
+        "sampling_probability",
+        "sampling_probability",
+        "sampling.probability: the share of connections kept (1: all).",
+        "gauge",
+    ),
     ("connections_deleted", "connections_deleted", "Connections removed after their final record.", "counter"),
     ("tuples_reused", "tuples_reused", "Tuples taken over by a new conntrack entry (the old one ended).", "counter"),
     ("destroy_events", "destroy_events", "DESTROY events applied.", "counter"),

@@ -84,3 +84,5 @@ class Readings:
     last_poll_seconds: float = 0.0
     delivery_failures: dict[str, int] = field(default_factory=dict)  # failed deliveries by Kafka error code
     source: str = "netfilter"  # conntrack.source as chosen
+    sampling_probability: float = 1.0  # sampling.probability: the share of connections kept
+    connections_sampled_out: int = 0  # connections the sampler dropped, each counted when first met

@@ -26,6 +26,7 @@ test fails until it does.
 from __future__ import annotations
 
 import socket
+import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -322,7 +323,12 @@ class RecordEncoder:
     """Encodes the exports of one exporter node as bare Avro FlowRecord values (and prepares batches of them)."""
 
     def __init__(
-        self, node: str, community_id_seed: int = 0, cluster: str = "", attributes: dict[str, str] | None = None
+        self,
+        node: str,
+        community_id_seed: int = 0,
+        cluster: str = "",
+        attributes: dict[str, str] | None = None,
+        sampling_probability: float = 1.0,
     ) -> None:
         self.node = node
         self.seed = community_id_seed
@@ -336,10 +342,11 @@ class RecordEncoder:
         else:
             o.u8(0)
         self._node = o.take()
-        # attributes (record.attributes): the record's last field, the same bytes in every record of this exporter
+        # attributes (record.attributes) and samplingProbability (sampling.probability): the record's last fields,
+        # the same bytes in every record of this exporter
         o.reset()
         _put_map(o, attributes or {})
-        self._attributes = o.take()
+        self._attributes = o.take() + struct.pack("<d", sampling_probability)
 
     def static(self, export: Export) -> bytes:
         """The connection-lifetime prefix (connectionId .. reporter), left on ``export``.

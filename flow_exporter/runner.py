@@ -6,6 +6,7 @@ Kept apart from :mod:`flow_exporter.app` so the loops stay testable with any sou
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -58,7 +59,13 @@ def build_sink(cfg: Config, lifecycle: Lifecycle | None = None) -> KafkaSink:
         # Confluent framing if a registry is set, a subject per topic.
         with_registry(
             cfg,
-            RecordEncoder(cfg.node_name, cfg["communityId.seed"], cfg["clusterName"], cfg["record.attributes"]),
+            RecordEncoder(
+                cfg.node_name,
+                cfg["communityId.seed"],
+                cfg["clusterName"],
+                cfg["record.attributes"],
+                cfg["sampling.probability"],
+            ),
             [cfg["kafka.topic"], *(r.topic for r in routes)],
         ),
         routes,
@@ -94,6 +101,8 @@ def options_from(cfg: Config, *, adopt: bool, source: str = "netfilter") -> Expo
         adopt=adopt,
         source_flags=BOTH_DIRECTIONS if source == "cilium" and cfg["cilium.counters"] == "combined" else 0,
         source=source,
+        sampling_probability=cfg["sampling.probability"],
+        sampling_seed=cfg["sampling.seed"],
     )
 
 
@@ -245,10 +254,14 @@ def start_events(cfg: Config, exporter: Exporter, source: str = "netfilter") -> 
 
 def table_name(cfg: Config, source: str) -> str:
     """The table a state directory continues: a state written from another table (another netns, or the other
-    source) is not continued."""
-    if source == "cilium":
-        return "cilium:" + str(cfg["cilium.bpffs"])
-    return cfg["conntrack.netns"] or ""
+    source) is not continued. Nor is one written under other sampling: its rows were kept by another rule, and
+    their records would carry a probability they were not kept with (the seed shows as a digest, never itself)."""
+    name: str = "cilium:" + str(cfg["cilium.bpffs"]) if source == "cilium" else cfg["conntrack.netns"] or ""
+    p = cfg["sampling.probability"]
+    if p < 1:
+        seed = hashlib.blake2b(cfg["sampling.seed"].encode(), digest_size=6, person=b"state-dir").hexdigest()
+        name += f" sampled:{p!r}:{seed}"
+    return name
 
 
 def open_state(

@@ -64,6 +64,28 @@ def _at_most_a_year(key: str, value: object, seconds: float) -> float:
     return seconds
 
 
+MIN_PROBABILITY = 2.0**-32  # below: a node keeps (almost) nothing, and the estimates carry no information
+
+
+def parse_probability(key: str, value: object) -> float:
+    """A probability in [2**-32, 1]: a number (``0.0625``) or a fraction (``1/16``)."""
+    p: float | None = None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        p = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        num, slash, den = text.partition("/")
+        try:
+            p = float(num) / float(den) if slash else float(text)
+        except (ValueError, ZeroDivisionError):
+            p = None
+    if p is None or not math.isfinite(p):
+        raise ConfigError(key, value, "expected a probability like 1, 0.25 or 1/16")
+    if not MIN_PROBABILITY <= p <= 1:
+        raise ConfigError(key, value, "a probability is between 2**-32 and 1 (1: every connection is kept)")
+    return p
+
+
 def positive_duration(key: str, value: object) -> float:
     d = parse_duration(key, value)
     if d <= 0:
@@ -442,6 +464,21 @@ SETTINGS: tuple[Setting, ...] = (
         "Static attributes stamped on every record (attributes): at most 16 name: value strings, e.g. "
         "{environment: prod, region: eu-west-1}; from the environment: environment=prod,region=eu-west-1.",
     ),
+    Setting(
+        "sampling.probability",
+        parse_probability,
+        1.0,
+        "Keep each connection with this probability (README: Sampling): decided once per connection by a keyed "
+        "hash of its ends, alike on every node with the same sampling.seed; 1 keeps all. Powers of two (1/16) "
+        "keep the consumers' estimates exact in floating point.",
+    ),
+    Setting(
+        "sampling.seed",
+        parse_str,
+        "",
+        "The key of the sampling hash (any string; kept secret, as it tells which tuples are sampled). Every "
+        "exporter of a cluster needs the same seed for both nodes of a connection to choose alike.",
+    ),
     Setting("communityId.seed", parse_u16, 0, "Community ID seed (0-65535); all tools comparing IDs use one seed."),
     Setting(
         "conntrack.source",
@@ -615,7 +652,10 @@ def _yaml_value(st: Setting) -> str:
 
 # Words in a setting's key (ours or librdkafka's) that make its value secret: passwords, inline
 # PEM keys (ssl.key.pem, ssl_key), OAUTHBEARER and SASL/OIDC client secrets, tokens.
-_SECRET_WORDS = ("password", "secret", "userinfo", "key.pem", "ssl_key", "oauthbearer.config", "token", "credential")
+_SECRET_WORDS = (
+    "password", "secret", "userinfo", "key.pem", "ssl_key", "oauthbearer.config", "token", "credential",
+    "sampling.seed",
+)  # fmt: skip
 _URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 
 

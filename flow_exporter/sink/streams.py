@@ -97,6 +97,7 @@ class MarkerStream:
             wall_ms=lambda: time.time_ns() // 1_000_000,
             losses=self._losses,
             source=read().source,
+            sampling_probability=read().sampling_probability,
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="markers", daemon=True)
@@ -106,7 +107,12 @@ class MarkerStream:
     def _losses(self) -> Losses:
         r = self._read()
         return Losses(
-            r.event_losses, sum(r.given_up.values()), r.records_given_up, r.conntrack_kernel.get("cilium_full_reads", 0)
+            r.event_losses,
+            sum(r.given_up.values()),
+            r.records_given_up,
+            r.conntrack_kernel.get("cilium_full_reads", 0),
+            r.connections_added + r.connections_sampled_out,
+            r.connections_added,
         )
 
     def send_round(self) -> None:

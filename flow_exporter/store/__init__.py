@@ -29,6 +29,7 @@ from flow_exporter.connection import Connection, ConnectionKey
 from flow_exporter.expiry import ExpiryQueue
 from flow_exporter.flow import FORCED_END, GIVE_UP_IDLE, GIVE_UP_REFUSED, Export, NewConnection, ReportedRows, Restored
 from flow_exporter.ports import DecodeResult
+from flow_exporter.sampling import Sampler
 from flow_exporter.settings import DEFAULTS
 from flow_exporter.store.ledger import RESEND_MAX_DELAY, RETRY_DELAY, Ledger
 from flow_exporter.store.memory import TOMBSTONE_MIN_TTL, GivenUp, Tombstone
@@ -71,6 +72,7 @@ class ConnectionStore:
         compiled: bool = True,  # False: the lockstep tests' reference (no fused poll or bulk admission; interpreted)
         cache_prefixes: bool = True,  # keep an active connection's record prefix for its next record
         source_flags: int = 0,  # record flags every connection of the source has (flow.BOTH_DIRECTIONS)
+        sampler: Sampler | None = None,  # which connections are kept (None: all of them; sampling.probability 1)
     ) -> None:
         self.timeouts = timeouts = Timeouts() if timeouts is None else timeouts
         self.max_connections = max_connections
@@ -78,6 +80,7 @@ class ConnectionStore:
         self.table = Table(
             timeouts, self.stats, on_new=on_new, max_connections=max_connections, adopt=adopt, id_seed=id_seed,
             compiled=compiled, cache_prefixes=cache_prefixes, source_flags=source_flags,
+            sampler=sampler,
         )  # fmt: skip
         self._ledger = Ledger(self.table, self.stats)
         self._shutdown = Shutdown(self.table, self._ledger)

@@ -61,6 +61,7 @@ from flow_exporter.flow import (
     Totals,
 )
 from flow_exporter.ports import DecodeResult
+from flow_exporter.sampling import Sampler
 from flow_exporter.slot_state import ACTIVE, CLOSED, DESTROYED, FINAL_DUE, LAST_ACTIVE, ORPHAN, PRESENT, UNCOUNTED
 from flow_exporter.store.columns import Columns
 from flow_exporter.store.memory import TOMBSTONE_MIN_TTL, GivenUp, Memory, Tombstone, same_incarnation
@@ -144,8 +145,12 @@ class Table(Columns):
         compiled: bool,
         cache_prefixes: bool,
         source_flags: int = 0,
+        sampler: Sampler | None = None,
     ) -> None:
         super().__init__()
+        # The sampling decision (flow_exporter/sampling.py): a connection it drops never becomes a row. Every row
+        # and event is asked here, or in the fused poll's walk, before the store looks at it.
+        self.sampler = sampler
         # Record flags that hold for every connection of the source (flow.BOTH_DIRECTIONS), set from the first record.
         self.source_flags = source_flags & RECORD_FLAGS
         self.timeouts = timeouts
@@ -229,6 +234,8 @@ class Table(Columns):
         ``wall_ns``: the real time after the dump's last entry was read (0: unknown).
         """
         self._sweep(now, self._generation)
+        if self.sampler is not None:
+            self.sampler.dump_done()
         self._views = None  # not held between polls (and the dump order may grow)
         order = self._dump_order
         if self._dump_rows > len(order):  # room for every row position of a dump this large
@@ -269,6 +276,15 @@ class Table(Columns):
 
     def update_batch(self, dumped: Iterable[Connection], now: float, wall_ns: int) -> None:
         """Add or update the connections of one part of the current dump.
+
+        The sampler's (if any) are kept, and applied by :meth:`apply_rows`.
+        """
+        if self.sampler is not None:
+            dumped = self.sampler.select(dumped if isinstance(dumped, list) else list(dumped))
+        self.apply_rows(dumped, now, wall_ns)
+
+    def apply_rows(self, dumped: Iterable[Connection], now: float, wall_ns: int) -> None:
+        """:meth:`update_batch` of rows the sampler has kept (the fused poll's hand-over).
 
         Runs of new connections are admitted in one call each (:meth:`_admit_run`); every other row,
         and a new one the run stops at, goes through :meth:`_update_rows`, the Python path, which is
@@ -455,8 +471,11 @@ class Table(Columns):
         flow start happen early); DESTROY sets its final counters and schedules its
         end-of-flow record now, even if no dump ever contained it. Events of one
         receive come in kernel order, so a NEW after a DESTROY of the same tuple is
-        always a new incarnation.
+        always a new incarnation. The sampler's (if any) are kept.
         """
+        if self.sampler is not None:
+            new = self.sampler.select(list(new))
+            destroyed = self.sampler.select(list(destroyed))
         conns = self.connections
         for conn in new:
             # A NEW after the DESTROY of its tuple (events come in kernel order) is a new

@@ -27,7 +27,12 @@ def _ip(family: int, packed: bytes) -> str:
 
 
 def build_record(
-    export: Export, node: str, export_ms: int, cluster: str = "", attributes: dict[str, str] | None = None
+    export: Export,
+    node: str,
+    export_ms: int,
+    cluster: str = "",
+    attributes: dict[str, str] | None = None,
+    sampling_probability: float = 1.0,
 ) -> dict[str, Any]:
     """The record dict for one export (what the Avro writer serializes)."""
     c = export.conn
@@ -77,6 +82,7 @@ def build_record(
         "reversePacketDeltaCount": deltas[2],
         "reverseOctetDeltaCount": deltas[3],
         "attributes": dict(attributes or {}),
+        "samplingProbability": sampling_probability,
         "flowType": 0,
         "flags": export.flags,
         "communityId": _community_id(fam, c),

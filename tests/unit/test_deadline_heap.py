@@ -46,7 +46,7 @@ def test_the_compiled_build_is_the_one_that_runs_here() -> None:
     assert compiled.MODULES == (
         "admission", "checkpoint_rows", "cilium_ct", "column_views", "community_id", "connection", "ctnetlink",
         "deadline_heap", "deliveries", "dying", "export", "flow_ids", "fused_poll", "ledger_core", "poll_core",
-        "record_bytes", "slot_static",
+        "record_bytes", "sampling", "slot_static",
     )  # fmt: skip
     assert compiled.describe() == "compiled"  # the start-up line's build=
     assert not compiled.is_compiled(INTERPRETED)

@@ -17,23 +17,26 @@ SER = AvroSerializer()
 
 
 ATTRIBUTES = st.dictionaries(st.text(min_size=1, max_size=12), st.text(max_size=20), max_size=4)
+PROBABILITIES = st.sampled_from([1.0, 0.5, 1 / 16, 0.1, 2**-20])
 
 
 @settings(max_examples=600, deadline=None)
 @given(
-    exports(), st.text(min_size=1, max_size=30), st.integers(0, 2**45), st.sampled_from(["", "prod-eu-1"]), ATTRIBUTES
-)
+    exports(), st.text(min_size=1, max_size=30), st.integers(0, 2**45), st.sampled_from(["", "prod-eu-1"]), ATTRIBUTES,
+    PROBABILITIES,
+)  # fmt: skip
 def test_encoder_is_byte_identical_to_fastavro(
-    export: Export, node: str, export_ms: int, cluster: str, attributes: dict[str, str]
+    export: Export, node: str, export_ms: int, cluster: str, attributes: dict[str, str], p: float
 ) -> None:
-    expected = SER(build_record(export, node, export_ms, cluster, attributes))
-    enc = RecordEncoder(node, cluster=cluster, attributes=attributes)
+    expected = SER(build_record(export, node, export_ms, cluster, attributes, p))
+    enc = RecordEncoder(node, cluster=cluster, attributes=attributes, sampling_probability=p)
     assert enc.encode(export, export_ms) == expected
     # A record in flight keeps its prefix, not the connection's fields (memory: every record in flight).
     assert export.prefix is not None and export.conn is None
     assert enc.encode(export, export_ms) == expected  # from the cached prefix
     assert SER.decode(expected)["connectionId"] == export.flow_id
     assert SER.decode(expected)["attributes"] == attributes
+    assert SER.decode(expected)["samplingProbability"] == p
 
 
 def test_store_keeps_the_prefix_while_active_and_drops_it_when_it_would_change() -> None:

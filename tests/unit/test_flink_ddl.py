@@ -32,7 +32,8 @@ def _expected(avro_type: Any) -> str:
             return f"MAP<STRING NOT NULL, {_expected(avro_type['values'])}> NOT NULL"
         assert avro_type.get("logicalType") == "timestamp-millis"
         return _expected(avro_type["type"])
-    return {"int": "INT", "long": "BIGINT", "string": "STRING", "bytes": "BYTES"}[avro_type] + " NOT NULL"
+    simple = {"int": "INT", "long": "BIGINT", "double": "DOUBLE", "string": "STRING", "bytes": "BYTES"}
+    return simple[avro_type] + " NOT NULL"
 
 
 def test_pyflink_is_not_needed() -> None:

@@ -167,11 +167,25 @@ def base(kind: int, port: int) -> Connection:
 
 
 class Lockstep:
-    def __init__(self, cap: int, zones: frozenset[int] | None, start: float = 1000.0) -> None:
+    """Two stores fed the same table: the reference (interpreted, Connections) and the fused one (compiled, the
+    dump's bytes). ``sampling``: both sample with this probability and seed, each with its own build's sampler."""
+
+    def __init__(
+        self, cap: int, zones: frozenset[int] | None, start: float = 1000.0, sampling: tuple[float, str] | None = None
+    ) -> None:
         self.now = start
         self.zones = zones
-        self.pure = ConnectionStore(TIMEOUTS, max_connections=cap, id_seed=b"S" * 8, compiled=False)
-        self.fused = ConnectionStore(TIMEOUTS, max_connections=cap, id_seed=b"S" * 8, compiled=True)
+        self.samplers = (
+            (compiled.reference("sampling").Sampler(*sampling), compiled.load("sampling").Sampler(*sampling))
+            if sampling
+            else (None, None)
+        )
+        self.pure = ConnectionStore(
+            TIMEOUTS, max_connections=cap, id_seed=b"S" * 8, compiled=False, sampler=self.samplers[0]
+        )
+        self.fused = ConnectionStore(
+            TIMEOUTS, max_connections=cap, id_seed=b"S" * 8, compiled=True, sampler=self.samplers[1]
+        )
         assert self.fused.fused and not self.pure.fused
         self.live: dict[int, Connection] = {}
         self.ids = itertools.count(1)
@@ -327,6 +341,7 @@ SKIP = {
     "_dump_rows",
     "_table",  # the ledger's and the shutdown's: the store's own table, compared once as ``table``
     "_ledger",
+    "sampler",  # a build's own (Lockstep compares what it decided)
 }  # builds; own
 
 
@@ -471,10 +486,17 @@ def test_fused_poll_keeps_the_same_store(ops: list[tuple[str, int, int]], cap: i
     walk_in_lockstep(Lockstep(cap, zones), ops)
 
 
+def same_samples(w: Lockstep) -> None:
+    pure, fused = w.samplers
+    if pure is not None:
+        assert (fused.dropped, fused.current, fused.previous) == (pure.dropped, pure.current, pure.previous)
+
+
 def walk_in_lockstep(w: Lockstep, ops: list[tuple[str, int, int]]) -> None:
     for op, i, arg in ops:
         w.apply(op, i, arg)
         assert state(w.fused) == state(w.pure), op
+        same_samples(w)
     w.poll(3, 0)
     w.now += 20
     w.expire(0)

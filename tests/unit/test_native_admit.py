@@ -244,13 +244,13 @@ def test_rows_admitted_in_place_after_python_ran_mid_buffer_as_pure() -> None:
     pair.dump([conns[:10]])
     compiled = pair.stores["compiled"]
     handed: list[int] = []  # rows the fused poll handed to Python
-    update_batch = compiled.table.update_batch
+    apply_rows = compiled.table.apply_rows
 
     def counted(rows: list[Connection], now: float, wall_ns: int) -> None:
         handed.append(len(rows))
-        update_batch(rows, now, wall_ns)
+        apply_rows(rows, now, wall_ns)
 
-    compiled.table.update_batch = counted  # type: ignore[method-assign]
+    compiled.table.apply_rows = counted  # type: ignore[method-assign]
     pair.dump([[*conns[10:1100], conns[3], *conns[1100:]]])
     assert len(compiled.connections) == 1200
     # 1,014 rows fill the first chunk's 1,024 slots in place; the next 76 wait for the known row and go to
