@@ -71,11 +71,13 @@ def measure(
     max_in_flight: int = 50_000,
     prefix_cache: str = "auto",
     source_args: tuple[str, ...] = (),
+    sampling: str = "1",
 ) -> dict[str, Any]:
     """Run ``flow-exporter run`` on the ``n`` entries already in ``ns`` and measure its steady state.
 
     ``ns`` None: the exporter's own namespace; ``source_args``: more settings for the source (e.g. the Cilium
-    source's, bench_cilium: then ``n`` is the connections it makes of its maps).
+    source's, bench_cilium: then ``n`` is the connections it makes of its maps). ``sampling``:
+    sampling.probability (bench_sampling); below 1 the first records awaited are the kept connections'.
 
     Waits for readiness and for every connection's first record to be acknowledged, then measures
     CPU, RSS and the exporter's own counters over ``window`` seconds; stops the exporter.
@@ -93,7 +95,8 @@ def measure(
            # the DaemonSet's limits (k8s/config.yaml), the cap raised to the table when it is larger, the records
            # in flight raised with --max-in-flight
            "--set", f"limits.maxConnections={max(n, 250_000)}",
-           "--set", f"limits.maxInFlight={max_in_flight}", "--set", f"export.prefixCache={prefix_cache}"]  # fmt: skip
+           "--set", f"limits.maxInFlight={max_in_flight}", "--set", f"export.prefixCache={prefix_cache}",
+           "--set", f"sampling.probability={sampling}"]  # fmt: skip
     with open(log, "wb") as out:
         # the interpreted build: chosen once, by the environment (a tree before issue 39 reads the setting)
         pure_env = {**os.environ, "FLOW_EXPORTER_INTERPRETED": "1"} if pure else None
@@ -106,7 +109,16 @@ def measure(
                 raise SystemExit(f"exporter did not become ready:\n{log.read_text()[-2000:]}")
             time.sleep(0.2)
         ready_s = time.monotonic() - t_start
-        while metric(scrape(port, "/metrics")[1], "flow_exporter_records_acknowledged_total") < n:
+
+        def first_records_out() -> bool:
+            text = scrape(port, "/metrics")[1]
+            want = n if sampling == "1" else metric(text, "flow_exporter_connections_added_total")
+            return (
+                metric(text, "flow_exporter_polls_total") > 0
+                and metric(text, "flow_exporter_records_acknowledged_total") >= want
+            )
+
+        while not first_records_out():
             if proc.poll() is not None or time.monotonic() - t_start > 900:
                 raise SystemExit(f"first records did not all go out:\n{log.read_text()[-2000:]}")
             time.sleep(0.5)
@@ -155,6 +167,8 @@ def measure(
         "max_in_flight": max_in_flight,
         "prefix_cache": prefix_cache,
         "tracked": metric(m1, "flow_exporter_connections_tracked"),
+        "sampling_probability": sampling,
+        "sampled_out": metric(m1, "flow_exporter_connections_sampled_out_total"),
         "ready_s": ready_s,
         "first_records_all_acked_s": first_all_s,
         "window_s": wall,

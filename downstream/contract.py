@@ -10,7 +10,10 @@ The rules (README "Downstream", "Counting: the contract"), in the order the jobs
    (``flowType`` = :data:`INTER_NODE` and ``reporter`` = :data:`REPORTER_DESTINATION`);
 2. drop duplicate :data:`DEDUP_KEY` triples (a resent record is the same bytes); per-connection
    state and groups are keyed by :data:`CONNECTION_KEY`, never by ``connectionId`` alone;
-3. sum the :data:`DELTAS` into the :data:`COUNTERS` columns.
+3. sum the :data:`DELTAS` into the :data:`COUNTERS` columns;
+4. estimate each window group's packets and bytes over every connection, kept by the exporters' sampling
+   or not, as the sum over its connections of count / ``samplingProbability``, with its standard error
+   (:data:`ESTIMATES`, :func:`estimate_expressions`); at probability 1 the estimate is the sum, its error 0.
 
 Groups (:data:`SOURCE_GROUP`, :data:`DESTINATION_GROUP`) name each end by its workload, the one
 name that outlives a rollout (``namespace/Kind/Name``: ``shop/Deployment/web``), else by its pod
@@ -38,6 +41,10 @@ COUNTERS = (
 PACKETS = ("forward_packets", "reverse_packets", "undirected_packets")  # summed: a row's packets, both directions
 BYTES = ("forward_bytes", "reverse_bytes", "undirected_bytes")
 BOTH_DIRECTIONS = 16  # record flag: one pair of counters for both directions, the split unknown
+# The window tables' estimates over all connections from a sample (README: Sampling): Horvitz-Thompson sums and
+# their standard errors. A connection is the sampled unit, so they are computed from per-connection rows.
+ESTIMATES = ("estimated_packets", "estimated_bytes", "packets_se", "bytes_se")
+SAMPLING = "samplingProbability"  # the record field: the probability its connection was kept with
 
 # The fields that identify a connection in connection_totals (and lead its columns): CONNECTION_KEY
 # and the tuple, which is the same in every record of a connection.
@@ -74,6 +81,7 @@ USED_FIELDS = frozenset(
         "flowType",
         "reporter",
         "flags",
+        SAMPLING,
         *DELTAS,
     }
 )
@@ -89,7 +97,7 @@ KERNEL_IDENTITY = (
     "ctId",
     "flowStart",
 )
-TOTALS_MODE_FIELDS = frozenset({*KERNEL_IDENTITY, "flags", *TOTALS})
+TOTALS_MODE_FIELDS = frozenset({*KERNEL_IDENTITY, "flags", SAMPLING, *TOTALS})
 
 EVENT_TIMES = ("exportTime", "flowEnd")  # --event-time choices; the first is the default
 
@@ -121,6 +129,24 @@ def counter_expressions(counts: tuple[str, ...]) -> tuple[str, ...]:
         reverse_packets, reverse_octets,
         f"CASE WHEN {both} THEN {packets} ELSE 0 END", f"CASE WHEN {both} THEN {octets} ELSE 0 END",
     )  # fmt: skip
+
+
+def estimate_expressions(packets: str, octets: str, probability: str) -> tuple[str, ...]:
+    """:data:`ESTIMATES` as SQL aggregates over rows of one connection each (its ``packets`` and ``octets`` in a
+    window and group, and the ``probability`` it was kept with), read alike by Spark SQL and Flink SQL.
+
+    Each connection is kept independently with its probability p (a keyed hash: as good as a coin per
+    connection), so sum(y / p) is unbiased for the total over all connections, with variance
+    sum((1 - p) / p * y^2) over all of them; sum((1 - p) / p^2 * y^2) over the kept ones estimates it without
+    bias. The unit is the connection, not the record: the records of a connection are kept or dropped together.
+    """
+
+    p = f"({probability})"
+
+    def err(y: str) -> str:
+        return f"SQRT(SUM((1 - {p}) / ({p} * {p}) * CAST(({y}) AS DOUBLE) * ({y})))"
+
+    return f"SUM(({packets}) / {p})", f"SUM(({octets}) / {p})", err(packets), err(octets)
 
 
 # --------------------------------------------------------------------------- groups
@@ -157,9 +183,27 @@ ZONE_TABLE = "bytes_by_zone_pair"
 TABLES = ("flows_by_window", "top_talkers", ZONE_TABLE, "connection_totals")
 COMPLETENESS_TABLE = "window_completeness"  # only with --markers-topic
 COLUMNS = {
-    "flows_by_window": ("window_start", "window_end", "source", "destination", "packets", "bytes", *COUNTERS),
+    "flows_by_window": (
+        "window_start",
+        "window_end",
+        "source",
+        "destination",
+        "packets",
+        "bytes",
+        *COUNTERS,
+        *ESTIMATES,
+    ),
     "top_talkers": ("window_start", "window_end", "rank", "source", "destination", "packets", "bytes"),
-    ZONE_TABLE: ("window_start", "window_end", "source_zone", "destination_zone", "packets", "bytes", *COUNTERS),
+    ZONE_TABLE: (
+        "window_start",
+        "window_end",
+        "source_zone",
+        "destination_zone",
+        "packets",
+        "bytes",
+        *COUNTERS,
+        *ESTIMATES,
+    ),
     "connection_totals": (
         *CONNECTION_FIELDS,
         "source",

@@ -346,26 +346,38 @@ def view_statements(window_seconds: int, top: int) -> dict[str, str]:
     dedup = ", ".join(quote_ident(c) for c in contract.DEDUP_KEY)  # one record content
     # A record's groups: the same in every copy of it, so grouping by them keeps one copy.
     groups = "source, destination, source_zone, destination_zone"
+    unit_packets = " + ".join(contract.PACKETS)
+    unit_octets = " + ".join(contract.BYTES)
+    estimates = ", ".join(
+        f"{e} AS {c}"
+        for e, c in zip(contract.estimate_expressions(unit_packets, unit_octets, "p"), contract.ESTIMATES, strict=True)
+    )
+    connection = ", ".join(quote_ident(c) for c in contract.CONNECTION_KEY)
     return {
         "flows": f"""
 SELECT {ids}, `sequence`, event_time,
   {contract.SOURCE_GROUP} AS source,
   {contract.DESTINATION_GROUP} AS destination,
-  sourceZone AS source_zone, destinationZone AS destination_zone,
+  sourceZone AS source_zone, destinationZone AS destination_zone, {contract.SAMPLING} AS p,
   {", ".join(f"{e} AS {c}" for e, c in zip(contract.counter_expressions(DELTAS), COUNTERS, strict=True))}
 FROM {SOURCE_TABLE}
 WHERE NOT (flowType = {INTER_NODE} AND reporter = {REPORTER_DESTINATION})""",
         # A resent record is the same bytes: same window, same groups, same counts, so one row
         # per (window, exporterNode, connectionId, sequence) keeps exactly one copy of each.
         "records_by_window": f"""
-SELECT window_start, window_end, {dedup}, {groups},
+SELECT window_start, window_end, {dedup}, {groups}, MAX(p) AS p,
   {", ".join(f"MAX({c}) AS {c}" for c in COUNTERS)}
 FROM TABLE(TUMBLE(TABLE flows, DESCRIPTOR(event_time), INTERVAL '{window_seconds}' SECOND))
 GROUP BY window_start, window_end, {dedup}, {groups}""",
+        # One row per connection and group in a window: the unit a sample's standard error sums over.
+        "connections_by_window": f"""
+SELECT window_start, window_end, {connection}, {groups}, MAX(p) AS p, {counters}
+FROM records_by_window
+GROUP BY window_start, window_end, {connection}, {groups}""",
         "flows_by_window": f"""
 SELECT window_start, window_end, source, destination,
-  {packets} AS packets, {octets} AS `bytes`, {counters}
-FROM records_by_window
+  {packets} AS packets, {octets} AS `bytes`, {counters}, {estimates}
+FROM connections_by_window
 GROUP BY window_start, window_end, source, destination
 HAVING {packets} > 0 OR {octets} > 0""",
         "top_talkers": f"""
@@ -381,8 +393,8 @@ WHERE `rank` <= {top}""",
         # The same deduplicated records as flows_by_window; GROUP BY puts null zones in one group.
         contract.ZONE_TABLE: f"""
 SELECT window_start, window_end, source_zone, destination_zone,
-  {packets} AS packets, {octets} AS `bytes`, {counters}
-FROM records_by_window
+  {packets} AS packets, {octets} AS `bytes`, {counters}, {estimates}
+FROM connections_by_window
 GROUP BY window_start, window_end, source_zone, destination_zone
 HAVING {packets} > 0 OR {octets} > 0""",
         "distinct_records": f"""
@@ -470,6 +482,7 @@ _RESULT_COLUMNS = {
         ("packets", "BIGINT"),
         ("bytes", "BIGINT"),
         *((c, "BIGINT") for c in COUNTERS),
+        *((c, "DOUBLE") for c in contract.ESTIMATES),
     ],
     "top_talkers": [
         ("window_start", "TIMESTAMP(3)"),
@@ -488,6 +501,7 @@ _RESULT_COLUMNS = {
         ("packets", "BIGINT"),
         ("bytes", "BIGINT"),
         *((c, "BIGINT") for c in COUNTERS),
+        *((c, "DOUBLE") for c in contract.ESTIMATES),
     ],
     "connection_totals": [
         ("connectionId", "BIGINT"),

@@ -103,12 +103,14 @@ USED_FIELDS = contract.USED_FIELDS | contract.TOTALS_MODE_FIELDS
 INTER_NODE, REPORTER_DESTINATION = contract.INTER_NODE, contract.REPORTER_DESTINATION
 COUNTERS_RESET = contract.COUNTERS_RESET
 DEDUP_KEY = contract.DEDUP_KEY
+SAMPLING = contract.SAMPLING
 
-# The groups carried through totals mode's Python step, beside the event time.
+# The groups carried through totals mode's Python step, beside the event time, the connection and its sampling.
 GROUPS = ("source", "destination", "source_zone", "destination_zone")
 _INCREMENT_SCHEMA = (
-    "eventTime timestamp, " + ", ".join(f"{g} string" for g in GROUPS) + ", " + ", ".join(f"{c} long" for c in COUNTERS)
-)
+    "eventTime timestamp, flowKey long, samplingProbability double, "
+    + ", ".join(f"{g} string" for g in GROUPS) + ", " + ", ".join(f"{c} long" for c in COUNTERS)
+)  # fmt: skip
 _STATE_SCHEMA = "highWater binary"
 
 
@@ -549,7 +551,7 @@ def _increments_fn(state_ttl_ms: int) -> Any:
             # One row per record, zero increments included: the window aggregation's watermark
             # comes from these rows' event times, and must move with the input, not with traffic.
             out = pd.DataFrame({"eventTime": frame["eventTime"].to_numpy()[order]})
-            for name in GROUPS:
+            for name in ("flowKey", SAMPLING, *GROUPS):
                 out[name] = frame[name].to_numpy()[order]
             # A connection flagged BOTH_DIRECTIONS (every record of it is) counts into the undirected columns.
             both = (frame["flags"].to_numpy(np.int64)[order] & BOTH_DIRECTIONS) != 0
@@ -590,22 +592,26 @@ def aggregate(
     state_ttl: str,
     state_buckets: int = 64,
 ) -> DataFrame:
-    """Windowed sums per (source, destination, source_zone, destination_zone), rows without counts left out.
+    """Windowed sums per (source, destination, source_zone, destination_zone) and connection, with the
+    probability the connection was kept with; rows without counts left out.
 
     The two modes are the module docstring's. :func:`flows_by_window` and :func:`bytes_by_zone_pair`
-    sum a batch of these rows (every row of a window closes in the same batch) into the tables.
+    sum a batch of these rows (every row of a window closes in the same batch) into the tables; a row per
+    connection, not per group, because a sample's standard error is a sum over connections.
     """
     from pyspark.sql import functions as F
     from pyspark.sql.streaming.state import GroupStateTimeout
 
     if mode == "deltas":
         counted = counted_records(flows, event_time=event_time, watermark=watermark).select(
-            "eventTime", *GROUPS, *(F.expr(e).alias(c) for e, c in zip(COUNTER_EXPRESSIONS[0], COUNTERS, strict=True))
-        )
+            "eventTime", *contract.CONNECTION_KEY, SAMPLING, *GROUPS,
+            *(F.expr(e).alias(c) for e, c in zip(COUNTER_EXPRESSIONS[0], COUNTERS, strict=True)),
+        )  # fmt: skip
+        unit = list(contract.CONNECTION_KEY)
     else:
         df = group_columns(flows).withColumn("eventTime", F.col(event_time)).withWatermark("eventTime", watermark)
         counted = (
-            df.select(flow_key().alias("flowKey"), "eventTime", *GROUPS, "flags", *TOTALS)
+            df.select(flow_key().alias("flowKey"), "eventTime", SAMPLING, *GROUPS, "flags", *TOTALS)
             # Buckets of connections, not single connections, as keys: the Python function is
             # called per key and batch, and a call costs milliseconds whatever its size.
             .withColumn("bucket", F.pmod(F.col("flowKey"), F.lit(state_buckets)))
@@ -620,12 +626,17 @@ def aggregate(
             # The Python step's output carries no watermark; the window aggregation needs one.
             .withWatermark("eventTime", watermark)
         )
+        unit = ["flowKey"]
     sums = [F.sum(c).alias(c) for c in COUNTERS]
     return (
-        counted.groupBy(F.window("eventTime", window), *GROUPS)
-        .agg(*sums)
+        counted.groupBy(F.window("eventTime", window), *GROUPS, *unit)
+        .agg(*sums, F.max(SAMPLING).alias(SAMPLING))  # (the same in every record of a connection)
         .select(
-            F.col("window.start").alias("window_start"), F.col("window.end").alias("window_end"), *GROUPS, *COUNTERS
+            F.col("window.start").alias("window_start"),
+            F.col("window.end").alias("window_end"),
+            *GROUPS,
+            SAMPLING,
+            *COUNTERS,
         )
         # A group whose records in a window only repeated what was known adds an all-zero row.
         .where((_total(contract.PACKETS) > 0) | (_total(contract.BYTES) > 0))
@@ -633,12 +644,19 @@ def aggregate(
 
 
 def _window_sums(groups: DataFrame, table: str, keys: tuple[str, ...]) -> DataFrame:
-    """The window rows of :func:`aggregate` summed per window and ``keys``, in ``table``'s columns."""
+    """The window rows of :func:`aggregate` (one per connection) summed per window and ``keys``, in ``table``'s
+    columns: the counters, and the estimates over every connection from the sampled ones (the contract's SQL)."""
     from pyspark.sql import functions as F
 
+    estimates = contract.estimate_expressions("unit_packets", "unit_bytes", SAMPLING)
     return (
-        groups.groupBy("window_start", "window_end", *keys)
-        .agg(*(F.sum(c).alias(c) for c in COUNTERS))
+        groups.withColumn("unit_packets", _total(contract.PACKETS))
+        .withColumn("unit_bytes", _total(contract.BYTES))
+        .groupBy("window_start", "window_end", *keys)
+        .agg(
+            *(F.sum(c).alias(c) for c in COUNTERS),
+            *(F.expr(e).alias(c) for e, c in zip(estimates, contract.ESTIMATES, strict=True)),
+        )
         .withColumn("packets", _total(contract.PACKETS))
         .withColumn("bytes", _total(contract.BYTES))
         .select(*contract.COLUMNS[table])

@@ -7,6 +7,22 @@ cdef unsigned long long _M, _C0, _C1, _C2, _C3, _LAST, _SPREAD
 cdef unsigned long long _be(bytes b, Py_ssize_t at, Py_ssize_t n) except? 0
 cdef unsigned long long _rotl(unsigned long long x, int b) noexcept
 
+cdef Py_ssize_t _MIN_CAPACITY
+
+cdef class DroppedSet:
+    cdef readonly Py_ssize_t count, met
+    cdef unsigned int interval
+    cdef unsigned long long mask
+    cdef object key_array, mark_array
+    cdef unsigned long long[::1] keys, old_keys
+    cdef unsigned int[::1] marks, old_marks
+
+    cdef void _alloc(self, Py_ssize_t capacity) except *
+    cdef void _put(self, unsigned long long key, unsigned int mark) noexcept
+    cpdef bint meet(self, unsigned long long key) except -1
+    cdef void _rehash(self, Py_ssize_t capacity, bint met_only) except *
+    cpdef void dump_done(self) except *
+
 cdef class Sampler:
     cdef public double probability
     cdef readonly unsigned long long k0, k1
@@ -14,7 +30,7 @@ cdef class Sampler:
     cdef unsigned long long _threshold
     cdef unsigned long long v0, v1, v2, v3
     cdef public Py_ssize_t dropped
-    cdef readonly set current, previous
+    cdef readonly DroppedSet remembered
 
     cdef inline void _round(self) noexcept
     cdef inline void _block(self, unsigned long long m) noexcept

@@ -39,6 +39,7 @@ checks the Spark job's per-connection arithmetic alone, without Spark.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import uuid
 from collections import defaultdict
@@ -59,6 +60,8 @@ from downstream.spark_flows import HighWater
 from tests.support.cluster import controlled_by, create, ensure_node, make_pod, pod_template
 from tests.support.downstream import (
     CLOCK_ZONE,
+    SAMPLED_GROUP,
+    SAMPLED_P,
     TOP,
     WINDOW_S,
     Counts,
@@ -100,10 +103,14 @@ K8S_GROUPS: dict[Group, Counts] = {
     ("shop/web-0", "shop/db-0"): (3 + 2, 300 + 200),
     # A Cilium node's record (flag 16): both directions in one pair, counted as undirected.
     ("shop/api-0", "shop/db-1"): (9, 900),
+    # A sampling node's two connections (sampled_records): what was sent, exactly; the estimates apart.
+    SAMPLED_GROUP: (10 + 3, 1000 + 300),
 }
 UNDIRECTED_GROUP: Group = ("shop/api-0", "shop/db-1")
 # Their zones are null (not known, or an older exporter): one group of their own.
-K8S_ZONES: dict[ZonePair, Directional] = {(None, None): (7 + 3, 700 + 300, 5 + 2, 500 + 200)}
+K8S_ZONES: dict[ZonePair, Directional] = {
+    (None, None): (7 + 3 + 10 + 2, 700 + 300 + 1000 + 200, 5 + 2 + 1, 500 + 200 + 100)
+}
 CLOCK_GROUP: Group = ("test/clock", "test/clock")
 CLOCK_ZONES: ZonePair = (CLOCK_ZONE, CLOCK_ZONE)
 EXPORTER_NODE = "lab-node"  # the --node-name start_exporter gives the exporter
@@ -441,6 +448,39 @@ def test_kubernetes_names_windows_and_top_talkers(scenario: Scenario, run: str) 
         ]
     assert {w: sorted(v) for w, v in talkers.items()} == expected
     assert any(len(rows) > TOP for rows in by_window.values()), "no window has more groups than the cut"
+
+
+@pytest.mark.lab
+@pytest.mark.kafka
+@pytest.mark.parametrize("run", RUNS)
+def test_window_estimates_scale_each_connection_by_its_probability(scenario: Scenario, run: str) -> None:
+    """Every window row's estimates (README: Sampling): at probability 1 (the exporters' records) the counts
+    themselves with a standard error of 0; the sampling node's group (p = 1/4, two connections of 10 and 3
+    packets, 1,000 and 300 bytes) is sum(y / p) = 52 and 5,200, with the error sqrt(sum((1 - p) / p^2 * y^2))
+    over its connections, not its records."""
+    job = scenario.runs[run]
+    sampled = [r for r in job.windows if (r["source"], r["destination"]) == SAMPLED_GROUP]
+    (row,) = sampled
+    p = SAMPLED_P
+    k = (1 - p) / (p * p)
+    assert (row["packets"], row["bytes"]) == (13, 1300)
+    assert row["estimated_packets"] == pytest.approx(13 / p, rel=1e-12)
+    assert row["estimated_bytes"] == pytest.approx(1300 / p, rel=1e-12)
+    assert row["packets_se"] == pytest.approx(math.sqrt(k * (10**2 + 3**2)), rel=1e-12)
+    assert row["bytes_se"] == pytest.approx(math.sqrt(k * (1000**2 + 300**2)), rel=1e-12)
+    for table in (job.windows, job.zones):
+        for r in table:
+            if r is row:
+                continue
+            if table is job.zones and (r["source_zone"], r["destination_zone"]) == (None, None):
+                continue  # the sampled group's zone pair: checked below
+            assert (r["estimated_packets"], r["estimated_bytes"]) == (r["packets"], r["bytes"]), r
+            assert (r["packets_se"], r["bytes_se"]) == (0, 0), r
+    # The null zone pair holds the sampled connections beside unsampled records: only the sampled ones scale.
+    (nulls,) = [r for r in job.zones if (r["source_zone"], r["destination_zone"]) == (None, None)]
+    assert nulls["estimated_packets"] == pytest.approx(nulls["packets"] - 13 + 13 / p, rel=1e-12)
+    assert nulls["estimated_bytes"] == pytest.approx(nulls["bytes"] - 1300 + 1300 / p, rel=1e-12)
+    assert nulls["bytes_se"] == pytest.approx(row["bytes_se"], rel=1e-12)
 
 
 @pytest.mark.lab

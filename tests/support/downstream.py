@@ -203,6 +203,22 @@ def synthetic_record(
     return record | fields
 
 
+SAMPLED_GROUP = ("shop/api-1", "shop/db-2")
+SAMPLED_P = 0.25
+
+
+def sampled_records(now_ms: int) -> list[dict[str, Any]]:
+    """Records of a node that keeps connections with probability 1/4: connection A (4 then 6 more packets,
+    400 then 600 bytes) and connection B (2 and 1 packets, 200 and 100 bytes), one window, one group."""
+    ends = (("shop", "api-1"), ("shop", "db-2"), None, now_ms)
+    common = {"samplingProbability": SAMPLED_P, "exporterNode": "sampling-node", "flowStart": now_ms - 5000}
+    a = synthetic_record(40005, *ends, (4, 400, 0, 0), **common)
+    a2 = a | {"sequence": 1, "packetTotalCount": 10, "octetTotalCount": 1000, "packetDeltaCount": 6,
+              "octetDeltaCount": 600}  # fmt: skip
+    b = synthetic_record(40006, *ends, (2, 200, 1, 100), **common)
+    return [a, a2, b]
+
+
 def produce_synthetic(
     bootstrap: str, topic: str, header: bytes = b"", *, clock_only: bool = False, partitions: int = 0
 ) -> None:
@@ -242,6 +258,8 @@ def produce_synthetic(
             flags=16,
             exporterNode="cilium-node",
         ),
+        # Two connections of a node sampling at 1/4 (README: Sampling), one with two records: the jobs' estimates.
+        *sampled_records(now_ms),
         # The clock: an hour ahead, so the watermark passes every real window. Its zones tell its row apart.
         synthetic_record(
             40003,

@@ -186,6 +186,19 @@ def test_a_connection_id_of_two_nodes_is_two_connections() -> None:
         assert {"exporterNode", "connectionId"} <= set(keys), view
 
 
+def test_window_tables_estimate_from_each_connections_probability() -> None:
+    """The estimates are sums over per-connection rows of count / p, with (1 - p) / p^2 * count^2 under the
+    root: the contract's SQL, which the Spark job evaluates too."""
+    views = ff.view_statements(60, 5)
+    assert "samplingProbability AS p" in views["flows"]
+    for table in ("flows_by_window", "bytes_by_zone_pair"):
+        sql = views[table]
+        assert "SUM((forward_bytes + reverse_bytes + undirected_bytes) / (p)) AS estimated_bytes" in sql
+        assert "SUM((forward_packets + reverse_packets + undirected_packets) / (p)) AS estimated_packets" in sql
+        y = "(forward_bytes + reverse_bytes + undirected_bytes)"
+        assert f"SQRT(SUM((1 - (p)) / ((p) * (p)) * CAST({y} AS DOUBLE) * {y})) AS bytes_se" in sql, table
+
+
 def test_result_tables_have_the_contracts_columns() -> None:
     """Both jobs write contract.COLUMNS; the Flink sinks declare them in that order."""
     assert ff.TABLES == ("flows_by_window", "top_talkers", "bytes_by_zone_pair", "connection_totals")
@@ -204,6 +217,10 @@ def test_result_tables_have_the_contracts_columns() -> None:
         "reverse_bytes",
         "undirected_packets",
         "undirected_bytes",
+        "estimated_packets",
+        "estimated_bytes",
+        "packets_se",
+        "bytes_se",
     )
 
 
@@ -215,8 +232,12 @@ def test_zone_pairs_and_groups_come_from_the_deduplicated_records() -> None:
         "source, destination, source_zone, destination_zone"
     )
     assert f"GROUP BY {keys}" in views["records_by_window"]
+    # Then one row per connection (the sampled unit) and groups in a window, which the window tables sum.
+    per_connection = "GROUP BY window_start, window_end, `exporterNode`, `connectionId`, source, destination"
+    assert per_connection in views["connections_by_window"]
+    assert "FROM records_by_window" in views["connections_by_window"]
     zones = views["bytes_by_zone_pair"]
-    assert "FROM records_by_window" in zones
+    assert "FROM connections_by_window" in zones
     assert "GROUP BY window_start, window_end, source_zone, destination_zone" in zones
     assert "sourceZone AS source_zone, destinationZone AS destination_zone" in views["flows"]
     # The groups are the contract's SQL, the text the Spark job evaluates too.
