@@ -7,7 +7,7 @@ kernel's dump, ti-mo/conntrack and conntrack -L, scaling: `flow-exporter run`'s 
 records/s against table size, pure and compiled, encoder: one enriched record's encode cost, cluster: the node
 pipeline against three brokers beside a plain loop on them, cilium: the Cilium source reading 1M entries of
 Cilium's maps beside bpftool and Cilium's lister, and its node beside the netfilter one, networks: the named-network
-table at 100k prefixes, soak: 10 minutes at 250k).
+table at 100k prefixes, sampling: deciding per row and a 1M node at p = 1/16 beside p = 1, soak: 10 minutes at 250k).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ SUITE = {
     "cluster": ("bench.bench_cluster", []),
     "cilium": ("bench.bench_cilium", ["--node"]),
     "networks": ("bench.bench_networks", []),
+    "sampling": ("bench.bench_sampling", ["--node"]),
     "soak": ("bench.bench_soak", []),  # 10 minutes: last
 }
 

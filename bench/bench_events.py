@@ -25,7 +25,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, machine_line, plot, update_section, write_json
+from bench.common import machine_line, plot, update_section, write_json
+from devtools.churn import build_churn
 
 DPORT_BASE, SPORT_LO, SPORT_HI = 6000, 20000, 59999
 SPAN = SPORT_HI - SPORT_LO + 1
@@ -39,15 +40,6 @@ def ports_for(rate: int, seconds: float) -> int:
     """
     return max(20, -(-int(rate * seconds) // SPAN) + 1)
 DELTAS = ("packetDeltaCount", "octetDeltaCount", "reversePacketDeltaCount", "reverseOctetDeltaCount")
-
-
-def build_churn() -> Path:
-    out = ROOT / ".cache" / "bench" / "churn"
-    src = ROOT / "bench" / "churn.c"
-    if not out.exists() or out.stat().st_mtime < src.stat().st_mtime:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["gcc", "-O2", "-Wall", "-o", str(out), str(src)], check=True)
-    return out
 
 
 def metric(port: int, name: str) -> float:

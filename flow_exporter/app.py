@@ -35,8 +35,9 @@ from flow_exporter.ports import (
 )
 from flow_exporter.readings import Readings, Timings
 from flow_exporter.retry import sleep_on
-from flow_exporter.sampling import Sampler
+from flow_exporter.sampling import Sampler, Schedule
 from flow_exporter.settings import DEFAULTS
+from flow_exporter.shedding import Budget, Shedder
 from flow_exporter.store import ConnectionStore
 from flow_exporter.timeouts import Timeouts
 
@@ -57,6 +58,8 @@ class LoopStats:
     zone_entries: dict[int, int] = field(default_factory=dict)  # entries per zone in the last full dump
     kernel: dict[str, int] = field(default_factory=dict)  # conntrack's own statistics (conntrack -S)
     last_poll_seconds: float = 0.0
+    sampling_changes: int = 0  # adaptive shedding's level changes (each logged)
+    sampling_save_errors: int = 0  # changes not made because the state directory could not keep them
 
 
 @dataclass
@@ -95,6 +98,9 @@ class ExporterOptions:
     source: str = "netfilter"  # conntrack.source as chosen (the health stream and the markers name it)
     sampling_probability: float = 1.0  # sampling.probability: 1 keeps every connection (no sampler)
     sampling_seed: str = ""  # sampling.seed (a secret: never logged)
+    sampling_budget: Budget = field(default_factory=Budget)  # sampling.budget.*: adaptive shedding when set
+    sampling_interval: float = DEFAULTS["sampling.adjustInterval"]
+    sampling_max_level: int = DEFAULTS["sampling.maxHalvings"]
 
 
 class Exporter:
@@ -114,6 +120,8 @@ class Exporter:
         checkpoint: Journal | None = None,
         timings: Timings | None = None,
         completeness: DeliveryObserver | None = None,
+        schedule: Schedule | None = None,
+        save_schedule: Callable[[Schedule], None] | None = None,
     ) -> None:
         self.source = source
         self.completeness: DeliveryObserver = completeness if completeness is not None else NoObserver()
@@ -127,9 +135,19 @@ class Exporter:
         self.clock = clock
         self.wall_ns = wall_ns
         self._on_new = on_new
-        # One sampler for the process (its count of dropped connections is a counter), shared by every store.
+        # One sampler for the process (its count of dropped connections is a counter), shared by every store. With
+        # a budget, adaptive shedding: a schedule of levels (the state directory's, when continued) and its shedder.
         p = options.sampling_probability
-        self.sampler = Sampler(p, options.sampling_seed) if p < 1 else None
+        if schedule is None and options.sampling_budget.enabled:
+            schedule = Schedule(p)
+        self.schedule = schedule
+        self.sampler = Sampler(p, options.sampling_seed, schedule) if p < 1 or schedule is not None else None
+        self.shedder = (
+            Shedder(options.sampling_budget, options.sampling_interval, options.sampling_max_level)
+            if schedule is not None
+            else None
+        )
+        self._save_schedule = save_schedule
         self.store = self._new_store(options.adopt)
         # A restored state until the first poll after it is complete (see _drop_state), and a dropped one whose
         # new lineage the expire thread, the journal's only writer, has still to start.
@@ -214,6 +232,11 @@ class Exporter:
             self._lineage_due = False
             self.checkpoint.new_lineage()
             self.snapshot()
+            if self._save_schedule is not None and self.schedule is not None and self.schedule.changes:
+                try:  # the new lineage's rows were kept under the same schedule
+                    self._save_schedule(self.schedule)
+                except OSError as exc:
+                    log.error("sampling: the schedule could not be kept for the new lineage: %s", exc)
         if self._snapshot_due:
             self._snapshot_due = False
             self.snapshot()
@@ -303,7 +326,43 @@ class Exporter:
         if s.polls == 1:
             log.info("first poll: %s connections in %.2fs", f"{n:,}", elapsed)
             self.lifecycle.first_poll_done.set()
+        if self.shedder is not None:
+            self._shed()
         return n
+
+    def _shed(self) -> None:
+        """Adaptive shedding after a poll: a new level for new connections when the shedder calls for one.
+
+        The change is kept in the state directory before it takes effect (a restart stamps the connections it
+        continues from it); one that cannot be written is not made. It takes effect after every first-seen time
+        the store has given, so each connection's level is the one of its first-seen time.
+        """
+        assert self.shedder is not None and self.schedule is not None and self.sampler is not None
+        schedule = self.schedule
+        with self.lock:
+            rows = self.store.table.rows_by_level()
+            built = self.store.stats.records_built
+        change = self.shedder.observe(self.clock(), schedule.level, rows, built)
+        if change is None:
+            return
+        with self.lock:
+            t = max(self.wall_ns(), self.store.table._last_stamp + 1)
+            was = schedule.probability_at(t)
+            if self._save_schedule is not None:
+                try:
+                    self._save_schedule(Schedule(schedule.base, [*schedule.changes, (t, change.level)]))
+                except OSError as exc:
+                    self.stats.sampling_save_errors += 1
+                    log.error("sampling: not changed to level %d: state.dir cannot keep it (%s)", change.level, exc)
+                    return
+            schedule.change(t, change.level)
+            self.sampler.rescheduled()
+        self.stats.sampling_changes += 1
+        log.warning(
+            "sampling: new connections now kept with probability %g (was %g): projected load %.2f of "
+            "sampling.budget (%.0f connections, %.0f records/s at the current probability); change at %d ns",
+            schedule.probability_at(t), was, change.load, change.rows, change.records_per_second, t,
+        )  # fmt: skip
 
     def _last_poll(self) -> None:
         """One more dump before the final records, when there was a poll before (one attempt, never fatal)."""
@@ -570,7 +629,12 @@ class Exporter:
             delivery_failures=dict(sc.failures_by_error),
             extra=extra or {},
             source=self.options.source,
-            sampling_probability=self.options.sampling_probability,
+            sampling_probability=(
+                self.schedule.base / (1 << self.schedule.level)
+                if self.schedule is not None
+                else self.options.sampling_probability
+            ),
+            sampling_changes=self.stats.sampling_changes,
             connections_sampled_out=self.sampler.dropped if self.sampler is not None else 0,
         )
 

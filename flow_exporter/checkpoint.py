@@ -121,6 +121,8 @@ class Loaded:
     # no row names must still be flagged ADOPTED (a process that died before their first records left no
     # trace of them, and an earlier lineage may have reported their counts).
     adopting: bool = False
+    # Adaptive shedding's schedule kept beside it (flow_exporter/sampling_state.py): the levels its rows were kept at.
+    sampling_changes: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -86,6 +86,7 @@ class Losses:
     # selectorIDTotalFlowsObserved and selectorIDTotalFlowsSelected).
     connections_observed: int = 0
     connections_selected: int = 0
+    sampling_changes: int = 0  # adaptive shedding's changes of the probability (each logged)
 
     def minus(self, other: Losses) -> Losses:
         return Losses(
@@ -95,6 +96,7 @@ class Losses:
             self.map_full_reads - other.map_full_reads,
             self.connections_observed - other.connections_observed,
             self.connections_selected - other.connections_selected,
+            self.sampling_changes - other.sampling_changes,
         )
 
 
@@ -206,6 +208,7 @@ class Completeness:
                 "samplingProbability": sampling_probability,
                 "connectionsObserved": lost.connections_observed,
                 "connectionsSelected": lost.connections_selected,
+                "samplingChanges": lost.sampling_changes,
             }
             for number, acked, last_offset in parts
         )
@@ -251,11 +254,11 @@ class MarkerRounds:
         wall_ms: Callable[[], int],
         losses: Callable[[], Losses],
         source: str = "netfilter",
-        sampling_probability: float = 1.0,
+        sampling_probability: Callable[[], float] = lambda: 1.0,
     ) -> None:
         self._done, self.node, self._produce = completeness, node, produce
         self.source = source  # conntrack.source as chosen: what the markers say the node could not see
-        self.sampling_probability = sampling_probability  # the share of connections kept: what a consumer scales by
+        self.sampling_probability = sampling_probability  # for new connections now (it falls while shedding)
         self._wall_ms, self._losses = wall_ms, losses
         # Re-entrant: a delivery report may be served from inside produce (a test double does).
         self._lock = threading.RLock()
@@ -276,7 +279,7 @@ class MarkerRounds:
         with self._lock:
             if self._round is None:
                 self._round = self._done.build_round(
-                    self.node, self._wall_ms(), self._losses(), self.source, self.sampling_probability
+                    self.node, self._wall_ms(), self._losses(), self.source, self.sampling_probability()
                 )
                 self._unsent = set(range(len(self._round.values)))
                 self._acked = set()

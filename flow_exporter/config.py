@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from flow_exporter import compiled
-from flow_exporter.settings import BY_KEY, ENV_PREFIX, SASL_MECHANISMS, SETTINGS, ConfigError, shown
+from flow_exporter.settings import BY_KEY, ENV_PREFIX, MIN_PROBABILITY, SASL_MECHANISMS, SETTINGS, ConfigError, shown
 
 __all__ = ["Config", "ConfigError", "add_flags", "from_env", "from_flags", "load", "parse_overrides", "read_file"]
 
@@ -269,6 +269,11 @@ def load(
     if values["conntrack.source"] == "cilium" and values["conntrack.zones"]:
         raise ConfigError("conntrack.zones", values["conntrack.zones"], "Cilium's CT maps have no zones "
                           "(conntrack.source is cilium): leave it empty")  # fmt: skip
+    deepest = values["sampling.probability"] / 2 ** values["sampling.maxHalvings"]
+    shedding = values["sampling.budget.connections"] or values["sampling.budget.recordsPerSecond"]
+    if shedding and deepest < MIN_PROBABILITY:
+        raise ConfigError("sampling.maxHalvings", values["sampling.maxHalvings"],
+                          f"sampling.probability halved that often is below 2**-32 ({deepest:g})")  # fmt: skip
     secrets = _kafka_security(values)
     for check in checks:
         check(values)

@@ -71,6 +71,7 @@ def health_record(r: Readings, node: str, now_ms: int, interval: float, flows: b
         "samplingProbability": r.sampling_probability,
         "connectionsObserved": r.connections_added + r.connections_sampled_out,
         "connectionsSelected": r.connections_added,
+        "samplingChanges": r.sampling_changes,
     }
     for stat, field in KERNEL_FIELDS.items():
         rec[field] = r.conntrack_kernel.get(stat)

@@ -6,6 +6,7 @@ from flow_exporter.ctnetlink cimport _Row, _Walk
 from flow_exporter.sampling cimport Sampler
 
 cdef unsigned char _PRESENT, _DESTROYED, _ORPHAN, _UNCOUNTED
+cdef int _KEEP, _DROP, _ASK
 cdef unsigned long long _I64_MAX, _U32
 
 cdef bint _int_is(object o, unsigned long long v) noexcept
@@ -16,5 +17,5 @@ cdef tuple _key(_Walk w, _Row r)
 cdef Py_ssize_t _find(dict conns, tuple key) except -2
 cdef bint _fast_update(ColumnViews c, Py_ssize_t s, _Row r, unsigned long long gen, bint labelled_slot) noexcept
 cdef unsigned long long _word(_Walk w, Py_ssize_t at, Py_ssize_t n) noexcept
-cdef bint _sampled(_Walk w, _Row r, Sampler sampler) except -1
+cdef int _sampled(_Walk w, _Row r, Sampler sampler) except -1
 cdef Py_ssize_t _admit(Admission adm, tuple key, _Walk w, _Row r) except -3

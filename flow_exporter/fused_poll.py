@@ -24,6 +24,7 @@ from collections.abc import Container, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 from flow_exporter.column_views import ColumnViews
+from flow_exporter.sampling import ASK, DROP, KEEP
 from flow_exporter.slot_state import DESTROYED, ORPHAN, PRESENT, UNCOUNTED
 
 if TYPE_CHECKING:  # Cython's top-level `cython` module has no type information; the shim states the same names
@@ -82,6 +83,9 @@ _PRESENT: cython.uchar = PRESENT
 _DESTROYED: cython.uchar = DESTROYED
 _ORPHAN: cython.uchar = ORPHAN
 _UNCOUNTED: cython.uchar = UNCOUNTED
+_KEEP: cython.int = KEEP  # the sampler's answers (sampling.py)
+_DROP: cython.int = DROP
+_ASK: cython.int = ASK
 _I64_MAX: cython.ulonglong = 0x7FFFFFFFFFFFFFFF
 _U32: cython.ulonglong = 0xFFFFFFFF
 
@@ -228,8 +232,8 @@ def _word(w: _Walk, at: cython.Py_ssize_t, n: cython.Py_ssize_t) -> cython.ulong
     return x
 
 
-def _sampled(w: _Walk, r: _Row, sampler: Sampler) -> cython.bint:
-    """Whether the sampler keeps the walked row (``Sampler.keeps`` of its Connection, read from the buffer): the
+def _sampled(w: _Walk, r: _Row, sampler: Sampler) -> cython.int:
+    """The sampler's answer for the walked row (``Sampler.keeps`` of its Connection, read from the buffer): the
     original source and the destination after DNAT (the reply's source), ICMP's identifier on both ends."""
     src: cython.Py_ssize_t = w.v[_SRC]
     dst: cython.Py_ssize_t = w.v[_R + _SRC]
@@ -285,6 +289,9 @@ def apply_dump(
     ordinal: cython.Py_ssize_t = table._dump_rows
     admit: cython.bint = table.on_new is None
     sampler: Sampler | None = table.sampler
+    verdict: cython.int = _KEEP
+    if sampler is not None:
+        sampler.now_ns = wall_ns
     adm: Admission | None = None
     pending: list[Any] = []
     run_zone: cython.ulonglong = 0
@@ -302,14 +309,21 @@ def apply_dump(
                 run = 0
             run_zone = r.zone
             run += 1  # (a row the sampler drops is in the table: counted, as the Connections' path counts it)
-            if sampler is not None and not _sampled(w, r, sampler):
-                continue
+            if sampler is not None:
+                verdict = _sampled(w, r, sampler)
+                if verdict == _DROP:
+                    continue
             key = None
             if pos < c.orders and _slot_holds(c, c.order[pos], w, r):
                 s = c.order[pos]
             else:
                 key = _key(w, r)
                 s = _find(conns, key)
+            if verdict == _ASK:  # shedding's band: kept if the store holds this incarnation, else decided now
+                verdict = _KEEP
+                held: cython.bint = 0 <= s < c.rows and (c.ct[s] == r.ct_id or not c.ct[s] or not r.ct_id)
+                if not held and not sampler.first_meeting(r.start):  # type: ignore[union-attr]
+                    continue
             if s >= 0 and pending:  # earlier rows first: they may change what this one finds
                 c = None  # type: ignore[assignment]  # its views let go: update_batch may grow the columns
                 c = _hand_over(table, pending, adm, now, wall_ns)

@@ -81,8 +81,14 @@ _FAMILIES: tuple[tuple[str, str, str, str], ...] = (
     (
         "sampling_probability",
         "sampling_probability",
-        "sampling.probability: the share of connections kept (1: all).",
+        "The probability new connections are kept with: sampling.probability, or lower while shedding (1: all).",
         "gauge",
+    ),
+    (
+        "sampling_changes",
+        "sampling_changes",
+        "Adaptive shedding's changes of the probability for new connections (each logged).",
+        "counter",
     ),
     ("connections_deleted", "connections_deleted", "Connections removed after their final record.", "counter"),
     ("tuples_reused", "tuples_reused", "Tuples taken over by a new conntrack entry (the old one ended).", "counter"),

@@ -86,3 +86,4 @@ class Readings:
     source: str = "netfilter"  # conntrack.source as chosen
     sampling_probability: float = 1.0  # sampling.probability: the share of connections kept
     connections_sampled_out: int = 0  # connections the sampler dropped, each counted when first met
+    sampling_changes: int = 0  # adaptive shedding's changes of the probability for new connections

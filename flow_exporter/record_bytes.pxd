@@ -35,6 +35,7 @@ cdef class RecordEncoder:
     cdef _Out _out
     cdef bytes _node
     cdef bytes _attributes
+    cdef object _probability_at
     cpdef bytes static(self, Export export)
     cdef bytes _static(self, Export e)
     cdef void _put_prefix(self, _Out o, Export e) except *

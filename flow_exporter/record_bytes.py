@@ -329,6 +329,7 @@ class RecordEncoder:
         cluster: str = "",
         attributes: dict[str, str] | None = None,
         sampling_probability: float = 1.0,
+        schedule: Any = None,
     ) -> None:
         self.node = node
         self.seed = community_id_seed
@@ -343,10 +344,12 @@ class RecordEncoder:
             o.u8(0)
         self._node = o.take()
         # attributes (record.attributes) and samplingProbability (sampling.probability): the record's last fields,
-        # the same bytes in every record of this exporter
+        # the same bytes in every record of this exporter; or, while shedding may change the probability
+        # (``schedule``: a sampling.Schedule), the probability of each record's first-seen time
         o.reset()
         _put_map(o, attributes or {})
-        self._attributes = o.take() + struct.pack("<d", sampling_probability)
+        self._probability_at = None if schedule is None else schedule.probability_at
+        self._attributes = o.take() + (struct.pack("<d", sampling_probability) if schedule is None else b"")
 
     def static(self, export: Export) -> bytes:
         """The connection-lifetime prefix (connectionId .. reporter), left on ``export``.
@@ -487,6 +490,8 @@ class RecordEncoder:
         _put_counters(o, e.totals)
         _put_counters(o, e.deltas)
         o.raw(self._attributes)
+        if self._probability_at is not None:
+            o.raw(struct.pack("<d", self._probability_at(first)))
 
     def encode(self, export: Export, export_ms: object) -> bytes:
         """The record's Avro value."""

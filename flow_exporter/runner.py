@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -16,7 +17,7 @@ from typing import Any
 
 from confluent_kafka import KafkaException
 
-from flow_exporter import compiled, gc_policy
+from flow_exporter import compiled, gc_policy, sampling_state
 from flow_exporter.app import Exporter, ExporterOptions
 from flow_exporter.checkpoint import Checkpoint, CheckpointError, Loaded
 from flow_exporter.completeness import Completeness
@@ -30,6 +31,8 @@ from flow_exporter.metrics import Metrics
 from flow_exporter.ports import Sink, Source
 from flow_exporter.probes import liveness, readiness, routes
 from flow_exporter.readings import Readings
+from flow_exporter.sampling import Schedule
+from flow_exporter.shedding import Budget
 from flow_exporter.sink import KafkaSink, Route
 from flow_exporter.sink.discard import DiscardSink
 from flow_exporter.sink.encoder import RecordEncoder
@@ -47,7 +50,7 @@ log = logging.getLogger(__name__)
 PREFIX_CACHE_BELOW = 30.0
 
 
-def build_sink(cfg: Config, lifecycle: Lifecycle | None = None) -> KafkaSink:
+def build_sink(cfg: Config, lifecycle: Lifecycle | None = None, schedule: Schedule | None = None) -> KafkaSink:
     lifecycle = lifecycle or Lifecycle()
     routes = [
         Route(r["topic"], flow_type=r.get("flowType"), end_reason=r.get("endReason")) for r in cfg["kafka.routes"]
@@ -65,6 +68,7 @@ def build_sink(cfg: Config, lifecycle: Lifecycle | None = None) -> KafkaSink:
                 cfg["clusterName"],
                 cfg["record.attributes"],
                 cfg["sampling.probability"],
+                schedule,
             ),
             [cfg["kafka.topic"], *(r.topic for r in routes)],
         ),
@@ -103,7 +107,15 @@ def options_from(cfg: Config, *, adopt: bool, source: str = "netfilter") -> Expo
         source=source,
         sampling_probability=cfg["sampling.probability"],
         sampling_seed=cfg["sampling.seed"],
+        sampling_budget=budget_from(cfg),
+        sampling_interval=cfg["sampling.adjustInterval"],
+        sampling_max_level=cfg["sampling.maxHalvings"],
     )
+
+
+def budget_from(cfg: Config) -> Budget:
+    """sampling.budget.*: adaptive shedding when either is set."""
+    return Budget(cfg["sampling.budget.connections"], cfg["sampling.budget.recordsPerSecond"])
 
 
 def chosen_source(cfg: Config) -> str:
@@ -264,6 +276,11 @@ def table_name(cfg: Config, source: str) -> str:
     return name
 
 
+def save_schedule(checkpoint: Checkpoint, schedule: Schedule) -> None:
+    """Adaptive shedding's schedule into the state directory, for the checkpoint's lineage (sampling_state)."""
+    sampling_state.save(checkpoint.dir, checkpoint.lineage, schedule)
+
+
 def open_state(
     cfg: Config, stop: threading.Event, source: str = "netfilter"
 ) -> tuple[Checkpoint | None, Loaded | None]:
@@ -279,6 +296,13 @@ def open_state(
     if not cp.lock(stop):
         return None, None
     loaded = cp.load()
+    if loaded.valid and budget_from(cfg).enabled:
+        try:
+            loaded.sampling_changes = sampling_state.load(cp.dir, loaded.lineage, cfg["sampling.probability"])
+        except sampling_state.ScheduleError as exc:
+            why = f"the sampling schedule beside it cannot be read ({exc}): its connections' probabilities are unknown"
+            loaded = Loaded(os.urandom(8), why=why)
+            cp.lineage = loaded.lineage
     if loaded.valid:
         log.info("state.dir %s: continuing: %s", directory, loaded.why)
     else:
@@ -374,7 +398,10 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         if stop.is_set():
             return 0
         flows = cfg["export.flows"]
-        sink: Sink = build_sink(cfg, lifecycle) if flows else DiscardSink()
+        schedule = None  # adaptive shedding's levels: the state directory's, when continued
+        if budget_from(cfg).enabled:
+            schedule = Schedule(cfg["sampling.probability"], loaded.sampling_changes if loaded else [])
+        sink: Sink = build_sink(cfg, lifecycle, schedule) if flows else DiscardSink()
         metrics = Metrics(cfg.values) if cfg["metrics.port"] else None
         markers_topic = cfg["markers.topic"] if flows else None
         completeness = Completeness(cfg["kafka.topic"], time.time_ns() // 1_000_000) if markers_topic else None
@@ -404,6 +431,8 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
             lifecycle=lifecycle,
             timings=metrics,
             completeness=completeness,
+            schedule=schedule,
+            save_schedule=None if checkpoint is None else partial(save_schedule, checkpoint),
         )
         if loaded is not None and loaded.valid:
             exporter.restore(loaded.rows, loaded.resends, adopting=loaded.adopting)

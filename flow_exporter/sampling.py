@@ -31,7 +31,11 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from bisect import bisect_right
+from collections import Counter
+from collections.abc import Iterable
 from fractions import Fraction
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from flow_exporter.connection import PROTO_ICMP, PROTO_ICMPV6, Connection
@@ -44,7 +48,7 @@ else:
     except ModuleNotFoundError:  # interpreted without Cython installed
         from flow_exporter import cython_shim as cython
 
-__all__ = ["DroppedSet", "Sampler", "sampling_key", "threshold_of", "tuple_words"]
+__all__ = ["ASK", "DROP", "KEEP", "DroppedSet", "Sampler", "Schedule", "sampling_key", "threshold_of", "tuple_words"]
 
 _M: cython.ulonglong = 0xFFFFFFFFFFFFFFFF
 _C0: cython.ulonglong = 0x736F6D6570736575  # SipHash's initial state: "somepseudorandomlygeneratedbytes"
@@ -101,6 +105,15 @@ def _rotl(x: cython.ulonglong, b: cython.int) -> cython.ulonglong:
 
 
 _MIN_CAPACITY: cython.Py_ssize_t = 1024
+_KEPT: cython.uint = 0x80000000  # a mark's top bit: the key is a connection the sampler kept
+_INTERVAL: cython.uint = 0x7FFFFFFF  # the rest: the interval it was last met in
+# The sampler's answers for a row (:meth:`Sampler.decide`): dropped, kept, or ask the store (adaptive shedding).
+DROP = 0
+KEEP = 1
+ASK = 2
+_DROP: cython.int = DROP
+_KEEP: cython.int = KEEP
+_ASK: cython.int = ASK
 
 
 @cython.final
@@ -120,6 +133,27 @@ class DroppedSet:
         self._alloc(_MIN_CAPACITY)
         self.old_keys = self.keys
         self.old_marks = self.marks
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def touch(self, key: cython.ulonglong) -> cython.int:
+        """Whether ``key`` is held, marked met now: 0 no, 1 dropped, 2 kept (:meth:`meet` with ``kept``)."""
+        if key == 0:
+            key = 1
+        i: cython.Py_ssize_t = cython.cast(cython.Py_ssize_t, key & self.mask)
+        k: cython.ulonglong
+        m: cython.uint
+        while True:
+            k = self.keys[i]
+            if k == 0:
+                return 0
+            if k == key:
+                m = self.marks[i]
+                if m & _INTERVAL != self.interval:
+                    self.marks[i] = (m & _KEPT) | self.interval
+                    self.met += 1
+                return 2 if m & _KEPT else 1
+            i = (i + 1) & self.mask
 
     def _alloc(self, capacity: cython.Py_ssize_t) -> None:
         self.key_array = array("Q", bytes(8 * capacity))
@@ -147,22 +181,25 @@ class DroppedSet:
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
-    def meet(self, key: cython.ulonglong) -> cython.bint:
-        """``key`` met now: whether it is new (not met in this interval or the one before)."""
+    def meet(self, key: cython.ulonglong, kept: cython.bint = False) -> cython.bint:
+        """``key`` met now: whether it is new (not met in this interval or the one before). A new key is held as a
+        dropped connection's, or (``kept``) as one the sampler kept before the store holds it."""
         if key == 0:
             key = 1
         i: cython.Py_ssize_t = cython.cast(cython.Py_ssize_t, key & self.mask)
         k: cython.ulonglong
+        m: cython.uint
         while True:
             k = self.keys[i]
             if k == key:
-                if self.marks[i] != self.interval:
-                    self.marks[i] = self.interval
+                m = self.marks[i]
+                if m & _INTERVAL != self.interval:
+                    self.marks[i] = (m & _KEPT) | self.interval
                     self.met += 1
                 return False
             if k == 0:
                 self.keys[i] = key
-                self.marks[i] = self.interval
+                self.marks[i] = (_KEPT if kept else 0) | self.interval
                 self.count += 1
                 self.met += 1
                 if self.count * 2 > self.mask + 1:
@@ -181,7 +218,7 @@ class DroppedSet:
         self.count = 0
         i: cython.Py_ssize_t
         for i in range(n):
-            if self.old_keys[i] != 0 and (not met_only or self.old_marks[i] == self.interval):
+            if self.old_keys[i] != 0 and (not met_only or self.old_marks[i] & _INTERVAL == self.interval):
                 self._put(self.old_keys[i], self.old_marks[i])
         self.old_keys = self.keys  # the old table goes
         self.old_marks = self.marks
@@ -193,8 +230,70 @@ class DroppedSet:
             while capacity > _MIN_CAPACITY and self.met * 4 < capacity:
                 capacity //= 2
             self._rehash(capacity, True)
-        self.interval += 1
+        self.interval = (self.interval + 1) & _INTERVAL or 1
         self.met = 0
+
+
+class Schedule:
+    """The probability new connections are decided at, over time (adaptive shedding; README: Sampling).
+
+    ``base`` (sampling.probability) halved ``level`` times from each change on: a connection is decided at
+    the level in force at its first-seen time (the kernel's start when known, else when the exporter first
+    met it), which is also what its records say (``samplingProbability``, from the record's ``flowStart``). The
+    changes are kept for as long as the process runs (one a ``sampling.adjustInterval`` at most, a few bytes
+    each) and in the state directory. Readers in other threads see one tuple, replaced whole.
+    """
+
+    def __init__(self, base: float, changes: list[tuple[int, int]] | None = None) -> None:
+        threshold_of(base)  # (a probability in (0, 1])
+        self.base = base
+        self._changes: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+        for t, level in changes or ():
+            self.change(t, level)
+
+    @property
+    def changes(self) -> list[tuple[int, int]]:
+        times, levels = self._changes
+        return list(zip(times, levels, strict=True))
+
+    @property
+    def level(self) -> int:
+        """The level new connections are decided at now."""
+        levels = self._changes[1]
+        return levels[-1] if levels else 0
+
+    @property
+    def deepest(self) -> int:
+        """The lowest probability any connection may have been decided at (the largest level)."""
+        return max(self._changes[1], default=0)
+
+    def level_at(self, t_ns: int) -> int:
+        """The level in force at ``t_ns`` (0 before the first change)."""
+        times, levels = self._changes
+        i = bisect_right(times, t_ns)
+        return levels[i - 1] if i else 0
+
+    def probability_at(self, t_ns: int) -> float:
+        """The probability a connection first seen at ``t_ns`` was decided at: its records' samplingProbability."""
+        return self.base / (1 << self.level_at(t_ns))
+
+    def count_levels(self, firsts: Iterable[int]) -> dict[int, int]:
+        """How many of the first-seen times ``firsts`` fall in each level (rows by level: the shedder's load)."""
+        times, levels = self._changes
+        out: dict[int, int] = {}
+        for i, n in Counter(map(partial(bisect_right, times), firsts)).items():
+            level = levels[i - 1] if i else 0
+            out[level] = out.get(level, 0) + n
+        return out
+
+    def change(self, t_ns: int, level: int) -> None:
+        """From ``t_ns`` on (after every earlier change), new connections are decided at ``level``."""
+        times, levels = self._changes
+        if level < 0 or self.base / (1 << level) < 2.0**-32:
+            raise ValueError(f"sampling level {level} out of range")
+        if times and t_ns <= times[-1]:
+            raise ValueError(f"a change at {t_ns} is not after the last one ({times[-1]})")
+        self._changes = ((*times, t_ns), (*levels, level))
 
 
 @cython.final
@@ -206,16 +305,33 @@ class Sampler:
     new connectionIds are the ones it kept.
     """
 
-    def __init__(self, probability: float, seed: str) -> None:
+    def __init__(self, probability: float, seed: str, schedule: Schedule | None = None) -> None:
         self.probability = probability
         self.threshold = threshold_of(probability)
-        if self.threshold >> 64:
+        if self.threshold >> 64 and schedule is None:
             raise ValueError("a probability of 1 needs no sampler")
-        self._threshold = self.threshold
+        self._threshold = min(self.threshold, _M)  # (p = 1 with shedding: every hash but the largest is below)
         self.k0, self.k1 = sampling_key(seed)
         self.v0 = self.v1 = self.v2 = self.v3 = 0  # SipHash's state, while a hash runs
         self.dropped = 0
         self.remembered = DroppedSet()  # the dropped connections' keys, each counted once
+        self.h = self.key = 0  # the last row's hash, and the key it is remembered by
+        self.now_ns = 0  # the time a connection first met now is decided at, when the kernel gives no start
+        self.schedule = schedule
+        self._deep = self._threshold
+        self.every = False
+        self.rescheduled()
+
+    def rescheduled(self) -> None:
+        """The schedule changed: rows below the deepest level's bound are kept whenever they started."""
+        deepest: cython.int = self.schedule.deepest if self.schedule is not None else 0
+        self._deep = self._threshold >> deepest
+        # p = 1 and never shed: every row is kept, without a hash
+        self.every = self.threshold >> 64 != 0 and deepest == 0
+
+    def threshold_at(self, level: cython.int) -> cython.ulonglong:
+        """The hash bound of ``level``: the base probability's halved ``level`` times."""
+        return self._threshold >> level
 
     # -- SipHash-2-4 of the five words, on the state held in this object
     def _round(self) -> None:
@@ -274,10 +390,13 @@ class Sampler:
         b_lo: cython.ulonglong,
         dport: cython.ulonglong,
         ct_id: cython.ulonglong,
-    ) -> cython.bint:
+    ) -> cython.int:
         """Whether the connection from (a_hi, a_lo):sport to (b_hi, b_lo):dport (post-DNAT) is kept: the rule,
-        written once. A dropped one is counted in ``dropped`` the first time it is met (``ct_id`` tells a
-        reused tuple's new entry from the old one)."""
+        written once. :data:`KEEP`, :data:`DROP`, or (only while shedding has lowered the probability)
+        :data:`ASK`: kept if the store holds it, else :meth:`first_meeting` decides. A dropped one is counted in
+        ``dropped`` the first time it is met (``ct_id`` tells a reused tuple's new entry from the old one)."""
+        if self.every:
+            return _KEEP
         t: cython.ulonglong
         if b_hi < a_hi or (b_hi == a_hi and (b_lo < a_lo or (b_lo == a_lo and dport < sport))):
             t = a_hi
@@ -292,14 +411,42 @@ class Sampler:
         h: cython.ulonglong = self.hash_words(
             a_hi, a_lo, b_hi, b_lo, ((sport & 0xFFFF) << 48) | ((dport & 0xFFFF) << 32) | ((proto & 0xFF) << 8) | family
         )
-        if h < self._threshold:
-            return True
-        if self.remembered.meet(h ^ ((ct_id * _SPREAD) & _M)):
-            self.dropped += 1
-        return False
+        self.h = h
+        self.key = h ^ ((ct_id * _SPREAD) & _M)
+        if h < self._deep:
+            return _KEEP
+        if h >= self._threshold:  # dropped at every level
+            if self.remembered.meet(self.key):
+                self.dropped += 1
+            return _DROP
+        return _ASK
 
-    def keeps(self, conn: Connection) -> cython.bint:
-        """:meth:`decide` for a Connection (the store's rows that are not the fused poll's)."""
+    def first_meeting(self, start_ns: cython.longlong) -> cython.bint:
+        """After :data:`ASK` for a row the store does not hold: decided before (remembered), or now, at the level
+        of its first-seen time (the kernel's ``start_ns``, else ``now_ns``), and remembered either way until the
+        store holds it (a NEW event's and the DESTROY's or dump row's answers must agree)."""
+        seen: cython.int = self.remembered.touch(self.key)
+        if seen:
+            return seen == 2
+        assert self.schedule is not None
+        level: cython.int = self.schedule.level_at(start_ns if start_ns else self.now_ns)
+        kept: cython.bint = self.h < (self._threshold >> level)
+        self.remembered.meet(self.key, kept)
+        if not kept:
+            self.dropped += 1
+        return kept
+
+    def keeps(self, conn: Connection, held: object = None) -> cython.bint:
+        """:meth:`decide` for a Connection (the store's rows that are not the fused poll's). ``held``: the
+        store's table (:meth:`select`'s), which an :data:`ASK` is answered from."""
+        v: cython.int = self._decide_connection(conn)
+        if v != _ASK:
+            return v == _KEEP
+        if held is not None and held.holds(conn.key, conn.ct_id):  # type: ignore[attr-defined]
+            return True
+        return self.first_meeting(conn.start_ns)
+
+    def _decide_connection(self, conn: Connection) -> cython.int:
         src: bytes = conn.orig_src
         dst: bytes = conn.reply_src  # the destination after DNAT
         proto: cython.uint = conn.proto
@@ -310,16 +457,16 @@ class Sampler:
         if n == 4 and len(dst) == 4:
             return self.decide(4, proto, 0, _be(src, 0, 4), sport, 0, _be(dst, 0, 4), dport, conn.ct_id)
         if n != 16 or len(dst) != 16:
-            return True  # not an address the hash covers: the store's own checks say what is wrong
+            return _KEEP  # not an address the hash covers: the store's own checks say what is wrong
         return self.decide(
             6, proto, _be(src, 0, 8), _be(src, 8, 8), sport, _be(dst, 0, 8), _be(dst, 8, 8), dport, conn.ct_id
         )
 
-    def select(self, rows: list[Any]) -> list[Any]:
-        """The rows of ``rows`` (Connections) that are kept, in order."""
+    def select(self, rows: list[Any], held: object = None) -> list[Any]:
+        """The rows of ``rows`` (Connections) that are kept, in order (``held``: as :meth:`keeps`)."""
         out: list[Any] = []
         for conn in rows:
-            if type(conn) is not Connection or self.keeps(conn):
+            if type(conn) is not Connection or self.keeps(conn, held):
                 out.append(conn)  # (not a Connection: the store's checks refuse it, as unsampled)
         return out
 

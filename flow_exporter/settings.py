@@ -479,6 +479,31 @@ SETTINGS: tuple[Setting, ...] = (
         "The key of the sampling hash (any string; kept secret, as it tells which tuples are sampled). Every "
         "exporter of a cluster needs the same seed for both nodes of a connection to choose alike.",
     ),
+    Setting(
+        "sampling.budget.connections",
+        parse_count,
+        0,
+        "Adaptive shedding: the store rows (tracked connections) this node may hold; past it the probability for "
+        "new connections is halved, and doubled back when well under (0: no such budget). Kept connections stay.",
+    ),
+    Setting(
+        "sampling.budget.recordsPerSecond",
+        parse_count,
+        0,
+        "Adaptive shedding: the flow records per second this node may send (0: no such budget).",
+    ),
+    Setting(
+        "sampling.adjustInterval",
+        positive_duration,
+        30.0,
+        "Adaptive shedding: how often the load is set against the budget (one halving or doubling at most).",
+    ),
+    Setting(
+        "sampling.maxHalvings",
+        lambda k, v: parse_count(k, v, minimum=1),
+        10,
+        "Adaptive shedding: how far the probability may fall, in halvings of sampling.probability (10: 1/1024 of it).",
+    ),
     Setting("communityId.seed", parse_u16, 0, "Community ID seed (0-65535); all tools comparing IDs use one seed."),
     Setting(
         "conntrack.source",

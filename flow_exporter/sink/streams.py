@@ -97,7 +97,7 @@ class MarkerStream:
             wall_ms=lambda: time.time_ns() // 1_000_000,
             losses=self._losses,
             source=read().source,
-            sampling_probability=read().sampling_probability,
+            sampling_probability=lambda: read().sampling_probability,
         )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="markers", daemon=True)
@@ -113,6 +113,7 @@ class MarkerStream:
             r.conntrack_kernel.get("cilium_full_reads", 0),
             r.connections_added + r.connections_sampled_out,
             r.connections_added,
+            r.sampling_changes,
         )
 
     def send_round(self) -> None:

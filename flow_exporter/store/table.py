@@ -280,8 +280,32 @@ class Table(Columns):
         The sampler's (if any) are kept, and applied by :meth:`apply_rows`.
         """
         if self.sampler is not None:
-            dumped = self.sampler.select(dumped if isinstance(dumped, list) else list(dumped))
+            self.sampler.now_ns = wall_ns
+            dumped = self.sampler.select(dumped if isinstance(dumped, list) else list(dumped), self)
         self.apply_rows(dumped, now, wall_ns)
+
+    def rows_by_level(self) -> dict[int, int]:
+        """The keyed table's connections by the sampling level they were kept at (adaptive shedding's load)."""
+        schedule = self.sampler.schedule if self.sampler is not None else None
+        if schedule is None or not schedule.changes:
+            return {0: len(self.connections)}
+        return schedule.count_levels(map(self._first.__getitem__, self.connections.values()))
+
+    def holds(self, key: ConnectionKey, ct_id: int) -> bool:
+        """Whether the keyed table holds this incarnation of ``key`` (the sampler's question while shedding)."""
+        s = self.connections.get(key)
+        if s is None:
+            return False
+        held = self._ct[s]
+        return held == ct_id or not held or not ct_id
+
+    def _learn_start(self, s: int, start_ns: int) -> None:
+        """As the columns learn it, unless shedding changed the probability between the kernel's start and the
+        first-seen time the connection was decided at: its records keep saying the probability it was kept with."""
+        schedule = self.sampler.schedule if self.sampler is not None else None
+        if schedule is not None and schedule.level_at(start_ns) != schedule.level_at(self._first[s]):
+            return
+        super()._learn_start(s, start_ns)
 
     def apply_rows(self, dumped: Iterable[Connection], now: float, wall_ns: int) -> None:
         """:meth:`update_batch` of rows the sampler has kept (the fused poll's hand-over).
@@ -474,8 +498,9 @@ class Table(Columns):
         always a new incarnation. The sampler's (if any) are kept.
         """
         if self.sampler is not None:
-            new = self.sampler.select(list(new))
-            destroyed = self.sampler.select(list(destroyed))
+            self.sampler.now_ns = wall_ns
+            new = self.sampler.select(list(new), self)
+            destroyed = self.sampler.select(list(destroyed), self)
         conns = self.connections
         for conn in new:
             # A NEW after the DESTROY of its tuple (events come in kernel order) is a new

@@ -171,12 +171,18 @@ class Lockstep:
     dump's bytes). ``sampling``: both sample with this probability and seed, each with its own build's sampler."""
 
     def __init__(
-        self, cap: int, zones: frozenset[int] | None, start: float = 1000.0, sampling: tuple[float, str] | None = None
+        self,
+        cap: int,
+        zones: frozenset[int] | None,
+        start: float = 1000.0,
+        sampling: tuple[float, str] | None = None,
+        shedding: bool = False,
     ) -> None:
         self.now = start
         self.zones = zones
+        builds = (compiled.reference("sampling"), compiled.load("sampling"))
         self.samplers = (
-            (compiled.reference("sampling").Sampler(*sampling), compiled.load("sampling").Sampler(*sampling))
+            tuple(b.Sampler(*sampling, b.Schedule(sampling[0]) if shedding else None) for b in builds)
             if sampling
             else (None, None)
         )
@@ -194,6 +200,17 @@ class Lockstep:
 
     def wall(self) -> int:
         return int(self.now * NS)
+
+    def shed(self, level: int) -> None:
+        """Both samplers' schedules: new connections decided at ``level`` from now on."""
+        t = max(self.wall(), self.pure.table._last_stamp + 1, self.fused.table._last_stamp + 1)
+        for sampler in self.samplers:
+            assert sampler is not None and sampler.schedule is not None
+            if sampler.schedule.changes and sampler.schedule.changes[-1][0] >= t:
+                t = sampler.schedule.changes[-1][0] + 1
+        for sampler in self.samplers:
+            sampler.schedule.change(t, level)
+            sampler.rescheduled()
 
     def events(self, new: list[Connection], gone: list[Connection]) -> None:
         for store in (self.pure, self.fused):
@@ -492,11 +509,13 @@ def same_samples(w: Lockstep) -> None:
         assert (fused.dropped, fused.remembered.entries()) == (pure.dropped, pure.remembered.entries())
 
 
-def walk_in_lockstep(w: Lockstep, ops: list[tuple[str, int, int]]) -> None:
+def walk_in_lockstep(w: Lockstep, ops: list[tuple[str, int, int]], finish: bool = True) -> None:
     for op, i, arg in ops:
         w.apply(op, i, arg)
         assert state(w.fused) == state(w.pure), op
         same_samples(w)
+    if not finish:
+        return
     w.poll(3, 0)
     w.now += 20
     w.expire(0)
