@@ -295,3 +295,30 @@ def test_a_budget_with_too_many_halvings_is_refused() -> None:
     cfg = load(None, environ={}, overrides={**over, "sampling.maxHalvings": 12})
     assert cfg["sampling.maxHalvings"] == 12
     assert load(None, environ={}, overrides={**over, "sampling.budget.connections": 0})  # no budget: no shedding
+
+
+def test_a_restart_continues_the_schedule_of_its_state_and_drops_a_state_whose_schedule_is_damaged(
+    tmp_path: Path,
+) -> None:
+    """The runner's open_state with a budget: the state directory's schedule comes back with the rows it stamps; a
+    damaged one makes the whole state untrusted (a new lineage, live connections flagged adopted), never a crash."""
+    import threading
+
+    from flow_exporter.config import load
+    from flow_exporter.runner import open_state, save_schedule
+
+    cfg = load(None, environ={}, overrides={"state.dir": str(tmp_path), "sampling.budget.connections": 100,
+                                            "sampling.probability": 0.5})  # fmt: skip
+    cp, loaded = open_state(cfg, threading.Event())
+    assert cp is not None and loaded is not None and not loaded.valid and loaded.sampling_changes == []
+    save_schedule(cp, Schedule(0.5, [(10, 1), (20, 2)]))
+    cp.close()
+    cp, loaded = open_state(cfg, threading.Event())
+    assert cp is not None and loaded is not None and loaded.valid and loaded.sampling_changes == [(10, 1), (20, 2)]
+    lineage = loaded.lineage
+    (tmp_path / sampling_state.FILE).write_text((tmp_path / sampling_state.FILE).read_text()[:-3])
+    cp.close()
+    cp, loaded = open_state(cfg, threading.Event())
+    assert cp is not None and loaded is not None and not loaded.valid and loaded.lineage != lineage
+    assert "sampling schedule" in loaded.why and cp.lineage == loaded.lineage
+    cp.close()
