@@ -87,6 +87,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"flow-exporter: {exc}", file=sys.stderr)
         return 2
     if args.command == "config":
+        if args.print:  # the settings as run would take them: its checks too
+            from flow_exporter.runner import preflight
+
+            try:
+                preflight(cfg)
+            except ConfigError as exc:
+                print(f"flow-exporter: {exc}", file=sys.stderr)
+                return 2
         try:
             if args.print:
                 shown = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.masked().items()}

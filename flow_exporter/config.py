@@ -9,6 +9,7 @@ it into exit code 2.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import socket
 import ssl
@@ -182,6 +183,13 @@ def _check_pem(values: Mapping[str, Any], key_password: str | None) -> None:
         ) from None
 
 
+def unknown(key: str, where: str = "setting") -> str:
+    """The reason for an unknown key, with the nearest known one when there is one ("did you mean")."""
+    close = difflib.get_close_matches(key, BY_KEY, n=1, cutoff=0.75)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return f"unknown {where}{hint} (see: flow-exporter config --print-defaults)"
+
+
 def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in data.items():
@@ -191,24 +199,89 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         elif isinstance(v, Mapping) and any(s.startswith(key + ".") for s in BY_KEY):
             out.update(_flatten(v, key + "."))
         else:
-            raise ConfigError(key, v, "unknown setting (see: flow-exporter config --print-defaults)")
+            raise ConfigError(key, v, unknown(key))
     return out
 
 
+MAX_FILE_BYTES = 1 << 20  # a config file is a few kB; anything near this is a mistake (or an attack)
+MAX_NODES = 100_000  # values in the file once YAML aliases are expanded (an alias "bomb" is billions)
+# Settings whose value is a list: a file must give a list (``zones: [7]``), not a scalar that would be read as one.
+LIST_KEYS = frozenset(s.key for s in SETTINGS if isinstance(s.default, tuple | list))
+
+
+class _Twice(Exception):
+    """A key given twice in one mapping of the file."""
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise _Twice(f"key {key!r} given twice (lines {seen[key]} and {line})")
+            if isinstance(key, str | int | float | bool):
+                seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def _too_many_nodes(data: object) -> bool:
+    """Whether ``data`` has more than MAX_NODES values, counting each alias's target every time it is used."""
+    todo, count = [data], 0
+    while todo:
+        count += 1
+        if count > MAX_NODES:
+            return True
+        item = todo.pop()
+        if isinstance(item, Mapping):
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+    return False
+
+
 def read_file(path: str | Path) -> dict[str, Any]:
+    """The settings of a YAML file, flattened to their keys; ConfigError (exit 2) for anything that is not one."""
     try:
-        text = Path(path).read_text()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
         raise ConfigError("--config", str(path), f"cannot read: {exc.strerror or exc}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise ConfigError("--config", str(path), f"larger than {MAX_FILE_BYTES >> 20} MiB: not a config file")
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError("--config", str(path), f"not UTF-8 text (byte {exc.start})") from None
+    try:
+        data = yaml.load(text, Loader=_Loader)  # a safe loader: _Loader is yaml.SafeLoader's
+    except _Twice as exc:
+        raise ConfigError("--config", str(path), str(exc)) from None
     except yaml.YAMLError as exc:
-        raise ConfigError("--config", str(path), f"not valid YAML: {exc}") from None
+        raise ConfigError("--config", str(path), f"not valid YAML: {_yaml_problem(exc)}") from None
     if data is None:
         return {}
     if not isinstance(data, Mapping):
         raise ConfigError("--config", str(path), "the file must hold a mapping of settings")
-    return _flatten(data)
+    if _too_many_nodes(data):
+        raise ConfigError("--config", str(path), f"more than {MAX_NODES:,} values once YAML aliases are expanded")
+    out = _flatten(data)
+    for key in LIST_KEYS & out.keys():
+        if out[key] is not None and not isinstance(out[key], list):
+            raise ConfigError(key, out[key], "expected a list (in a file: [a, b]; from a flag or the environment: a,b)")
+    return out
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's error in one line: the problem and where (its own text spans several, with the line quoted)."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        return f"{exc.problem} (line {mark.line + 1}, column {mark.column + 1})"
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:300] + "..."
 
 
 # Variables of the prefix that are not settings: the harness's cache, the build choice (flow_exporter.compiled),
@@ -223,25 +296,41 @@ def from_env(environ: Mapping[str, str]) -> dict[str, Any]:
         if not name.startswith(ENV_PREFIX) or name in NOT_SETTINGS:
             continue
         if name not in by_env:
-            raise ConfigError(name, value, "unknown environment setting")
+            close = difflib.get_close_matches(name, by_env, n=1, cutoff=0.75)
+            raise ConfigError(
+                name, value, "unknown environment setting" + (f"; did you mean {close[0]}?" if close else "")
+            )
         out[by_env[name]] = value
     return out
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """``--set key=value`` flags; values are read as YAML scalars or lists."""
-    out = {}
+    """``--set key=value`` flags; values are read as YAML scalars or lists. A map setting takes one of its entries
+    as ``--set kafka.producer.linger.ms=20``; flags of one map merge in order, over the file's and the environment's
+    map, entry by entry."""
+    out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep:
             raise ConfigError(pair, None, "expected --set key=value")
-        if key not in BY_KEY:
-            raise ConfigError(key, raw, "unknown setting (see: flow-exporter config --print-defaults)")
         try:
-            out[key] = yaml.safe_load(raw) if raw else ""
+            value = yaml.safe_load(raw) if raw else ""
         except yaml.YAMLError:
-            out[key] = raw
+            value = raw
+        entry = next((m for m in MAP_KEYS if key.startswith(m + ".") and len(key) > len(m) + 1), None)
+        if entry is not None:  # one entry of a map, over what earlier flags gave it
+            out.setdefault(entry, {})[key[len(entry) + 1 :]] = value
+            continue
+        if key not in BY_KEY:
+            raise ConfigError(key, raw, unknown(key))
+        if key in MAP_KEYS:  # a whole map (YAML, or k=v,k=v), over what earlier flags gave it
+            out.setdefault(key, {}).update(BY_KEY[key].parse(key, value))
+            continue
+        out[key] = value
     return out
+
+
+MAP_KEYS = ("kafka.producer",)  # map settings whose entries a flag may set one by one
 
 
 # A check the caller adds to loading (the entry points add the Kafka producer's, so that this module
@@ -257,10 +346,18 @@ def load(
 ) -> Config:
     """Merge file < environment < flags over the defaults, and validate every value (``checks`` last)."""
     raw: dict[str, Any] = {}
-    if path is not None:
-        raw.update(read_file(path))
-    raw.update(from_env(os.environ if environ is None else environ))
-    raw.update(overrides or {})
+    maps: dict[str, dict[str, Any]] = {}  # MAP_KEYS: each source's map merged over the earlier ones
+    sources = (
+        read_file(path) if path is not None else {},
+        from_env(os.environ if environ is None else environ),
+        dict(overrides or {}),
+    )
+    for source in sources:
+        for key in MAP_KEYS:
+            if key in source:
+                maps.setdefault(key, {}).update(BY_KEY[key].parse(key, source.pop(key)))
+        raw.update(source)
+    raw.update(maps)
     values = {s.key: s.default for s in SETTINGS}
     for key, value in raw.items():
         values[key] = BY_KEY[key].parse(key, value)

@@ -315,21 +315,41 @@ def open_state(
     return cp, loaded
 
 
+def preflight(cfg: Config) -> tuple[Any, Any]:
+    """What ``run`` checks before anything starts, beyond the settings themselves (``config --print`` runs it too):
+    the API server configuration when enrichment is on, and the networks file. (API configuration or None,
+    NetworkFile or None); ConfigError (exit 2) naming the setting."""
+    api = None
+    if cfg["k8s.enabled"]:  # no API server configuration is a config error
+        from flow_exporter.k8s import api_configuration
+
+        api = api_configuration(cfg)
+    networks = None
+    if cfg["networks.file"]:  # a bad file is a config error
+        from flow_exporter.network_file import NetworkFile
+        from flow_exporter.networks import NetworkError
+
+        try:
+            networks = NetworkFile(cfg["networks.file"], cfg["networks.maxPrefixes"], cfg["networks.reloadInterval"])
+        except NetworkError as exc:
+            reason = str(exc).removeprefix(f"networks.file {cfg['networks.file']}: ")
+            raise ConfigError("networks.file", cfg["networks.file"], reason) from None
+        except OSError as exc:
+            raise ConfigError("networks.file", cfg["networks.file"], exc.strerror or str(exc)) from None
+    return api, networks
+
+
 def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None] | None = None) -> int:
     from flow_exporter.conntrack.dumper import ConntrackDumper
     from flow_exporter.conntrack.errors import ConntrackError
     from flow_exporter.conntrack.sysctl import enable_accounting
 
     gc_policy.tune()
-    api = None
-    if cfg["k8s.enabled"]:  # before anything starts: no API server configuration is a config error
-        from flow_exporter.k8s import api_configuration
-
-        try:
-            api = api_configuration(cfg)
-        except ConfigError as exc:
-            log.error("%s", exc)
-            return 2
+    try:
+        api, networks = preflight(cfg)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
     netns = cfg["conntrack.netns"]
     log.info(
         "flow-exporter starting: node=%s netns=%s kafka=%s (%s) topic=%s build=%s",
@@ -346,16 +366,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
             "FLOW_EXPORTER_INTERPRETED=1 runs the interpreted one",
             compiled.describe(),
         )
-    networks = None
-    if cfg["networks.file"]:  # before anything starts: a bad file is a config error
-        from flow_exporter.network_file import NetworkFile
-        from flow_exporter.networks import NetworkError
-
-        try:
-            networks = NetworkFile(cfg["networks.file"], cfg["networks.maxPrefixes"], cfg["networks.reloadInterval"])
-        except (NetworkError, OSError) as exc:
-            log.error("%s", exc if isinstance(exc, NetworkError) else f"networks.file: {exc}")
-            return 2
+    if networks is not None:
         log.info("networks.file %s: %d prefixes, %d names", networks.path, networks.table.prefixes,
                  networks.table.names)  # fmt: skip
     kind = chosen_source(cfg)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import reprlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,11 +20,18 @@ ENV_PREFIX = "FLOW_EXPORTER_"
 
 
 class ConfigError(ValueError):
-    """A setting that cannot be used; the message names the key and the value."""
+    """A setting that cannot be used; the message names the key and the value (shortened: a value can be a
+    50 MB string or a YAML alias bomb, and the message is one log line)."""
 
     def __init__(self, key: str, value: object, reason: str) -> None:
-        super().__init__(f"config {key}={shown(key, value)!r}: {reason}")
+        super().__init__(f"config {key}={_SHORT.repr(shown(key, value))}: {reason}")
         self.key = key
+
+
+# How much of a bad value an error message shows: enough to find it, never the whole of a huge one.
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 120
+_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxtuple = 3, 6, 6, 6
 
 
 # ------------------------------------------------------------------ value types

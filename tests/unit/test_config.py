@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from flow_exporter.cli import main
-from flow_exporter.config import ConfigError, load
+from flow_exporter.config import ConfigError, load, parse_overrides
 from flow_exporter.settings import SETTINGS, parse_duration, positive_duration
 from tests.support.cli import clean_env, run_cli
 
@@ -190,3 +190,107 @@ def test_help_works() -> None:
     ):
         r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode == 0 and "run" in r.stdout
+
+
+# ----------------------------------------------------------------------------- the rough edges of issue 43
+
+
+def test_a_file_that_is_not_utf8_exits_2_naming_the_byte(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_bytes(b"kafka:\n  topic: caf\xe9\n")
+    assert main(["config", "--print", "--config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "not UTF-8 text (byte 19)" in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_huge_file_and_a_huge_value_give_one_short_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    big = tmp_path / "big.yaml"
+    big.write_text("kafka:\n  topic: " + "x" * (2 << 20) + "\n")
+    assert main(["config", "--print", "--config", str(big)]) == 2
+    err = capsys.readouterr().err
+    assert "larger than 1 MiB" in err and len(err) < 500
+    long = tmp_path / "long.yaml"
+    long.write_text("kafka:\n  topic: " + "y" * 500_000 + "\n")
+    assert main(["config", "--print", "--config", str(long)]) == 2
+    err = capsys.readouterr().err
+    assert "kafka.topic" in err and "yyy" in err and len(err) < 500
+
+
+def test_a_yaml_alias_bomb_is_refused_before_anything_expands_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]
+    lines += ["conntrack:", "  zones: *a8"]
+    f = tmp_path / "bomb.yaml"
+    f.write_text("\n".join(lines) + "\n")
+    assert main(["config", "--print", "--config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "more than 100,000 values once YAML aliases are expanded" in err and len(err) < 500
+
+
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    f = tmp_path / "dup.yaml"
+    f.write_text("kafka:\n  topic: a\n  bootstrapServers: b:9092\n  topic: c\n")
+    assert main(["config", "--print", "--config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "key 'topic' given twice (lines 2 and 4)" in err and err.count("\n") == 1
+
+
+def test_a_scalar_for_a_list_is_refused_in_a_file_and_taken_from_a_flag(tmp_path: Path) -> None:
+    f = tmp_path / "zones.yaml"
+    f.write_text("conntrack:\n  zones: 7\n")
+    with pytest.raises(ConfigError, match=r"conntrack\.zones=7: expected a list"):
+        load(f, environ={})
+    f.write_text("conntrack:\n  zones: [7]\n")
+    assert load(f, environ={})["conntrack.zones"] == (7,)
+    assert load(None, environ={}, overrides={"conntrack.zones": "1,7"})["conntrack.zones"] == (1, 7)
+    assert load(None, environ={"FLOW_EXPORTER_CONNTRACK_ZONES": "7"})["conntrack.zones"] == (7,)
+
+
+@pytest.mark.parametrize(
+    ("where", "wrong", "right"),
+    [("file", "kafka:\n  bootstrapServer: k:9092\n", "kafka.bootstrapServers"),
+     ("flag", "conntrack.pollIntervall=5s", "conntrack.pollInterval"),
+     ("env", "FLOW_EXPORTER_KAFKA_TOPICS", "FLOW_EXPORTER_KAFKA_TOPIC")],
+)  # fmt: skip
+def test_a_misspelt_key_gets_a_did_you_mean(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, where: str, wrong: str, right: str
+) -> None:
+    args = ["config", "--print"]
+    if where == "file":
+        f = tmp_path / "c.yaml"
+        f.write_text(wrong)
+        args += ["--config", str(f)]
+    elif where == "flag":
+        args += ["--set", wrong]
+    else:
+        monkeypatch.setenv(wrong, "flows")
+    assert main(args) == 2
+    assert f"did you mean {right}?" in capsys.readouterr().err
+
+
+def test_set_takes_one_producer_entry_merged_over_the_file(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("kafka:\n  producer:\n    linger.ms: 50\n    compression.type: zstd\n")
+    cfg = load(f, environ={}, overrides=parse_overrides(["kafka.producer.acks=all", "kafka.producer.linger.ms=20"]))
+    assert cfg["kafka.producer"] == {"linger.ms": 20, "compression.type": "zstd", "acks": "all"}
+    assert main(["config", "--print", "--set", "kafka.producer.acks=all"]) == 0
+    merged = parse_overrides(["kafka.producer={acks: all, linger.ms: 1}", "kafka.producer.linger.ms=5"])
+    assert merged == {"kafka.producer": {"acks": "all", "linger.ms": 5}}
+    assert parse_overrides(["kafka.producer=acks=all,linger.ms=1"]) == {"kafka.producer": {"acks": "all",
+                                                                                        "linger.ms": "1"}}  # fmt: skip
+
+
+def test_config_print_runs_the_checks_run_does(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A bad networks file and enrichment without an API server: exit 2 from `config --print` as from `run`."""
+    bad = tmp_path / "networks.yaml"
+    bad.write_text("backends: [10.0.2.1/24]\n")  # a host bit set
+    assert main(["config", "--print", "--set", f"networks.file={bad}"]) == 2
+    err = capsys.readouterr().err
+    assert "networks.file" in err and "10.0.2.1/24" in err and err.count("\n") == 1
+    good = tmp_path / "good.yaml"
+    good.write_text("backends: [10.0.2.0/24]\n")
+    assert main(["config", "--print", "--set", f"networks.file={good}"]) == 0
+    capsys.readouterr()
+    missing = tmp_path / "no-kubeconfig"
+    assert main(["config", "--print", "--set", "k8s.enabled=true", "--set", f"k8s.kubeconfig={missing}"]) == 2
+    assert "no usable API server configuration" in capsys.readouterr().err
