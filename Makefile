@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-k8s setup-prometheus setup-flink setup-image image image-check-arm64 test unit lint demo bench clean lock spark-job flink-job model-soak sanitize kafka-cluster
+.PHONY: check-alerts setup setup-k8s setup-prometheus setup-flink setup-image image image-check-arm64 test unit lint demo bench clean lock spark-job flink-job model-soak sanitize kafka-cluster
 
 setup:
 	@bash tools/setup.sh
@@ -52,6 +52,11 @@ test: setup setup-k8s setup-prometheus setup-flink setup-image lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	FLOW_EXPORTER_INTERPRETED=1 $(PY) -m pytest -q -p no:cacheprovider $(INTERPRETED_TESTS)
 	@bash tools/sanitize.sh
+
+# The alert rules' checks as the README gives them: promtool check rules, then the unit tests of every alert
+# (tests/promtool/alerts_test.yaml), on the rules without their annotations (tests/support/monitoring.py).
+check-alerts: setup setup-prometheus
+	$(PY) -m tests.support.monitoring check
 
 # The compiled modules built with ASAN and UBSAN, and their tests run on that build (make test runs it: the
 # decoder and the fused poll run without bounds checks; tools/sanitize.sh says what it runs).

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import yaml
 
 from tests.support.monitoring import (
     ALERTS,
+    UNIT_TESTS,
     alert_rules,
     dashboard_queries,
     grafana_to_promql,
@@ -25,12 +27,11 @@ from tests.support.monitoring import (
     prometheus_bin,
     render_rules,
     rules_text,
+    unit_test_files,
 )
 from tests.support.paths import REPO
 
 pytestmark = pytest.mark.skipif(shutil.which("go") is None, reason="no Go toolchain to build promtool and helm with")
-
-UNIT_TESTS = REPO / "tests" / "promtool" / "alerts_test.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +62,8 @@ def test_promtool_unit_tests_fire_and_stay_quiet_for_every_alert(
 ) -> None:
     """promtool test rules compares annotations too: it runs on the rules without them (their text is
     checked below and, rendered, in the lab test), so the tests here are about when an alert fires."""
-    bare = {"groups": [{**g, "rules": [{k: v for k, v in r.items() if k != "annotations"} for r in g["rules"]]}
-                       for g in rules["groups"]]}  # fmt: skip
-    (tmp_path / "alerts-conditions.yaml").write_text(yaml.safe_dump(bare, sort_keys=False))
-    shutil.copy(UNIT_TESTS, tmp_path / UNIT_TESTS.name)
-    r = subprocess.run(
-        [str(promtool), "test", "rules", str(tmp_path / UNIT_TESTS.name)], capture_output=True, text=True, timeout=120
-    )
+    test_file = unit_test_files(rules, tmp_path)
+    r = subprocess.run([str(promtool), "test", "rules", str(test_file)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SUCCESS" in r.stdout
     # Every alert is tested, each with a series that fires and one, in the same test, that stays quiet.
@@ -122,3 +118,19 @@ def test_the_dashboard_queries_parse(promtool: Path, tmp_path: Path) -> None:
     r = subprocess.run([str(promtool), "check", "rules", str(tmp_path / "queries.yaml")], capture_output=True,
                        text=True, timeout=60)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_make_check_alerts_passes_as_the_readme_says(promtool: Path) -> None:
+    """The README's command (`make check-alerts`, which runs tests.support.monitoring's check) on the repository."""
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.support.monitoring", "check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("SUCCESS") == 2, r.stdout
+    assert (
+        "check-alerts:" in (REPO / "Makefile").read_text() and "make check-alerts" in (REPO / "README.md").read_text()
+    )

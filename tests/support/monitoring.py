@@ -85,6 +85,35 @@ def load_dashboard() -> dict[str, Any]:
     return dashboard
 
 
+UNIT_TESTS = REPO / "tests" / "promtool" / "alerts_test.yaml"
+
+
+def unit_test_files(rules: dict[str, Any], directory: Path) -> Path:
+    """The promtool unit tests ready to run in ``directory``: the rules without annotations (promtool test rules
+    compares them too; their text is checked apart) as the file the tests name, and the tests beside it."""
+    bare = {"groups": [{**g, "rules": [{k: v for k, v in r.items() if k != "annotations"} for r in g["rules"]]}
+                       for g in rules["groups"]]}  # fmt: skip
+    (directory / "alerts-conditions.yaml").write_text(yaml.safe_dump(bare, sort_keys=False))
+    test_file = directory / UNIT_TESTS.name
+    test_file.write_text(UNIT_TESTS.read_text())
+    return test_file
+
+
+def check_alerts() -> int:
+    """``make check-alerts``: promtool check rules on the rules file, then its unit tests; promtool's exit code."""
+    import tempfile
+
+    promtool = str(prometheus_bin() / "promtool")
+    r = subprocess.run([promtool, "check", "rules", str(ALERTS)], check=False)
+    if r.returncode:
+        return r.returncode
+    with tempfile.TemporaryDirectory() as tmp:
+        test_file = unit_test_files(yaml.safe_load(ALERTS.read_text()), Path(tmp))
+        return subprocess.run([promtool, "test", "rules", str(test_file)], check=False).returncode
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["check"]:
+        sys.exit(check_alerts())
     ALERTS.write_text(rules_text(render_rules()))
     print(f"wrote {ALERTS.relative_to(REPO)}", file=sys.stderr)
