@@ -244,6 +244,24 @@ def jaas_config(mechanism: str, username: str, password: str, package: str = "or
     return f"{package}.common.security.{module} required username={quote(username)} password={quote(password)};"
 
 
+def unreachable_brokers(bootstrap: str, timeout: float = 5.0) -> str | None:
+    """Why no bootstrap server of ``bootstrap`` accepts a TCP connection, in one line; None when one does.
+
+    Both jobs ask before starting: their Kafka sources would otherwise retry metadata requests for a minute or
+    more and end in a stack trace (Spark's: 190 s and 818 lines)."""
+    import socket
+
+    tried = []
+    for server in (s.strip() for s in bootstrap.split(",") if s.strip()):
+        host, _, port = server.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+                return None
+        except (OSError, ValueError) as exc:
+            tried.append(f"{server} ({exc.__class__.__name__}: {exc})")
+    return f"cannot reach any Kafka bootstrap server: {'; '.join(tried) or repr(bootstrap)}"
+
+
 # --------------------------------------------------------------------------- schemas
 
 FLOW_SCHEMA = "flow_record.avsc"

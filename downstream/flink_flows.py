@@ -124,7 +124,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -687,21 +686,10 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 
 def _check_brokers(bootstrap: str, timeout: float = 5.0) -> None:
-    """Fail fast, in one line, when no bootstrap server accepts a TCP connection.
-
-    Flink's Kafka source would otherwise retry metadata requests for about a minute and end with
-    a Java stack trace.
-    """
-    tried = []
-    for server in (s.strip() for s in bootstrap.split(",") if s.strip()):
-        host, _, port = server.rpartition(":")
-        host = host.strip("[]")
-        try:
-            with socket.create_connection((host, int(port)), timeout=timeout):
-                return
-        except (OSError, ValueError) as exc:
-            tried.append(f"{server} ({exc.__class__.__name__}: {exc})")
-    raise JobError(f"cannot reach any Kafka bootstrap server: {'; '.join(tried) or bootstrap!r}")
+    """Fail fast, in one line, when no bootstrap server accepts a TCP connection (contract.unreachable_brokers)."""
+    why = contract.unreachable_brokers(bootstrap, timeout)
+    if why is not None:
+        raise JobError(why)
 
 
 def _check_registry(url: str, basic_auth: str | None, timeout: float = 5.0) -> None:

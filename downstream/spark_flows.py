@@ -894,6 +894,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         kafka_options = kafka_security_options(args)
         writer_schemas = None
+        unreachable = contract.unreachable_brokers(args.bootstrap_servers)
+        if unreachable is not None:  # before the JVM: Spark's source would retry for minutes, then trace
+            raise RuntimeError(unreachable)
         if args.schema_registry:
             subject = args.subject or f"{args.topic.split(',')[0]}-value"
             writer_schemas = registry_schemas(args.schema_registry, subject, args.registry_basic_auth)

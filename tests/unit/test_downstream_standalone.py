@@ -64,6 +64,19 @@ def test_without_the_schema_beside_it_the_job_asks_for_schema(tmp_path: Path, jo
     assert "--schema is required" in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("job", sorted(JOBS))
+def test_a_dead_broker_fails_in_one_line_before_the_jvm(tmp_path: Path, job: str) -> None:
+    """Nothing listens on 127.0.0.1:9: exit 1 with one line naming it, before pyspark or pyflink start a JVM (the
+    Spark job took 190 s and printed 818 lines of stack traces before)."""
+    copy = standalone_copy(JOBS[job], tmp_path / "job")
+    jar = tmp_path / "x.jar"
+    jar.write_bytes(b"")
+    proc = _run(copy, "--jars", str(jar))
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "cannot reach any Kafka bootstrap server: 127.0.0.1:9 (ConnectionRefusedError" in proc.stderr
+
+
 def test_jar_paths(tmp_path: Path) -> None:
     (tmp_path / "d").mkdir()
     a, b, c = tmp_path / "a.jar", tmp_path / "d" / "b.jar", tmp_path / "d" / "c.jar"
