@@ -179,3 +179,37 @@ def test_chart_and_kustomize_manifests_agree(helm: Path, tmp_path: Path) -> None
     rbac = yaml.safe_load_all((REPO / "k8s" / "rbac.yaml").read_text())
     [role] = [d for d in rbac if d and d["kind"] == "ClusterRole"]
     assert find(docs, "ClusterRole")["rules"] == role["rules"]  # the same grants as k8s/
+
+
+def test_values_schema_is_generated_from_the_settings() -> None:
+    from tests.support import chart_schema
+
+    assert chart_schema.SCHEMA.read_text() == chart_schema.text(), "run: .venv/bin/python -m tests.support.chart_schema"
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [("config.kafka.topicc=flows", "additional properties 'topicc' not allowed"),
+     ("config.conntrack.events=maybe", "got string, want boolean"),
+     ("config.sampling.budget.connectionz=5", "additional properties 'connectionz' not allowed"),
+     ("image.pullPolicy=Sometimes", "pullPolicy"),
+     ("terminationGracePeriodSeconds=0", "terminationGracePeriodSeconds")],
+)  # fmt: skip
+def test_a_bad_value_is_refused_by_helm_naming_it(helm: Path, value: str, said: str) -> None:
+    """values.schema.json: a bad value fails `helm template` (and install, upgrade, lint) instead of rendering a
+    config the pods crash-loop on."""
+    r = subprocess.run([str(helm), "template", "x", str(CHART), "--set", value], capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.returncode != 0 and said in r.stderr, r.stderr
+
+
+def test_enrichment_off_gets_no_token_and_no_rbac(helm: Path) -> None:
+    on = template(helm)
+    assert pod_spec(on)["automountServiceAccountToken"] is True
+    assert {d["kind"] for d in on} >= {"ClusterRole", "ClusterRoleBinding", "ServiceAccount"}
+    off = template(helm, "config.k8s.enabled=false")
+    assert pod_spec(off)["automountServiceAccountToken"] is False
+    assert not {d["kind"] for d in off} & {"ClusterRole", "ClusterRoleBinding"}
+    own = template(helm, "rbac.create=false")  # enrichment on, the RBAC the user's own
+    assert not {d["kind"] for d in own} & {"ClusterRole", "ClusterRoleBinding"}
+    assert pod_spec(own)["automountServiceAccountToken"] is True
