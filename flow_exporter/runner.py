@@ -130,6 +130,28 @@ def chosen_source(cfg: Config) -> str:
     return kind
 
 
+ATTEMPT_TIMEOUT = 10.0  # how long one metadata request may wait for a broker (the log says how long it took)
+
+
+def stopped_before_kafka(exporter: Exporter, kept: bool) -> int:
+    """Stopped while waiting for Kafka: no record was sent. Say what that leaves, in one closing line (exit 0).
+
+    Events were applied meanwhile: the connections still live are reported by the next start (``kept``: the state
+    directory continues the lineage; else they are found live, as after any restart without one); the ones that
+    ended meanwhile are not, and are counted here."""
+    with exporter.lock:
+        tracked = len(exporter.store)
+        ended = exporter.store.stats.destroyed_events
+    exporter.snapshot()
+    where = "the state directory is kept" if kept else "no state.dir"
+    log.warning(
+        "stopped before Kafka answered: no flow record was sent; %d connections known (the live ones are reported "
+        "by the next start: %s), %d of them ended meanwhile and are not reported",
+        tracked, where, ended,
+    )  # fmt: skip
+    return 0
+
+
 def check_topics(sink: KafkaSink, stop: threading.Event, initial: float, maximum: float) -> bool:
     """Wait (with backoff) until the broker answers and every topic exists and is usable; False if stopped first.
 
@@ -138,10 +160,12 @@ def check_topics(sink: KafkaSink, stop: threading.Event, initial: float, maximum
     """
     delay = initial
     while not stop.is_set():
+        t0 = time.monotonic()
         try:
-            unusable = sink.unusable_topics(timeout=10.0)
+            unusable = sink.unusable_topics(timeout=ATTEMPT_TIMEOUT)
         except KafkaException as exc:
-            log.warning("kafka not reachable (%s); retrying in %.1fs", exc.args[0], delay)
+            log.warning("kafka not reachable after %.1f s (%s); next attempt in %.1f s", time.monotonic() - t0,
+                        exc.args[0], delay)  # fmt: skip
         else:
             if not unusable:
                 log.info("broker reachable, topics present: %s", ", ".join(sorted(sink.topics())))
@@ -341,7 +365,7 @@ def preflight(cfg: Config) -> tuple[Any, Any]:
 
 def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None] | None = None) -> int:
     from flow_exporter.conntrack.dumper import ConntrackDumper
-    from flow_exporter.conntrack.errors import ConntrackError
+    from flow_exporter.conntrack.errors import ConntrackError, ConntrackPermissionError
     from flow_exporter.conntrack.sysctl import enable_accounting
 
     gc_policy.tune()
@@ -392,6 +416,13 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         except ConntrackError as exc:
             log.error("cannot open conntrack: %s", exc)
             return 1
+        try:  # nfnetlink asks CAP_NET_ADMIN of every message: a pod without it stops now, not after Kafka answers
+            source.count()
+        except ConntrackPermissionError as exc:
+            source.close()
+            log.error("cannot read conntrack (%s): the exporter needs CAP_NET_ADMIN in the node's network namespace "
+                      "(k8s/daemonset.yaml; README, Run it on a cluster)", exc)  # fmt: skip
+            return 2
     # Every service registers its stop as it starts; they stop in the reverse order, however this ends.
     with contextlib.ExitStack() as services:
         services.callback(source.close)
@@ -460,9 +491,9 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
             if cfg["kafka.checkTopics"] and not check_topics(
                 sink, exporter.stop_event, cfg["retry.initialBackoff"], cfg["retry.maxBackoff"]
             ):
-                return 0
+                return stopped_before_kafka(exporter, checkpoint is not None)
             if not ensure_registered(sink.encode, exporter.stop_event):  # after /healthz is up: waiting is not dying
-                return 0
+                return stopped_before_kafka(exporter, checkpoint is not None)
         else:
             log.info("flow export off (export.flows=false): connections are tracked, no flow record is sent")
         return exporter.run()
