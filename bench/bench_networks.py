@@ -178,11 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "A reload holds the GIL while it parses and builds (Python code), so it shares the interpreter with the "
         f"loops: a steady poll of {gil['poll_rows']:,} rows (the fused walk, compiled) took "
-        f"{gil['poll_alone_s']:.3f} s alone and {gil['poll_during_reload_s']:.3f} s while reloads of this file ran "
-        f"back to back in another thread (medians of {len(gil['poll_alone_runs'])}; alone: "
-        f"{', '.join(f'{x:.3f}' for x in gil['poll_alone_runs'])}; during: "
-        f"{', '.join(f'{x:.3f}' for x in gil['poll_during_reload_runs'])} s). A reload happens when the file "
-        "changes (checked every networks.reloadInterval), not per poll.",
+        f"{gil['poll_alone_s']:.3f} s alone and {gil['poll_during_reload_s']:.3f} s while another thread reloaded "
+        f"this file ({gil['reloads_during']} reload(s) during the polls; medians of {len(gil['poll_alone_runs'])}; "
+        f"alone: {', '.join(f'{x:.3f}' for x in gil['poll_alone_runs'])}; during: "
+        f"{', '.join(f'{x:.3f}' for x in gil['poll_during_reload_runs'])} s): the worst poll took "
+        f"{max(gil['poll_during_reload_runs']):.2f} s, so a reload can hold the loops back for most of a second "
+        "(not measured apart: which part of the reload does it). A reload happens when the file changes (checked "
+        "every networks.reloadInterval), not per poll.",
         "",
         "![networks](bench/results/networks.png)",
     ]
