@@ -87,7 +87,8 @@ def values_schema() -> dict[str, Any]:
                 "prometheusRule": _obj({
                     "enabled": BOOL, "labels": LABELS, "upSelector": STRING, "rateWindow": STRING,
                     "for": {"type": "object", "additionalProperties": STRING},
-                    "thresholds": {"type": "object", "additionalProperties": {"type": "number"}},
+                    # (helm --set keeps a decimal as a string: 0.5 arrives as "0.5")
+                    "thresholds": {"type": "object", "additionalProperties": {"type": ["number", "string"]}},
                 }),
                 "grafanaDashboard": _obj({"enabled": BOOL, "labels": LABELS, "annotations": LABELS}),
             }
