@@ -13,9 +13,9 @@ The hash is SipHash-2-4 (Aumasson and Bernstein, 2012) keyed by 128 bits derived
 so without the seed nobody can pick tuples that fall outside (or inside) the sample, and its output is
 uniform, which the estimator's unbiasedness rests on. Its message is five 64-bit little-endian words
 (the two ends' addresses as two words each, then ports, protocol and family), 40 bytes; the tests hold
-it to the ``siphash24`` package (the reference C code) on those bytes. Written here because the decision
-runs on every row of every dump of a sampled node: compiled it is a few tens of ns, a Python call to
-any library several hundred (BENCHMARKS.md, "Sampling").
+it to the ``siphash24`` package (a C implementation independent of this one) on those bytes. Written here
+because the decision runs on every row of every dump of a sampled node, inside the compiled walk, where a
+library would be a Python call per row; a dropped row's whole cost is in BENCHMARKS.md, "Sampling".
 
 A dropped connection is never a store row. What deciding needs is to count it once (the markers'
 ``connectionsObserved``): the sampler remembers the keys it dropped (:class:`DroppedSet`), each marked with
