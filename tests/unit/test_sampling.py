@@ -1,7 +1,7 @@
 """Consistent connection sampling (flow_exporter/sampling.py) against independent statements of its rule.
 
-The hash is held to the ``siphash24`` package (a C implementation of SipHash-2-4, independent of ours) on the 40 bytes the
-README says are hashed, built here from the addresses with ``ipaddress``; the decision to that hash below
+The hash is held to the ``siphash24`` package (a C implementation of SipHash-2-4, independent of ours) on the
+40 bytes the README says are hashed, built here from the addresses with ``ipaddress``; the decision to that hash below
 floor(p * 2**64). Both builds of the sampler (compiled and interpreted) are held to it, and the fused poll's
 decision (read from the dump's bytes) to the Connections' (test_native's lockstep, sampled). The estimator a
 consumer applies (sum of count / p) is shown unbiased over many seeds, with the variance the README states.
