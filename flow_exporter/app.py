@@ -630,9 +630,7 @@ class Exporter:
             extra=extra or {},
             source=self.options.source,
             sampling_probability=(
-                self.schedule.base / (1 << self.schedule.level)
-                if self.schedule is not None
-                else self.options.sampling_probability
+                self.schedule.probability if self.schedule is not None else self.options.sampling_probability
             ),
             sampling_changes=self.stats.sampling_changes,
             connections_sampled_out=self.sampler.dropped if self.sampler is not None else 0,

@@ -20,6 +20,8 @@ cdef class DroppedSet:
     cdef unsigned int[::1] marks, old_marks
 
     cdef void _alloc(self, Py_ssize_t capacity) except *
+    cdef Py_ssize_t _slot(self, unsigned long long key) noexcept
+    cdef unsigned int _met(self, Py_ssize_t i) noexcept
     cdef void _put(self, unsigned long long key, unsigned int mark) noexcept
     cpdef int touch(self, unsigned long long key) except -1
     cpdef bint meet(self, unsigned long long key, bint kept=*) except -1

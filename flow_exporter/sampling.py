@@ -48,7 +48,7 @@ else:
     except ModuleNotFoundError:  # interpreted without Cython installed
         from flow_exporter import cython_shim as cython
 
-__all__ = ["ASK", "DROP", "KEEP", "DroppedSet", "Sampler", "Schedule", "sampling_key", "threshold_of", "tuple_words"]
+__all__ = ["ASK", "DROP", "KEEP", "DroppedSet", "Sampler", "Schedule", "sampling_key", "threshold_of"]
 
 _M: cython.ulonglong = 0xFFFFFFFFFFFFFFFF
 _C0: cython.ulonglong = 0x736F6D6570736575  # SipHash's initial state: "somepseudorandomlygeneratedbytes"
@@ -72,23 +72,6 @@ def threshold_of(probability: float) -> int:
     if not 0 < probability <= 1:
         raise ValueError(f"a sampling probability is in (0, 1], not {probability!r}")
     return int(Fraction(probability) * (1 << 64))
-
-
-def tuple_words(family: int, proto: int, src: bytes, sport: int, dst: bytes, dport: int) -> tuple[int, ...]:
-    """The five message words of a connection from ``src``:``sport`` to ``dst``:``dport`` (post-DNAT), as
-    :class:`Sampler` hashes them (for the tests and the benchmark; the sampler builds them in place)."""
-    a_hi, a_lo = _address_words(src)
-    b_hi, b_lo = _address_words(dst)
-    if (b_hi, b_lo, dport) < (a_hi, a_lo, sport):
-        a_hi, a_lo, sport, b_hi, b_lo, dport = b_hi, b_lo, dport, a_hi, a_lo, sport
-    return a_hi, a_lo, b_hi, b_lo, (sport << 48) | (dport << 32) | (proto << 8) | family
-
-
-def _address_words(a: bytes) -> tuple[int, int]:
-    """A packed address as (high, low) words, big-endian: an IPv4 address is the low word's low 32 bits."""
-    if len(a) == 4:
-        return 0, int.from_bytes(a, "big")
-    return int.from_bytes(a[:8], "big"), int.from_bytes(a[8:16], "big")
 
 
 def _be(b: bytes, at: cython.Py_ssize_t, n: cython.Py_ssize_t) -> cython.ulonglong:
@@ -136,24 +119,29 @@ class DroppedSet:
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
+    def _slot(self, key: cython.ulonglong) -> cython.Py_ssize_t:
+        """The slot holding ``key`` (a key, never 0), or the empty slot where it would go: the one probe."""
+        i: cython.Py_ssize_t = cython.cast(cython.Py_ssize_t, key & self.mask)
+        while self.keys[i] != 0 and self.keys[i] != key:
+            i = (i + 1) & self.mask
+        return i
+
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def _met(self, i: cython.Py_ssize_t) -> cython.uint:
+        """Slot ``i``'s key met in this interval (counted once per interval); its mark as it was."""
+        m: cython.uint = self.marks[i]
+        if m & _INTERVAL != self.interval:
+            self.marks[i] = (m & _KEPT) | self.interval
+            self.met += 1
+        return m
+
     def touch(self, key: cython.ulonglong) -> cython.int:
         """Whether ``key`` is held, marked met now: 0 no, 1 dropped, 2 kept (:meth:`meet` with ``kept``)."""
-        if key == 0:
-            key = 1
-        i: cython.Py_ssize_t = cython.cast(cython.Py_ssize_t, key & self.mask)
-        k: cython.ulonglong
-        m: cython.uint
-        while True:
-            k = self.keys[i]
-            if k == 0:
-                return 0
-            if k == key:
-                m = self.marks[i]
-                if m & _INTERVAL != self.interval:
-                    self.marks[i] = (m & _KEPT) | self.interval
-                    self.met += 1
-                return 2 if m & _KEPT else 1
-            i = (i + 1) & self.mask
+        i: cython.Py_ssize_t = self._slot(key if key else 1)
+        if self.keys[i] == 0:
+            return 0
+        return 2 if self._met(i) & _KEPT else 1
 
     def _alloc(self, capacity: cython.Py_ssize_t) -> None:
         self.key_array = array("Q", bytes(8 * capacity))
@@ -162,50 +150,30 @@ class DroppedSet:
         self.marks = self.mark_array
         self.mask = capacity - 1
 
-    def __len__(self) -> int:
-        return self.count
-
     def entries(self) -> list[tuple[int, int]]:
         """(key, interval last met) of every key held, sorted (for the tests)."""
         return sorted((self.keys[i], self.marks[i]) for i in range(self.mask + 1) if self.keys[i])
 
-    @cython.boundscheck(False)
-    @cython.wraparound(False)
     def _put(self, key: cython.ulonglong, mark: cython.uint) -> None:
-        i: cython.Py_ssize_t = cython.cast(cython.Py_ssize_t, key & self.mask)
-        while self.keys[i] != 0:
-            i = (i + 1) & self.mask
+        i: cython.Py_ssize_t = self._slot(key)
         self.keys[i] = key
         self.marks[i] = mark
         self.count += 1
 
-    @cython.boundscheck(False)
-    @cython.wraparound(False)
     def meet(self, key: cython.ulonglong, kept: cython.bint = False) -> cython.bint:
         """``key`` met now: whether it is new (not met in this interval or the one before). A new key is held as a
         dropped connection's, or (``kept``) as one the sampler kept before the store holds it."""
         if key == 0:
             key = 1
-        i: cython.Py_ssize_t = cython.cast(cython.Py_ssize_t, key & self.mask)
-        k: cython.ulonglong
-        m: cython.uint
-        while True:
-            k = self.keys[i]
-            if k == key:
-                m = self.marks[i]
-                if m & _INTERVAL != self.interval:
-                    self.marks[i] = (m & _KEPT) | self.interval
-                    self.met += 1
-                return False
-            if k == 0:
-                self.keys[i] = key
-                self.marks[i] = (_KEPT if kept else 0) | self.interval
-                self.count += 1
-                self.met += 1
-                if self.count * 2 > self.mask + 1:
-                    self._rehash((self.mask + 1) * 2, False)
-                return True
-            i = (i + 1) & self.mask
+        i: cython.Py_ssize_t = self._slot(key)
+        if self.keys[i] == key:
+            self._met(i)
+            return False
+        self._put(key, (_KEPT if kept else 0) | self.interval)
+        self.met += 1
+        if self.count * 2 > self.mask + 1:
+            self._rehash((self.mask + 1) * 2, False)
+        return True
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
@@ -273,6 +241,11 @@ class Schedule:
         i = bisect_right(times, t_ns)
         return levels[i - 1] if i else 0
 
+    @property
+    def probability(self) -> float:
+        """The probability new connections are decided at now."""
+        return self.base / (1 << self.level)
+
     def probability_at(self, t_ns: int) -> float:
         """The probability a connection first seen at ``t_ns`` was decided at: its records' samplingProbability."""
         return self.base / (1 << self.level_at(t_ns))
@@ -328,10 +301,6 @@ class Sampler:
         self._deep = self._threshold >> deepest
         # p = 1 and never shed: every row is kept, without a hash
         self.every = self.threshold >> 64 != 0 and deepest == 0
-
-    def threshold_at(self, level: cython.int) -> cython.ulonglong:
-        """The hash bound of ``level``: the base probability's halved ``level`` times."""
-        return self._threshold >> level
 
     # -- SipHash-2-4 of the five words, on the state held in this object
     def _round(self) -> None:

@@ -19,7 +19,6 @@ Both tests read the markers by that rule: (exporterNode, topic, partition, since
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
@@ -34,7 +33,6 @@ from typing import Any
 
 import fastavro
 import pytest
-from confluent_kafka import Consumer
 
 from devtools.kafka import KafkaBroker
 from devtools.lab import Lab
@@ -51,7 +49,7 @@ from tests.support.downstream import (
     run_spark,
 )
 from tests.support.exporter_process import start_exporter, stop_exporter
-from tests.support.records import read_records
+from tests.support.records import read_records, read_until_quiet
 
 pytestmark = [pytest.mark.lab, pytest.mark.kafka, pytest.mark.spark]
 
@@ -65,24 +63,7 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBroker]:
 
 
 def read_markers(bootstrap: str, topic: str) -> list[dict[str, Any]]:
-    consumer = Consumer(
-        {"bootstrap.servers": bootstrap, "group.id": f"m{time.time_ns()}", "auto.offset.reset": "earliest"}
-    )
-    consumer.subscribe([topic])
-    schema = marker_schema()
-    out: list[dict[str, Any]] = []
-    idle = time.monotonic() + 20  # the first message may take a group join; then 3 s of quiet ends it
-    try:
-        while time.monotonic() - idle < 3:
-            msg = consumer.poll(0.5)
-            if msg is None:
-                continue
-            assert msg.error() is None, msg.error()
-            out.append(fastavro.schemaless_reader(io.BytesIO(msg.value()), schema, schema))
-            idle = time.monotonic()
-    finally:
-        consumer.close()
-    return out
+    return [m for _, _, m in read_until_quiet(bootstrap, topic, marker_schema())]
 
 
 MarkerId = tuple[str, str, int, Any]  # exporterNode, topic, partition, since
@@ -107,26 +88,12 @@ def by_the_rule(sent: list[dict[str, Any]]) -> dict[MarkerId, dict[str, Any]]:
 
 def flow_partitions(bootstrap: str, topic: str) -> dict[int, tuple[int, int]]:
     """Per partition of the flow topic: distinct (connectionId, sequence) pairs, and the highest offset."""
-    consumer = Consumer(
-        {"bootstrap.servers": bootstrap, "group.id": f"f{time.time_ns()}", "auto.offset.reset": "earliest"}
-    )
-    consumer.subscribe([topic])
     schema = fastavro.parse_schema(json.loads(schema_path().read_text()))
     pairs: dict[int, set[tuple[int, int]]] = {}
     last: dict[int, int] = {}
-    idle = time.monotonic() + 20
-    try:
-        while time.monotonic() - idle < 3:
-            msg = consumer.poll(0.5)
-            if msg is None:
-                continue
-            assert msg.error() is None, msg.error()
-            r = fastavro.schemaless_reader(io.BytesIO(msg.value()), schema, schema)
-            pairs.setdefault(msg.partition(), set()).add((r["connectionId"], r["sequence"]))
-            last[msg.partition()] = max(last.get(msg.partition(), -1), msg.offset())
-            idle = time.monotonic()
-    finally:
-        consumer.close()
+    for partition, offset, r in read_until_quiet(bootstrap, topic, schema):
+        pairs.setdefault(partition, set()).add((r["connectionId"], r["sequence"]))
+        last[partition] = max(last.get(partition, -1), offset)
     return {p: (len(pairs[p]), last[p]) for p in pairs}
 
 

@@ -16,7 +16,6 @@ node A's bytes from each sample (sum of bytes / p) is printed beside conntrack's
 
 from __future__ import annotations
 
-import io
 import math
 import subprocess
 import time
@@ -25,9 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import fastavro
 import pytest
-from confluent_kafka import Consumer
 
 from devtools.churn import build_churn
 from devtools.kafka import KafkaBroker
@@ -35,7 +32,7 @@ from devtools.lab import CtEntry, Lab
 from flow_exporter.conntrack_health import health_schema
 from tests.support.downstream import ct_connection
 from tests.support.exporter_process import start_exporter, stop_exporter
-from tests.support.records import read_records
+from tests.support.records import read_records, read_until_quiet
 from tests.unit.test_sampling import kept
 
 pytestmark = [pytest.mark.lab, pytest.mark.kafka]
@@ -46,24 +43,7 @@ Conn = tuple[int, str, int, str, int]
 
 
 def read_health(bootstrap: str, topic: str) -> list[dict[str, Any]]:
-    consumer = Consumer(
-        {"bootstrap.servers": bootstrap, "group.id": f"h{time.time_ns()}", "auto.offset.reset": "earliest"}
-    )
-    consumer.subscribe([topic])
-    schema = health_schema()
-    out: list[dict[str, Any]] = []
-    idle = time.monotonic() + 20
-    try:
-        while time.monotonic() - idle < 3:
-            msg = consumer.poll(0.5)
-            if msg is None:
-                continue
-            assert msg.error() is None, msg.error()
-            out.append(fastavro.schemaless_reader(io.BytesIO(msg.value()), schema, schema))
-            idle = time.monotonic()
-    finally:
-        consumer.close()
-    return out
+    return [h for _, _, h in read_until_quiet(bootstrap, topic, health_schema())]
 
 
 def rule(seed: str, p: float, e: CtEntry) -> bool:

@@ -9,6 +9,7 @@ import functools
 import io
 import time
 from collections import defaultdict
+from typing import Any
 
 import avro.io
 import avro.schema
@@ -106,3 +107,29 @@ def _reader() -> avro.io.DatumReader:
 def decode(value: bytes) -> dict:
     """One record value decoded with the reference avro implementation."""
     return _reader().read(avro.io.BinaryDecoder(io.BytesIO(value)))
+
+
+def read_until_quiet(bootstrap: str, topic: str, schema: Any) -> list[tuple[int, int, dict[str, Any]]]:
+    """(partition, offset, value) of every bare-Avro message on ``topic``, decoded with the parsed fastavro
+    ``schema``: read until 3 s pass without one (the first may wait up to 20 s for a group join)."""
+    import fastavro
+
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": f"q{time.time_ns()}", "auto.offset.reset": "earliest"}
+    )
+    consumer.subscribe([topic])
+    out: list[tuple[int, int, dict[str, Any]]] = []
+    idle = time.monotonic() + 20
+    try:
+        while time.monotonic() - idle < 3:
+            msg = consumer.poll(0.5)
+            if msg is None:
+                continue
+            assert msg.error() is None, msg.error()
+            out.append(
+                (msg.partition(), msg.offset(), fastavro.schemaless_reader(io.BytesIO(msg.value()), schema, schema))
+            )
+            idle = time.monotonic()
+    finally:
+        consumer.close()
+    return out
