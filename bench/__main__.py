@@ -1,4 +1,4 @@
-"""``make bench``: every benchmark in turn; each updates its own section of BENCHMARKS.md.
+"""``make bench``: every benchmark in turn; each updates its own section of docs/performance.md.
 
 ``python -m bench [NAME ...]`` runs only the named ones (poll, export, app_export, node, capture, events,
 checkpoint, latency, k8s, spark: the Spark and Flink downstream jobs on one input, pipeline, decode: dump and

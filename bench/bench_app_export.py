@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| plain confluent-kafka loop (median of {len(plain)}) | {plain_med:,.0f} | "
         f"{sorted(p[1] for p in plain)[len(plain) // 2]:.2f} | 1.00 |",
         "",
-        "![app_export](bench/results/app_export.png)",
+        "![app_export](performance/app_export.png)",
     ]
     update_section("app_export", "\n".join(lines))
     return 0

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         pct = 100 * r["exported_exact"] / r["connections"]
         on = "on" if r["events"] else "off"
         lines.append(f"| {on} | {r['connections']:,} | {r['exported_exact']:,} ({pct:.1f}%) |")
-    lines += ["", "![capture](bench/results/capture.png)"]
+    lines += ["", "![capture](performance/capture.png)"]
     update_section("capture", "\n".join(lines))
     return 0
 

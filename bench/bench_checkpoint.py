@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {cap_value:,} | {c['first_poll_cpu_s']:.2f} s | {c['steady_poll_cpu_s']:.2f} s | "
             f"{sum(c['given_up'].values()):,} | {c['tracked']:,} |"
         )
-    lines += ["", "![checkpoint](bench/results/checkpoint.png)"]
+    lines += ["", "![checkpoint](performance/checkpoint.png)"]
     update_section("checkpoint", "\n".join(lines))
     return 0
 

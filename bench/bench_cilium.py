@@ -226,7 +226,7 @@ def report(r: dict[str, Any], argv: list[str] | None) -> None:
         f"0.5), {cpu['bpftool'] / cpu['source']:.1f}x less CPU than bpftool and {cpu['cilium'] / cpu['source']:.1f}x "
         "less than Cilium's own lister.",
         "",
-        "![cilium](bench/results/cilium.png)",
+        "![cilium](performance/cilium.png)",
     ]
     if "node" in r:
         c, f = r["node"]["cilium"], r["node"]["netfilter"]

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         + "; ".join(f"{run['cluster']['load_average_1m']:.2f} / {run['single']['load_average_1m']:.2f}" for run in runs)
         + ".",
         "",
-        "![exporter CPU per run, and the plain loop's rate](bench/results/cluster.png)",
+        "![exporter CPU per run, and the plain loop's rate](performance/cluster.png)",
     ]
     update_section("cluster", "\n".join(lines))
     return 0

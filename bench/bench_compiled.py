@@ -239,7 +239,7 @@ def report(data: dict[str, Any], argv: list[str]) -> None:
 
     png = plot("compiled", draw)
     if png is not None:
-        lines += ["", f"![poll cost against table size](bench/results/{png.name})"]
+        lines += ["", f"![poll cost against table size](performance/{png.name})"]
     update_section("compiled", "\n".join(lines))
 
 

@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "The CPU column is the exporter's whole process (event reader, store, record path, producer): one",
         "connection costs a NEW and a DESTROY event and one end-of-flow record.",
         "",
-        f"![events](bench/results/{name}.png)",
+        f"![events](performance/{name}.png)",
     ]
     update_section(name, "\n".join(lines))
     return 0

@@ -204,7 +204,7 @@ Machine: {machine_line()}
 Ratio flow-exporter / ProducerPerformance: {d["ratio_vs_producer_performance"]:.2f}
 (acks=all, idempotence on, lz4, linger.ms 50; {d["records"]:,} records per run).
 
-![export](bench/results/export.png)
+![export](performance/export.png)
 """
     update_section("export", md)
 

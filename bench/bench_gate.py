@@ -4,7 +4,7 @@ One lab table and one broker; each round runs the exporter of each tree once (wh
 as bench_node measures it (steady-state CPU, peak RSS, records/s; every connection's first record acked
 first). The trees are checkouts with their compiled modules built in place; the exporter imports the one
 its PYTHONPATH names (checked and recorded per run). Every run, the medians and the ratios go to
-BENCHMARKS.md (section ``gate_<label>``) and bench/results/gate_<label>.json, with a plot.
+docs/performance.md (section ``gate_<label>``) and docs/performance/gate_<label>.json, with a plot.
 
     python -m bench.bench_gate --label heap --before ../old --after . --connections 250000 --active 5s --runs 3
 """
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     lines.append("| after / before | " + " | ".join(
         f"{medians['after'][k] / medians['before'][k]:.3f}" if medians["before"][k] else "-" for k, *_ in METRICS
     ) + " |")  # fmt: skip
-    lines += ["", f"![every run](bench/results/{name}.png)", ""]
+    lines += ["", f"![every run](performance/{name}.png)", ""]
     update_section(name, "\n".join(lines))
     return 0
 

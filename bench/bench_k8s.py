@@ -534,7 +534,7 @@ def per_object(objects: int, children: int, workdir: Path) -> dict[str, Any]:
 
 
 def report_per_object(result: dict[str, Any], argv: list[str] | None) -> None:
-    """BENCHMARKS.md's ``k8s_objects`` section and ``bench/results/k8s_objects.json``."""
+    """docs/performance.md's ``k8s_objects`` section and ``docs/performance/k8s_objects.json``."""
     write_json("k8s_objects", result)
     per, n = result["per_object"], result["objects_per_kind"]
     what = {

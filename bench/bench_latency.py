@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         "A closed TCP connection is seen as ended at the first poll after its last packet (TIME_WAIT), and its",
         "record goes out at once, so latency is bounded by the poll interval plus the producer's linger.",
         "",
-        "![latency](bench/results/latency.png)",
+        "![latency](performance/latency.png)",
     ]
     update_section("latency", "\n".join(lines))
     return 0

@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "(not measured apart: which part of the reload does it). A reload happens when the file changes (checked "
         "every networks.reloadInterval), not per poll.",
         "",
-        "![networks](bench/results/networks.png)",
+        "![networks](performance/networks.png)",
     ]
     update_section("networks", "\n".join(lines))
     print(result)

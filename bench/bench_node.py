@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         *[f"    {line[-200:]}" for line in result["shutdown_log"]],
         "",
-        f"![node](bench/results/{name}.png)",
+        f"![node](performance/{name}.png)",
     ]
     update_section(name, "\n".join(lines))
     return 0

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| polls in the window | {result['polls']:.0f} |",
         f"| peak RSS | {rss / 2**20:,.0f} MiB ({rss_table / 2**20:,.0f} MiB of it the harness's table and imports) |",
         "",
-        "![pipeline](bench/results/pipeline.png)",
+        "![pipeline](performance/pipeline.png)",
     ]
     update_section("pipeline", "\n".join(lines))
     return 0

@@ -177,7 +177,7 @@ def report(data: dict, cmd: str) -> None:
         ]
     lines += ["", "Medians of repeated runs; all four readers read the same table in the same run. Polls as the",
               "exporter runs them (batch by batch into the store, then the sweep; its GC policy).", "",
-              "![poll](bench/results/poll.png)"]  # fmt: skip
+              "![poll](performance/poll.png)"]  # fmt: skip
     update_section("poll", "\n".join(lines))
 
 

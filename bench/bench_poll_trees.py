@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| **{w}, median** | " + " | ".join(f"**{med[w][k]:.3f}**" for k, _ in MEASURES) + " | |")
     lines.append("| after / before | " + " | ".join(f"{med['after'][k] / med['before'][k]:.3f}" for k, _ in MEASURES)
                  + " | |")  # fmt: skip
-    lines += ["", f"![every round](bench/results/{name}.png)"]
+    lines += ["", f"![every round](performance/{name}.png)"]
     update_section(name, "\n".join(lines))
     return 0
 

@@ -204,7 +204,7 @@ def report(r: dict[str, Any], argv: list[str] | None) -> None:
             ax.set_title("flow-exporter run, 1M conntrack entries, active 60 s: p = 1 beside p = 1/16")
 
         plot("sampling", draw)
-        lines += ["", "![sampling](bench/results/sampling.png)"]
+        lines += ["", "![sampling](performance/sampling.png)"]
     update_section("sampling", "\n".join(lines))
 
 

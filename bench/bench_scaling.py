@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             f"records read back from the compiled {sizes[0]:,} run's topic (mean value {plain['value_bytes_mean']:.0f} "
             f"bytes) at {plain['records_per_s']:,.0f} records/s on {plain['cpu_cores']:.2f} cores.",
         ]
-    lines += ["", "![CPU and records/s against table size](bench/results/scaling.png)"]
+    lines += ["", "![CPU and records/s against table size](performance/scaling.png)"]
     update_section("scaling", "\n".join(lines))
     return 0
 

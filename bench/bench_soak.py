@@ -126,7 +126,7 @@ RSS after warm-up (2 min): {start_mib:.0f} MiB; at the end: {end_mib:.0f} MiB
 ({end_mib - start_mib:+.0f} MiB). Peak tracked: {data["max_tracked"]:,}; records acknowledged:
 {data["records_acknowledged"]:,}.
 
-![soak](bench/results/soak.png)
+![soak](performance/soak.png)
 """
     update_section("soak", md)
     return 0

@@ -1,7 +1,7 @@
-"""Shared benchmark plumbing: medians, machine description, JSON + PNG output, BENCHMARKS.md sections.
+"""Shared benchmark plumbing: medians, machine description, JSON + PNG output, the performance page's sections.
 
-Each benchmark writes ``bench/results/<name>.json`` and ``<name>.png`` and replaces
-its own section of BENCHMARKS.md (between ``<!-- bench:<name> -->`` markers), so
+Each benchmark writes ``docs/performance/<name>.json`` and ``<name>.png`` and replaces
+its own section of docs/performance.md (between ``<!-- bench:<name> -->`` markers), so
 re-running one benchmark never disturbs the others' results.
 """
 
@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
+RESULTS = ROOT / "docs" / "performance"
+BENCHMARKS_MD = ROOT / "docs" / "performance.md"
 
 
 def machine() -> dict[str, Any]:
@@ -86,7 +86,7 @@ def command_line() -> str:
 
 
 def section_head(title: str, module: str, argv: list[str] | None) -> list[str]:
-    """A BENCHMARKS.md section's first lines: its title, the exact command and the machine."""
+    """A docs/performance.md section's first lines: its title, the exact command and the machine."""
     cmd = " ".join([f"python -m {module}", *(argv if argv is not None else sys.argv[1:])])
     return [f"## {title}", "", f"Command: `{cmd}`  ", f"Machine: {machine_line()}", ""]
 
@@ -103,7 +103,7 @@ def plot_load(name: str, cpu_cores: float, records_per_s: float, title: str) -> 
 
 
 def update_section(name: str, markdown: str) -> None:
-    """Replace (or append) this benchmark's section of BENCHMARKS.md."""
+    """Replace (or append) this benchmark's section of docs/performance.md."""
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
     text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "# Benchmarks\n\n"
     block = f"{start}\n{markdown.rstrip()}\n{end}"

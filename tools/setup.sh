@@ -17,6 +17,7 @@ command -v mkfs.ext4 >/dev/null || need_pkgs+=(e2fsprogs)  # the state-directory
 command -v java >/dev/null || need_pkgs+=(openjdk-17-jre-headless)
 command -v mvn >/dev/null || need_pkgs+=(maven)
 command -v gcc >/dev/null || need_pkgs+=(gcc)  # the compiled modules (setup.py: Cython writes C, gcc builds it)
+command -v chromium >/dev/null || need_pkgs+=(chromium)  # the docs site's browser test (headless, Debian's)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
     echo "setup: installing Debian packages: ${need_pkgs[*]}"
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_pkgs[@]}") >/tmp/flow-exporter-apt.log 2>&1 \

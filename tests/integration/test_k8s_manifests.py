@@ -26,13 +26,15 @@ K8S = REPO / "k8s"
 NAMESPACE = "flow-exporter"
 # Not applied by the kustomization: an example the operator replaces with a real Secret.
 EXAMPLES = {"secret-example.yaml"}
+# Not a manifest: the values the chart renders k8s/ with (devtools.manifests).
+VALUES = {"values.yaml"}
 REQUIRED = {"namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "daemonset.yaml"}
 # kustomize names a generated ConfigMap <name>-<10-character hash of its content>; render() writes this
 # in its place, and the comparison with kustomize's own output puts it back (the hash is kustomize's).
 HASH = "hhhhhhhhhh"
 _HASHED = re.compile(r"\b(flow-exporter)-[a-z0-9]{10}\b")
 KUSTOMIZE_VERSION = "v5.8.2"  # the newest that builds with the Go toolchain here (v5.8.3 needs Go 1.27)
-# BENCHMARKS.md: RSS per tracked connection and at start (used if its line cannot be parsed).
+# docs/performance.md: RSS per tracked connection and at start (used if its line cannot be parsed).
 BYTES_PER_CONNECTION = 1300
 BASELINE_RSS = 38 * 2**20
 # Kubernetes' resource.Quantity suffixes this test needs.
@@ -160,7 +162,7 @@ def quantity(value: str | int) -> float:
 
 
 def bytes_per_connection() -> int:
-    m = re.search(r"(\d+) bytes of RSS per tracked connection", (REPO / "BENCHMARKS.md").read_text())
+    m = re.search(r"(\d+) bytes of RSS per tracked connection", (REPO / "docs" / "performance.md").read_text())
     return int(m.group(1)) if m else BYTES_PER_CONNECTION
 
 
@@ -172,14 +174,14 @@ def test_kustomization_lists_every_manifest() -> None:
     listed = k["resources"]
     generated = {f for gen in k["configMapGenerator"] for f in gen["files"]}
     assert generated == {"config.yaml"}
-    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"} - EXAMPLES - generated
+    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"} - EXAMPLES - VALUES - generated
     assert len(listed) == len(set(listed))
     assert set(listed) == on_disk
     assert set(listed) >= REQUIRED
 
 
 def test_every_object_is_namespaced_and_labelled(docs: list[dict[str, Any]]) -> None:
-    labels = {k: v for entry in kustomization()["labels"] for k, v in entry["pairs"].items()}
+    labels = {k: v for entry in kustomization().get("labels", []) for k, v in entry["pairs"].items()}
     for doc in docs:
         meta = doc["metadata"]
         if doc["kind"] not in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
@@ -236,6 +238,7 @@ def test_a_config_change_rolls_the_pods(tmp_path: Path) -> None:
     config_file.write_text(config_file.read_text().replace("pollInterval: 5s", "pollInterval: 10s"))
     after = pod_template(copy)
     assert after != before
+
     def config_map(template: dict[str, Any]) -> str:
         [name] = re.findall(r"'name': '(flow-exporter-[a-z0-9]{10})'", repr(template["spec"]["volumes"]))
         return name
@@ -255,7 +258,7 @@ def test_daemonset_container_security(pod: dict[str, Any], container: dict[str, 
     (state,) = [v for v in pod["volumes"] if "hostPath" in v]
     assert state["hostPath"] == {"path": "/var/lib/flow-exporter", "type": "DirectoryOrCreate"}
     mounts = {m["name"]: m for m in container["volumeMounts"]}
-    assert mounts[state["name"]]["mountPath"] == config["state.dir"]
+    assert mounts[state["name"]]["mountPath"] == config.state.dir
     ctx = container["securityContext"]
     assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN"]}
     assert ctx["readOnlyRootFilesystem"] is True
@@ -290,7 +293,7 @@ def test_daemonset_scheduling_and_lifecycle(docs: list[dict[str, Any]], pod: dic
     selector = ds["spec"]["selector"]["matchLabels"]
     assert ds["spec"]["template"]["metadata"]["labels"].items() >= selector.items()
     # The kubelet's SIGKILL must not cut the final records short (see the comment in daemonset.yaml).
-    assert pod["terminationGracePeriodSeconds"] >= config["shutdown.grace"] + 5
+    assert pod["terminationGracePeriodSeconds"] >= config.shutdown.grace + 5
 
 
 def test_daemonset_identity_matches_rbac(docs: list[dict[str, Any]], pod: dict[str, Any]) -> None:
@@ -304,7 +307,7 @@ def test_daemonset_identity_matches_rbac(docs: list[dict[str, Any]], pod: dict[s
 def test_daemonset_probes_env_and_scraping(
     docs: list[dict[str, Any]], container: dict[str, Any], config: Config
 ) -> None:
-    port = config["metrics.port"]
+    port = config.metrics.port
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["metrics"] == port
     for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
@@ -363,12 +366,12 @@ def test_daemonset_resources_fit_the_benchmarks(container: dict[str, Any], confi
     assert quantity(res["requests"]["cpu"]) <= quantity(res["limits"]["cpu"])
     # The store full at limits.maxConnections must fit, with limits.maxInFlight records in flight on top
     # (~1.1 KB each, measured): also at shutdown, whose final records go out in rounds within that cap.
-    store = config["limits.maxConnections"] * bytes_per_connection()
-    in_flight = config["limits.maxInFlight"] * 1100
+    store = config.limits.max_connections * bytes_per_connection()
+    in_flight = config.limits.max_in_flight * 1100
     assert quantity(res["limits"]["memory"]) >= BASELINE_RSS + store + in_flight
     # A full poll at the cap must fit in a poll interval: ~0.3 s of one core per 100k entries with the
     # compiled paths the image always has (bench_compiled: 2.35 s at 1M; bench_node: 1.34 s at 500k).
-    poll_cores = config["limits.maxConnections"] / 100_000 * 0.3 / config["conntrack.pollInterval"]
+    poll_cores = config.limits.max_connections / 100_000 * 0.3 / config.conntrack.poll_interval
     assert quantity(res["limits"]["cpu"]) >= poll_cores
 
 
@@ -376,9 +379,9 @@ def test_daemonset_resources_fit_the_benchmarks(container: dict[str, Any], confi
 
 
 def test_configmap_config_loads(config: Config, container: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    assert config["k8s.enabled"] is True
-    assert config["kafka.topic"] == "flows"
-    assert config["metrics.port"] == 9690
+    assert config.k8s.enabled is True
+    assert config.kafka.topic == "flows"
+    assert config.metrics.port == 9690
     # nodeName is empty, so records carry NODE_NAME, which the downward API sets.
     monkeypatch.setenv("NODE_NAME", pod_env(container)["NODE_NAME"])
     assert config.node_name == "node-a"
