@@ -36,7 +36,7 @@ from flow_exporter.ports import (
 from flow_exporter.readings import Readings, Timings
 from flow_exporter.retry import sleep_on
 from flow_exporter.sampling import Sampler, Schedule
-from flow_exporter.settings import DEFAULTS
+from flow_exporter.settings import DEFAULT_SETTINGS
 from flow_exporter.shedding import Budget, Shedder
 from flow_exporter.store import ConnectionStore
 from flow_exporter.timeouts import Timeouts
@@ -86,11 +86,11 @@ class ExporterOptions:
     timeouts: Timeouts = field(default_factory=Timeouts)
     node_name: str = ""
     zones: frozenset[int] = frozenset()  # empty: every zone
-    retry_initial: float = DEFAULTS["retry.initialBackoff"]
-    retry_max: float = DEFAULTS["retry.maxBackoff"]
-    grace: float = DEFAULTS["shutdown.grace"]
-    max_connections: int = DEFAULTS["limits.maxConnections"]
-    max_in_flight: int = DEFAULTS["limits.maxInFlight"]
+    retry_initial: float = DEFAULT_SETTINGS.retry.initial_backoff
+    retry_max: float = DEFAULT_SETTINGS.retry.max_backoff
+    grace: float = DEFAULT_SETTINGS.shutdown.grace
+    max_connections: int = DEFAULT_SETTINGS.limits.max_connections
+    max_in_flight: int = DEFAULT_SETTINGS.limits.max_in_flight
     compiled: bool = True  # the compiled poll path, when built (a test seam: the build is chosen once)
     cache_prefixes: bool = True  # keep active connections' record prefixes (export.prefixCache, resolved)
     adopt: bool = True  # no state to continue from: connections found live are flagged adopted
@@ -99,8 +99,8 @@ class ExporterOptions:
     sampling_probability: float = 1.0  # sampling.probability: 1 keeps every connection (no sampler)
     sampling_seed: str = ""  # sampling.seed (a secret: never logged)
     sampling_budget: Budget = field(default_factory=Budget)  # sampling.budget.*: adaptive shedding when set
-    sampling_interval: float = DEFAULTS["sampling.adjustInterval"]
-    sampling_max_level: int = DEFAULTS["sampling.maxHalvings"]
+    sampling_interval: float = DEFAULT_SETTINGS.sampling.adjust_interval
+    sampling_max_level: int = DEFAULT_SETTINGS.sampling.max_halvings
 
 
 class Exporter:

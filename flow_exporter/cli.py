@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from flow_exporter import __version__, commands
-from flow_exporter.config import Config, ConfigError, add_flags, from_flags
+from flow_exporter.config import ConfigError, Settings, add_flags, from_flags
 from flow_exporter.settings import defaults_text
 
 log = logging.getLogger("flow_exporter")
@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load_config(args: argparse.Namespace) -> Config:
+def _load_config(args: argparse.Namespace) -> Settings:
     """The settings, with librdkafka's judgement of ``kafka.producer`` (a bad one exits 2 before anything starts)."""
     from flow_exporter.sink.kafka import check_config
 
@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in commands.COMMANDS:
         return commands.run(args)
     try:
-        cfg = _load_config(args)
+        settings = _load_config(args)
     except ConfigError as exc:
         print(f"flow-exporter: {exc}", file=sys.stderr)
         return 2
@@ -91,24 +91,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             from flow_exporter.runner import preflight
 
             try:
-                preflight(cfg)
+                preflight(settings)
             except ConfigError as exc:
                 print(f"flow-exporter: {exc}", file=sys.stderr)
                 return 2
         try:
             if args.print:
-                shown = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.masked().items()}
-                print(json.dumps(shown, indent=2, default=str), flush=True)
+                print(json.dumps(settings.masked(), indent=2, default=str), flush=True)
             else:
                 print(defaults_text(), end="", flush=True)
         except BrokenPipeError:
             # The reader went away (``| head``): stop quietly, and keep Python's exit flush quiet too.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    setup_logging(cfg["log.level"], cfg["log.format"])
+    setup_logging(settings.log.level, settings.log.format)
     from flow_exporter.runner import run_exporter
 
-    return run_exporter(cfg, install_signals=_install_signals)
+    return run_exporter(settings, install_signals=_install_signals)
 
 
 def _install_signals(stop: Any) -> None:

@@ -31,7 +31,7 @@ from flow_exporter.flow import REASON_NAMES
 if TYPE_CHECKING:
     from confluent_kafka.schema_registry import SchemaRegistryClient
 
-    from flow_exporter.config import Config
+    from flow_exporter.settings import Settings
 
 COMMANDS = ("tail", "schema")
 _PORTLESS = (PROTO_ICMP, PROTO_ICMPV6)
@@ -80,17 +80,17 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda _signum, _frame: stop.set())
     try:
-        cfg = _load(args)
+        settings = _load(args)
     except ConfigError as exc:
         print(f"flow-exporter: {exc}", file=sys.stderr)
         return 2
     if args.count is not None and args.count < 1:
         print("flow-exporter tail: --count must be at least 1", file=sys.stderr)
         return 2
-    return tail_command(args, cfg, sys.stdout, sys.stderr, stop)
+    return tail_command(args, settings, sys.stdout, sys.stderr, stop)
 
 
-def _load(args: argparse.Namespace) -> Config:
+def _load(args: argparse.Namespace) -> Settings:
     from flow_exporter.sink.kafka import check_config
 
     return from_flags(args, checks=(check_config,))
@@ -323,11 +323,13 @@ def _endpoint(addr: str, port: int | None, ns: str | None, pod: str | None) -> s
 
 
 # ---------------------------------------------------------------------- tail
-def consumer_config(cfg: Config) -> dict[str, Any]:
+def consumer_config(settings: Settings) -> dict[str, Any]:
     """The exporter's connection settings (brokers, TLS, SASL) for a throw-away, non-committing consumer."""
-    passthrough = cfg["kafka.producer"]
+    passthrough = settings.kafka.producer
     conf = {
-        k: v for k, v in cfg.producer_config().items() if k not in passthrough or k.startswith(_CONNECTION_PREFIXES)
+        k: v
+        for k, v in settings.producer_config().items()
+        if k not in passthrough or k.startswith(_CONNECTION_PREFIXES)
     }
     conf.update(
         {
@@ -340,26 +342,27 @@ def consumer_config(cfg: Config) -> dict[str, Any]:
 
 
 def tail_command(
-    args: argparse.Namespace, cfg: Config, out: TextIO, err: TextIO, stop: threading.Event | None = None
+    args: argparse.Namespace, settings: Settings, out: TextIO, err: TextIO, stop: threading.Event | None = None
 ) -> int:
     """Read, filter and print records until Ctrl-C or ``--count``."""
     from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaException, TopicPartition
 
-    topic = cfg["kafka.topic"]
+    topic = settings.kafka.topic
     registry = None
-    if cfg["schemaRegistry.url"]:
+    if settings.schema_registry.url:
         from flow_exporter.sink.registry import make_client
 
-        registry = make_client(cfg["schemaRegistry.url"], cfg["schemaRegistry.basicAuthUserInfo"])
+        registry = make_client(settings.schema_registry.url, settings.schema_registry.basic_auth_user_info)
     decoder = ValueDecoder(require_framing=args.confluent, registry=registry)
-    consumer = Consumer({**consumer_config(cfg), "logger": _QUIET, "error_cb": _ErrorLine(err)})
+    consumer = Consumer({**consumer_config(settings), "logger": _QUIET, "error_cb": _ErrorLine(err)})
     try:
         try:
             md = consumer.list_topics(topic, timeout=15.0)
         except KafkaException as exc:
             consumer.poll(0)  # the error_cb lines that say why come first
             reason = exc.args[0].str() if hasattr(exc.args[0], "str") else exc.args[0]
-            print(f"flow-exporter tail: kafka {cfg['kafka.bootstrapServers']} not reachable: {reason}", file=err)
+            servers = settings.kafka.bootstrap_servers
+            print(f"flow-exporter tail: kafka {servers} not reachable: {reason}", file=err)
             return 1
         tmd = md.topics.get(topic)
         if tmd is None or tmd.error is not None or not tmd.partitions:

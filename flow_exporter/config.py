@@ -1,9 +1,10 @@
 """Configuration: one YAML file, then ``FLOW_EXPORTER_*`` environment variables, then CLI flags.
 
 Every setting is declared once, in :mod:`flow_exporter.settings`; this module reads the
-sources, applies that table, and checks what spans several settings (TLS files, SASL, backoff
-order). Any bad value raises :class:`ConfigError` naming the key and the value; the CLI turns
-it into exit code 2.
+sources, parses each value by its declaration, builds the typed :class:`Settings` (whose
+sections check what spans their settings), and checks what needs files: the Kafka TLS and SASL
+settings, whose secrets it reads. Any bad value raises :class:`ConfigError` naming the key and
+the value; the CLI turns it into exit code 2.
 """
 
 from __future__ import annotations
@@ -14,70 +15,31 @@ import os
 import socket
 import ssl
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from flow_exporter import compiled
-from flow_exporter.settings import BY_KEY, ENV_PREFIX, MIN_PROBABILITY, SASL_MECHANISMS, SETTINGS, ConfigError, shown
+from flow_exporter.settings import BY_KEY, ENV_PREFIX, SASL_MECHANISMS, SETTINGS, ConfigError, Settings, settings_from
 
-__all__ = ["Config", "ConfigError", "add_flags", "from_env", "from_flags", "load", "parse_overrides", "read_file"]
-
-
-@dataclass(frozen=True)
-class Config:
-    """Validated settings, by key (``config["kafka.topic"]``) and a few helpers.
-
-    ``secrets`` holds passwords read from files at load time, by the key of the setting they
-    stand for; they never appear in ``values``, ``repr()`` or :meth:`masked`.
-    """
-
-    values: Mapping[str, Any]
-    secrets: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
-
-    def __getitem__(self, key: str) -> Any:
-        return self.values[key]
-
-    def __repr__(self) -> str:
-        return f"Config({self.masked()!r})"
-
-    @property
-    def node_name(self) -> str:
-        return self.values["nodeName"] or os.environ.get("NODE_NAME") or socket.gethostname()
-
-    def masked(self) -> dict[str, Any]:
-        """The values with every secret (also inside kafka.producer) shown as ``***``, for printing."""
-        return {k: shown(k, v) for k, v in self.values.items()}
-
-    def producer_config(self) -> dict[str, Any]:
-        """librdkafka settings; ``kafka.producer`` entries win over the ones derived here."""
-        v = self.values
-        conf: dict[str, Any] = {"bootstrap.servers": v["kafka.bootstrapServers"]}
-        protocol = v["kafka.securityProtocol"]
-        if protocol != "PLAINTEXT":
-            conf["security.protocol"] = protocol
-        if protocol.startswith("SASL_"):
-            conf["sasl.mechanisms"] = v["kafka.sasl.mechanism"]
-            conf["sasl.username"] = v["kafka.sasl.username"]
-            conf["sasl.password"] = self.secrets.get("kafka.sasl.password", v["kafka.sasl.password"])
-        if protocol in ("SSL", "SASL_SSL"):
-            for key, name in _TLS_FILES.items():
-                if v[key] is not None:
-                    conf[name] = v[key]
-            if "kafka.tls.keyPassword" in self.secrets:
-                conf["ssl.key.password"] = self.secrets["kafka.tls.keyPassword"]
-            conf["ssl.endpoint.identification.algorithm"] = "https" if v["kafka.tls.verifyHostname"] else "none"
-        return {**conf, **v["kafka.producer"]}
+__all__ = [
+    "ConfigError",
+    "Settings",
+    "add_flags",
+    "from_env",
+    "from_flags",
+    "load",
+    "parse_overrides",
+    "read_file",
+    "this_node",
+]
 
 
-_TLS_FILES = {
-    "kafka.tls.caFile": "ssl.ca.location",
-    "kafka.tls.certFile": "ssl.certificate.location",
-    "kafka.tls.keyFile": "ssl.key.location",
-}
-_SASL_KEYS = ("kafka.sasl.mechanism", "kafka.sasl.username", "kafka.sasl.password", "kafka.sasl.passwordFile")
+def this_node(settings: Settings) -> str:
+    """This node's name in records: ``nodeName``, else $NODE_NAME (the DaemonSet's downward API), else the host name."""
+    return settings.node_name or os.environ.get("NODE_NAME") or socket.gethostname()
 
 
 def _read_secret(key: str, path: str) -> str:
@@ -103,27 +65,35 @@ def _check_readable(key: str, path: str) -> None:
         raise ConfigError(key, path, f"unreadable: {getattr(exc, 'strerror', None) or exc}") from None
 
 
-def _kafka_security(values: Mapping[str, Any]) -> dict[str, str]:
+def _kafka_security(settings: Settings) -> dict[str, str]:
     """Check the SASL and TLS settings against the protocol; read the secret files (once, at start).
 
     Settings that the protocol would silently ignore are errors: an operator who gave a
     password or a CA meant the connection to be authenticated or encrypted.
     """
-    protocol = values["kafka.securityProtocol"]
+    kafka = settings.kafka
+    protocol = kafka.security_protocol
     sasl, tls = protocol.startswith("SASL_"), protocol in ("SSL", "SASL_SSL")
-    for key in _SASL_KEYS:
-        if values[key] is not None and not sasl:
-            raise ConfigError(key, values[key], f"needs kafka.securityProtocol SASL_PLAINTEXT/SASL_SSL, not {protocol}")
-    for key in (*_TLS_FILES, "kafka.tls.keyPasswordFile"):
-        if values[key] is not None and not tls:
-            raise ConfigError(key, values[key], f"needs kafka.securityProtocol SSL/SASL_SSL, not {protocol}")
+    sasl_given = (
+        ("kafka.sasl.mechanism", kafka.sasl.mechanism),
+        ("kafka.sasl.username", kafka.sasl.username),
+        ("kafka.sasl.password", kafka.sasl.password),
+        ("kafka.sasl.passwordFile", kafka.sasl.password_file),
+    )
+    for key, value in sasl_given:
+        if value is not None and not sasl:
+            raise ConfigError(key, value, f"needs kafka.securityProtocol SASL_PLAINTEXT/SASL_SSL, not {protocol}")
+    files = _tls_files(settings)
+    for key, value in (*files, ("kafka.tls.keyPasswordFile", kafka.tls.key_password_file)):
+        if value is not None and not tls:
+            raise ConfigError(key, value, f"needs kafka.securityProtocol SSL/SASL_SSL, not {protocol}")
     secrets: dict[str, str] = {}
     if sasl:
-        if values["kafka.sasl.mechanism"] is None:
+        if kafka.sasl.mechanism is None:
             raise ConfigError("kafka.sasl.mechanism", None, f"required with {protocol}: " + ", ".join(SASL_MECHANISMS))
-        if values["kafka.sasl.username"] is None:
+        if kafka.sasl.username is None:
             raise ConfigError("kafka.sasl.username", None, f"required with {protocol}")
-        inline, path = values["kafka.sasl.password"], values["kafka.sasl.passwordFile"]
+        inline, path = kafka.sasl.password, kafka.sasl.password_file
         if inline is not None and path is not None:
             raise ConfigError("kafka.sasl.password", inline, "given both inline and as kafka.sasl.passwordFile")
         if path is not None:
@@ -135,20 +105,30 @@ def _kafka_security(values: Mapping[str, Any]) -> dict[str, str]:
                 f"required with {protocol}: set kafka.sasl.passwordFile or {BY_KEY['kafka.sasl.password'].env}",
             )
     if tls:
-        for key in _TLS_FILES:
-            if values[key] is not None and not _ca_not_a_file(key, values[key]):
-                _check_readable(key, values[key])
-        cert, key_file = values["kafka.tls.certFile"], values["kafka.tls.keyFile"]
+        for key, value in files:
+            if value is not None and not _ca_not_a_file(key, value):
+                _check_readable(key, value)
+        cert, key_file = kafka.tls.cert_file, kafka.tls.key_file
         if (cert is None) != (key_file is None):
             missing = "kafka.tls.keyFile" if key_file is None else "kafka.tls.certFile"
             raise ConfigError(missing, None, "mutual TLS needs both kafka.tls.certFile and kafka.tls.keyFile")
-        key_password = values["kafka.tls.keyPasswordFile"]
+        key_password = kafka.tls.key_password_file
         if key_password is not None:
             if key_file is None:
                 raise ConfigError("kafka.tls.keyPasswordFile", key_password, "needs kafka.tls.keyFile")
             secrets["kafka.tls.keyPassword"] = _read_secret("kafka.tls.keyPasswordFile", key_password)
-        _check_pem(values, secrets.get("kafka.tls.keyPassword"))
+        _check_pem(settings, secrets.get("kafka.tls.keyPassword"))
     return secrets
+
+
+def _tls_files(settings: Settings) -> tuple[tuple[str, str | None], ...]:
+    """The PEM files librdkafka is given, by key (the key password's file is read here, not by librdkafka)."""
+    tls = settings.kafka.tls
+    return (
+        ("kafka.tls.caFile", tls.ca_file),
+        ("kafka.tls.certFile", tls.cert_file),
+        ("kafka.tls.keyFile", tls.key_file),
+    )
 
 
 def _ca_not_a_file(key: str, path: str) -> bool:
@@ -156,17 +136,18 @@ def _ca_not_a_file(key: str, path: str) -> bool:
     return key == "kafka.tls.caFile" and (path == "probe" or os.path.isdir(path))
 
 
-def _check_pem(values: Mapping[str, Any], key_password: str | None) -> None:
+def _check_pem(settings: Settings, key_password: str | None) -> None:
     """Load the CA, certificate and key with OpenSSL as librdkafka will, so a wrong file or
     passphrase stops the start naming its key, instead of a traceback from the producer."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    for key in ("kafka.tls.caFile", "kafka.tls.certFile"):
-        if values[key] is not None and not _ca_not_a_file(key, values[key]):
+    tls = settings.kafka.tls
+    for key, path in (("kafka.tls.caFile", tls.ca_file), ("kafka.tls.certFile", tls.cert_file)):
+        if path is not None and not _ca_not_a_file(key, path):
             try:
-                ctx.load_verify_locations(cafile=values[key])
+                ctx.load_verify_locations(cafile=path)
             except ssl.SSLError:
-                raise ConfigError(key, values[key], "holds no PEM certificate") from None
-    cert, key_file = values["kafka.tls.certFile"], values["kafka.tls.keyFile"]
+                raise ConfigError(key, path, "holds no PEM certificate") from None
+    cert, key_file = tls.cert_file, tls.key_file
     if cert is None or key_file is None:
         return
     try:  # the callback keeps OpenSSL from prompting on a terminal for a missing passphrase
@@ -179,7 +160,7 @@ def _check_pem(values: Mapping[str, Any], key_password: str | None) -> None:
         if key_password is None:
             raise ConfigError("kafka.tls.keyFile", key_file, "encrypted: set kafka.tls.keyPasswordFile") from None
         raise ConfigError(
-            "kafka.tls.keyPasswordFile", values["kafka.tls.keyPasswordFile"], "does not decrypt kafka.tls.keyFile"
+            "kafka.tls.keyPasswordFile", tls.key_password_file, "does not decrypt kafka.tls.keyFile"
         ) from None
 
 
@@ -335,7 +316,7 @@ MAP_KEYS = ("kafka.producer",)  # map settings whose entries a flag may set one 
 
 # A check the caller adds to loading (the entry points add the Kafka producer's, so that this module
 # stays below the edges): it raises ConfigError naming the setting.
-Check = Callable[[Mapping[str, Any]], None]
+Check = Callable[[Settings], None]
 
 
 def load(
@@ -343,8 +324,12 @@ def load(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     checks: Sequence[Check] = (),
-) -> Config:
-    """Merge file < environment < flags over the defaults, and validate every value (``checks`` last)."""
+) -> Settings:
+    """Merge file < environment < flags over the defaults, and validate every value (``checks`` last).
+
+    Each value is parsed by its setting's parser, then the settings are built (each section checks what spans
+    its settings: retry order, Cilium without zones, shedding's depth), then the Kafka security settings are
+    checked against each other and their files read, then ``checks``."""
     raw: dict[str, Any] = {}
     maps: dict[str, dict[str, Any]] = {}  # MAP_KEYS: each source's map merged over the earlier ones
     sources = (
@@ -358,23 +343,12 @@ def load(
                 maps.setdefault(key, {}).update(BY_KEY[key].parse(key, source.pop(key)))
         raw.update(source)
     raw.update(maps)
-    values = {s.key: s.default for s in SETTINGS}
-    for key, value in raw.items():
-        values[key] = BY_KEY[key].parse(key, value)
-    if values["retry.maxBackoff"] < values["retry.initialBackoff"]:
-        raise ConfigError("retry.maxBackoff", values["retry.maxBackoff"], "must be >= retry.initialBackoff")
-    if values["conntrack.source"] == "cilium" and values["conntrack.zones"]:
-        raise ConfigError("conntrack.zones", values["conntrack.zones"], "Cilium's CT maps have no zones "
-                          "(conntrack.source is cilium): leave it empty")  # fmt: skip
-    deepest = values["sampling.probability"] / 2 ** values["sampling.maxHalvings"]
-    shedding = values["sampling.budget.connections"] or values["sampling.budget.recordsPerSecond"]
-    if shedding and deepest < MIN_PROBABILITY:
-        raise ConfigError("sampling.maxHalvings", values["sampling.maxHalvings"],
-                          f"sampling.probability halved that often is below 2**-32 ({deepest:g})")  # fmt: skip
-    secrets = _kafka_security(values)
+    values = {key: BY_KEY[key].parse(key, value) for key, value in raw.items()}
+    settings = settings_from(values)  # each section checks what spans its settings (settings.RetrySettings, ...)
+    settings = replace(settings, secrets=_kafka_security(settings))
     for check in checks:
-        check(values)
-    return Config(values, secrets)
+        check(settings)
+    return settings
 
 
 # The command line's third source: --config, --set for any key, and shortcuts for the keys set most
@@ -400,7 +374,7 @@ def add_flags(
             parser.add_argument(f"--{flag}", help=f"same as --set {key}=...")
 
 
-def from_flags(args: argparse.Namespace, checks: Sequence[Check] = ()) -> Config:
+def from_flags(args: argparse.Namespace, checks: Sequence[Check] = ()) -> Settings:
     """The settings of a command whose flags ``add_flags`` declared: file < environment < flags."""
     overrides: dict[str, Any] = parse_overrides(args.set)
     for flag, key in SHORTCUTS:

@@ -12,7 +12,7 @@ for counters, labels instead of name variants); the process's own metrics
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 from flow_exporter.flow import GIVE_UP_REASONS
 from flow_exporter.ports import BrokerStats, ClientStats
 from flow_exporter.readings import Readings
-from flow_exporter.settings import DEFAULTS
+from flow_exporter.settings import DEFAULT_SETTINGS, Settings
 
 log = logging.getLogger(__name__)
 
@@ -150,12 +150,14 @@ _CHECKPOINT_FAMILIES: tuple[tuple[str, str, str, str], ...] = (
 )
 GIVEN_UP_REASONS = GIVE_UP_REASONS
 # Settings served as gauges, so an alert or a dashboard can set a reading against its limit
-# (last_poll_seconds / poll_interval_seconds, records_in_flight / max_in_flight): (key, name, help).
-_SETTING_FAMILIES: tuple[tuple[str, str, str], ...] = (
-    ("conntrack.pollInterval", "poll_interval_seconds", "conntrack.pollInterval: the time between two polls."),
-    ("limits.maxInFlight", "max_in_flight", "limits.maxInFlight: the cap on records awaiting Kafka's ack."),
-    ("limits.maxConnections", "max_connections", "limits.maxConnections: the cap on connections in the store."),
-)
+# (last_poll_seconds / poll_interval_seconds, records_in_flight / max_in_flight): (its reading, name, help).
+_SETTING_FAMILIES: tuple[tuple[Callable[[Settings], float], str, str], ...] = (
+    (lambda s: s.conntrack.poll_interval, "poll_interval_seconds",
+     "conntrack.pollInterval: the time between two polls."),
+    (lambda s: s.limits.max_in_flight, "max_in_flight", "limits.maxInFlight: the cap on records awaiting Kafka's ack."),
+    (lambda s: s.limits.max_connections, "max_connections",
+     "limits.maxConnections: the cap on connections in the store."),
+)  # fmt: skip
 # Counters other parts hand in through Readings.extra (the runner: Kubernetes enrichment), with their help.
 EXTRA_FAMILIES = {
     "enrichment_lookups": "Connections looked up in the Kubernetes caches.",
@@ -193,10 +195,10 @@ def build_labels() -> dict[str, str]:
 class Metrics:
     """The exporter's metrics registry (one per process; tests make their own); also its :class:`Timings`.
 
-    ``settings`` (the config, by key) gives the values of the setting gauges; missing keys take their defaults.
+    ``settings`` gives the values of the setting gauges (None: the defaults).
     """
 
-    def __init__(self, settings: Mapping[str, object] | None = None) -> None:
+    def __init__(self, settings: Settings | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._ready: Callable[[], bool] | None = None
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, resident memory, open fds
@@ -216,7 +218,8 @@ class Metrics:
             registry=self.registry,
         )
 
-        self.registry.register(_SettingsCollector({key: _setting(settings, key) for key, *_ in _SETTING_FAMILIES}))
+        given = DEFAULT_SETTINGS if settings is None else settings
+        self.registry.register(_SettingsCollector({name: float(read(given)) for read, name, _ in _SETTING_FAMILIES}))
         self.registry.register(_ReadyCollector(self))
 
     def bind_ready(self, check: Callable[[], bool]) -> None:
@@ -234,19 +237,13 @@ class Metrics:
         self.registry.register(_ReadingsCollector(read))
 
 
-def _setting(settings: Mapping[str, object] | None, key: str) -> float:
-    value = DEFAULTS[key] if settings is None else settings[key]
-    assert isinstance(value, int | float), key
-    return float(value)
-
-
 class _SettingsCollector(Collector):
     def __init__(self, values: dict[str, float]) -> None:
         self.values = values
 
     def collect(self) -> Iterator[Metric]:
-        for key, name, doc in _SETTING_FAMILIES:
-            yield GaugeMetricFamily(f"flow_exporter_{name}", doc, value=self.values[key])
+        for _, name, doc in _SETTING_FAMILIES:
+            yield GaugeMetricFamily(f"flow_exporter_{name}", doc, value=self.values[name])
 
 
 class _ReadyCollector(Collector):

@@ -21,7 +21,7 @@ from flow_exporter import compiled, gc_policy, sampling_state
 from flow_exporter.app import Exporter, ExporterOptions
 from flow_exporter.checkpoint import Checkpoint, CheckpointError, Loaded
 from flow_exporter.completeness import Completeness
-from flow_exporter.config import Config, ConfigError
+from flow_exporter.config import ConfigError, Settings, this_node
 from flow_exporter.conntrack.errors import is_fatal
 from flow_exporter.conntrack.events import ConntrackEvents
 from flow_exporter.flow import BOTH_DIRECTIONS
@@ -33,7 +33,7 @@ from flow_exporter.probes import liveness, readiness, routes
 from flow_exporter.readings import Readings
 from flow_exporter.sampling import Schedule
 from flow_exporter.shedding import Budget
-from flow_exporter.sink import KafkaSink, Route
+from flow_exporter.sink import KafkaSink
 from flow_exporter.sink.discard import DiscardSink
 from flow_exporter.sink.encoder import RecordEncoder
 from flow_exporter.sink.kafka import redact
@@ -50,83 +50,79 @@ log = logging.getLogger(__name__)
 PREFIX_CACHE_BELOW = 30.0
 
 
-def build_sink(cfg: Config, lifecycle: Lifecycle | None = None, schedule: Schedule | None = None) -> KafkaSink:
+def build_sink(settings: Settings, lifecycle: Lifecycle | None = None, schedule: Schedule | None = None) -> KafkaSink:
     lifecycle = lifecycle or Lifecycle()
-    routes = [
-        Route(r["topic"], flow_type=r.get("flowType"), end_reason=r.get("endReason")) for r in cfg["kafka.routes"]
-    ]
+    routes = settings.kafka.routes
     return KafkaSink(
         # librdkafka's own log lines through Python logging, so --log-format json holds for them too.
-        {"logger": logging.getLogger("flow_exporter.rdkafka"), **cfg.producer_config()},
-        cfg["kafka.topic"],
+        {"logger": logging.getLogger("flow_exporter.rdkafka"), **settings.producer_config()},
+        settings.kafka.topic,
         # Confluent framing if a registry is set, a subject per topic.
         with_registry(
-            cfg,
+            settings,
             RecordEncoder(
-                cfg.node_name,
-                cfg["communityId.seed"],
-                cfg["clusterName"],
-                cfg["record.attributes"],
-                cfg["sampling.probability"],
+                this_node(settings),
+                settings.community_id.seed,
+                settings.cluster_name,
+                dict(settings.record.attributes),
+                settings.sampling.probability,
                 schedule,
             ),
-            [cfg["kafka.topic"], *(r.topic for r in routes)],
+            [settings.kafka.topic, *(r.topic for r in routes)],
         ),
         routes,
-        retry_initial=cfg["retry.initialBackoff"],
-        retry_max=cfg["retry.maxBackoff"],
+        retry_initial=settings.retry.initial_backoff,
+        retry_max=settings.retry.max_backoff,
         stopping=lifecycle.stopping,
         on_wait=partial(lifecycle.beat, "expire"),  # blocked on a full queue is still alive
     )
 
 
-def timeouts_from(cfg: Config) -> Timeouts:
+def timeouts_from(settings: Settings) -> Timeouts:
     return Timeouts.normalized(
-        cfg["conntrack.pollInterval"],
-        cfg["expiry.activeTimeout"],
-        cfg["expiry.idleTimeout"],
+        settings.conntrack.poll_interval, settings.expiry.active_timeout, settings.expiry.idle_timeout
     )
 
 
-def options_from(cfg: Config, *, adopt: bool, source: str = "netfilter") -> ExporterOptions:
+def options_from(settings: Settings, *, adopt: bool, source: str = "netfilter") -> ExporterOptions:
     """The loops' settings from the config (``adopt``: no state to continue from; ``source``: the one chosen)."""
-    timeouts = timeouts_from(cfg)
-    cache = cfg["export.prefixCache"]
+    timeouts = timeouts_from(settings)
+    cache = settings.export.prefix_cache
     return ExporterOptions(
         timeouts=timeouts,
-        node_name=cfg.node_name,
-        zones=frozenset(cfg["conntrack.zones"]),
-        retry_initial=cfg["retry.initialBackoff"],
-        retry_max=cfg["retry.maxBackoff"],
-        grace=cfg["shutdown.grace"],
-        max_connections=cfg["limits.maxConnections"],
-        max_in_flight=cfg["limits.maxInFlight"],
+        node_name=this_node(settings),
+        zones=frozenset(settings.conntrack.zones),
+        retry_initial=settings.retry.initial_backoff,
+        retry_max=settings.retry.max_backoff,
+        grace=settings.shutdown.grace,
+        max_connections=settings.limits.max_connections,
+        max_in_flight=settings.limits.max_in_flight,
         cache_prefixes=timeouts.active < PREFIX_CACHE_BELOW if cache is None else cache,
         adopt=adopt,
-        source_flags=BOTH_DIRECTIONS if source == "cilium" and cfg["cilium.counters"] == "combined" else 0,
+        source_flags=BOTH_DIRECTIONS if source == "cilium" and settings.cilium.counters == "combined" else 0,
         source=source,
-        sampling_probability=cfg["sampling.probability"],
-        sampling_seed=cfg["sampling.seed"],
-        sampling_budget=budget_from(cfg),
-        sampling_interval=cfg["sampling.adjustInterval"],
-        sampling_max_level=cfg["sampling.maxHalvings"],
+        sampling_probability=settings.sampling.probability,
+        sampling_seed=settings.sampling.seed,
+        sampling_budget=budget_from(settings),
+        sampling_interval=settings.sampling.adjust_interval,
+        sampling_max_level=settings.sampling.max_halvings,
     )
 
 
-def budget_from(cfg: Config) -> Budget:
+def budget_from(settings: Settings) -> Budget:
     """sampling.budget.*: adaptive shedding when either is set."""
-    return Budget(cfg["sampling.budget.connections"], cfg["sampling.budget.recordsPerSecond"])
+    return Budget(settings.sampling.budget.connections, settings.sampling.budget.records_per_second)
 
 
-def chosen_source(cfg: Config) -> str:
+def chosen_source(settings: Settings) -> str:
     """``conntrack.source`` resolved: ``auto`` is cilium when Cilium's maps are pinned under ``cilium.bpffs``."""
     from flow_exporter.cilium.source import maps_pinned
 
-    kind: str = cfg["conntrack.source"]
+    kind = settings.conntrack.source
     if kind == "auto":
-        kind = "cilium" if maps_pinned(cfg["cilium.bpffs"]) else "netfilter"
+        kind = "cilium" if maps_pinned(settings.cilium.bpffs) else "netfilter"
         log.info("conntrack.source auto: %s (Cilium's CT maps %s under %s)", kind,
-                 "pinned" if kind == "cilium" else "not pinned", cfg["cilium.bpffs"])  # fmt: skip
+                 "pinned" if kind == "cilium" else "not pinned", settings.cilium.bpffs)  # fmt: skip
     return kind
 
 
@@ -190,7 +186,7 @@ def check_topics(sink: KafkaSink, stop: threading.Event, initial: float, maximum
 
 
 def start_listener(
-    cfg: Config, metrics: Metrics | None, exporter: Exporter, enricher: Any = None, namer: Any = None
+    settings: Settings, metrics: Metrics | None, exporter: Exporter, enricher: Any = None, namer: Any = None
 ) -> Listener | None:
     """/metrics, /healthz and /readyz, unless metrics.port is 0 (then ``metrics`` is None)."""
     if metrics is None:
@@ -214,10 +210,10 @@ def start_listener(
     metrics.bind(read)
     sink = exporter.sink
     # Records waiting kafka.readyTimeout with no delivery (a topic ACL removed, say): not ready; 0 turns it off.
-    ready_timeout = cfg["kafka.readyTimeout"]
+    ready_timeout = settings.kafka.ready_timeout
     stalled = partial(sink.health.stalled, ready_timeout) if isinstance(sink, KafkaSink) and ready_timeout else None
     # A poll may wait out the longest retry backoff; only silence beyond that is a hang.
-    silence = max(3 * cfg["conntrack.pollInterval"], 60.0) + cfg["retry.maxBackoff"]
+    silence = max(3 * settings.conntrack.poll_interval, 60.0) + settings.retry.max_backoff
     ready = readiness(
         exporter.lifecycle,
         lambda: sink.counters.connected,
@@ -230,55 +226,55 @@ def start_listener(
     try:
         server = Listener(
             routes(metrics, liveness(exporter.lifecycle, silence), ready),
-            cfg["metrics.address"],
-            cfg["metrics.port"],
+            settings.metrics.address,
+            settings.metrics.port,
         )
     except OSError as exc:
         log.error(
             "config metrics.address=%s metrics.port=%d: cannot listen: %s",
-            cfg["metrics.address"], cfg["metrics.port"], exc.strerror or exc,
+            settings.metrics.address, settings.metrics.port, exc.strerror or exc,
         )  # fmt: skip
         raise SystemExit(2) from None
     server.start()
-    log.info("metrics and health on %s:%d (/metrics, /healthz, /readyz)", cfg["metrics.address"], server.port)
+    log.info("metrics and health on %s:%d (/metrics, /healthz, /readyz)", settings.metrics.address, server.port)
     return server
 
 
-def start_health_stream(cfg: Config, exporter: Exporter) -> HealthStream | None:
+def start_health_stream(settings: Settings, exporter: Exporter) -> HealthStream | None:
     """ConntrackHealth records (flow_exporter.conntrack_health) on a producer of their own, when health.topic is set."""
-    topic = cfg["health.topic"]
+    topic = settings.health.topic
     if not topic:
         return None
     return HealthStream(
-        cfg.producer_config(), exporter.readings, topic,
-        node=cfg.node_name, interval=cfg["health.interval"], flows=cfg["export.flows"],
+        settings.producer_config(), exporter.readings, topic,
+        node=this_node(settings), interval=settings.health.interval, flows=settings.export.flows,
     )  # fmt: skip
 
 
-def start_markers(cfg: Config, exporter: Exporter, completeness: Completeness | None) -> MarkerStream | None:
+def start_markers(settings: Settings, exporter: Exporter, completeness: Completeness | None) -> MarkerStream | None:
     """Completeness markers every markers.interval, when markers.topic is set and flows are exported."""
-    topic = cfg["markers.topic"]
+    topic = settings.markers.topic
     if completeness is None or not topic:
         return None
     return MarkerStream(
-        cfg.producer_config(), exporter.readings, completeness, topic,
-        node=cfg.node_name, interval=cfg["markers.interval"],
+        settings.producer_config(), exporter.readings, completeness, topic,
+        node=this_node(settings), interval=settings.markers.interval,
     )  # fmt: skip
 
 
-def start_events(cfg: Config, exporter: Exporter, source: str = "netfilter") -> ConntrackEvents | None:
+def start_events(settings: Settings, exporter: Exporter, source: str = "netfilter") -> ConntrackEvents | None:
     """The NEW/DESTROY listener, when on (netfilter only: Cilium's maps have no events); polling alone goes on if it
     cannot start."""
-    if not cfg["conntrack.events"] or source != "netfilter":
+    if not settings.conntrack.events or source != "netfilter":
         return None
     try:
         events = ConntrackEvents(
             exporter.apply_events,
             exporter.request_resync,
-            netns=cfg["conntrack.netns"],
-            zones=cfg["conntrack.zones"] or None,
-            rcvbuf=cfg["conntrack.eventBuffer"],
-            rcvbuf_max=cfg["conntrack.eventBufferMax"],
+            netns=settings.conntrack.netns,
+            zones=settings.conntrack.zones or None,
+            rcvbuf=settings.conntrack.event_buffer,
+            rcvbuf_max=settings.conntrack.event_buffer_max,
         )
     except OSError as exc:
         log.warning("conntrack events unavailable (%s); short-lived flows may be missed", exc)
@@ -288,14 +284,14 @@ def start_events(cfg: Config, exporter: Exporter, source: str = "netfilter") -> 
     return events
 
 
-def table_name(cfg: Config, source: str) -> str:
+def table_name(settings: Settings, source: str) -> str:
     """The table a state directory continues: a state written from another table (another netns, or the other
     source) is not continued. Nor is one written under other sampling: its rows were kept by another rule, and
     their records would carry a probability they were not kept with (the seed shows as a digest, never itself)."""
-    name: str = "cilium:" + str(cfg["cilium.bpffs"]) if source == "cilium" else cfg["conntrack.netns"] or ""
-    p = cfg["sampling.probability"]
+    name = "cilium:" + settings.cilium.bpffs if source == "cilium" else settings.conntrack.netns or ""
+    p = settings.sampling.probability
     if p < 1:
-        seed = hashlib.blake2b(cfg["sampling.seed"].encode(), digest_size=6, person=b"state-dir").hexdigest()
+        seed = hashlib.blake2b(settings.sampling.seed.encode(), digest_size=6, person=b"state-dir").hexdigest()
         name += f" sampled:{p!r}:{seed}"
     return name
 
@@ -306,23 +302,23 @@ def save_schedule(checkpoint: Checkpoint, schedule: Schedule) -> None:
 
 
 def open_state(
-    cfg: Config, stop: threading.Event, source: str = "netfilter"
+    settings: Settings, stop: threading.Event, source: str = "netfilter"
 ) -> tuple[Checkpoint | None, Loaded | None]:
     """The state directory, locked and loaded; (None, None) without one, or when stopped while waiting."""
-    directory = cfg["state.dir"]
+    directory = settings.state.dir
     if not directory:
         log.warning(
             "no state.dir: after a restart, connections found live are reported again under new "
             "connectionIds, flagged adopted (see README, Counting: the contract)"
         )
         return None, None
-    cp = Checkpoint(directory, table=table_name(cfg, source))
+    cp = Checkpoint(directory, table=table_name(settings, source))
     if not cp.lock(stop):
         return None, None
     loaded = cp.load()
-    if loaded.valid and budget_from(cfg).enabled:
+    if loaded.valid and budget_from(settings).enabled:
         try:
-            loaded.sampling_changes = sampling_state.load(cp.dir, loaded.lineage, cfg["sampling.probability"])
+            loaded.sampling_changes = sampling_state.load(cp.dir, loaded.lineage, settings.sampling.probability)
         except sampling_state.ScheduleError as exc:
             why = f"the sampling schedule beside it cannot be read ({exc}): its connections' probabilities are unknown"
             loaded = Loaded(os.urandom(8), why=why)
@@ -339,52 +335,53 @@ def open_state(
     return cp, loaded
 
 
-def preflight(cfg: Config) -> tuple[Any, Any]:
+def preflight(settings: Settings) -> tuple[Any, Any]:
     """What ``run`` checks before anything starts, beyond the settings themselves (``config --print`` runs it too):
     the API server configuration when enrichment is on, and the networks file. (API configuration or None,
     NetworkFile or None); ConfigError (exit 2) naming the setting."""
     api = None
-    if cfg["k8s.enabled"]:  # no API server configuration is a config error
+    if settings.k8s.enabled:  # no API server configuration is a config error
         from flow_exporter.k8s import api_configuration
 
-        api = api_configuration(cfg)
+        api = api_configuration(settings)
     networks = None
-    if cfg["networks.file"]:  # a bad file is a config error
+    path = settings.networks.file
+    if path:  # a bad file is a config error
         from flow_exporter.network_file import NetworkFile
         from flow_exporter.networks import NetworkError
 
         try:
-            networks = NetworkFile(cfg["networks.file"], cfg["networks.maxPrefixes"], cfg["networks.reloadInterval"])
+            networks = NetworkFile(path, settings.networks.max_prefixes, settings.networks.reload_interval)
         except NetworkError as exc:
-            reason = str(exc).removeprefix(f"networks.file {cfg['networks.file']}: ")
-            raise ConfigError("networks.file", cfg["networks.file"], reason) from None
+            reason = str(exc).removeprefix(f"networks.file {path}: ")
+            raise ConfigError("networks.file", path, reason) from None
         except OSError as exc:
-            raise ConfigError("networks.file", cfg["networks.file"], exc.strerror or str(exc)) from None
+            raise ConfigError("networks.file", path, exc.strerror or str(exc)) from None
     return api, networks
 
 
-def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None] | None = None) -> int:
+def run_exporter(settings: Settings, install_signals: Callable[[threading.Event], None] | None = None) -> int:
     from flow_exporter.conntrack.dumper import ConntrackDumper
     from flow_exporter.conntrack.errors import ConntrackError, ConntrackPermissionError
     from flow_exporter.conntrack.sysctl import enable_accounting
 
     gc_policy.tune()
     try:
-        api, networks = preflight(cfg)
+        api, networks = preflight(settings)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
-    netns = cfg["conntrack.netns"]
+    netns = settings.conntrack.netns
     log.info(
         "flow-exporter starting: node=%s netns=%s kafka=%s (%s) topic=%s build=%s",
-        cfg.node_name,
+        this_node(settings),
         netns or "(own)",
-        redact(cfg.producer_config()).get("bootstrap.servers"),
-        cfg["kafka.securityProtocol"],
-        cfg["kafka.topic"],
+        redact(settings.producer_config()).get("bootstrap.servers"),
+        settings.kafka.security_protocol,
+        settings.kafka.topic,
         compiled.describe(),
     )
-    if not cfg["conntrack.compiled"]:
+    if not settings.conntrack.compiled:
         log.warning(
             "conntrack.compiled: false has no effect: the build is chosen once, at start (build=%s above); "
             "FLOW_EXPORTER_INTERPRETED=1 runs the interpreted one",
@@ -393,22 +390,22 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
     if networks is not None:
         log.info("networks.file %s: %d prefixes, %d names", networks.path, networks.table.prefixes,
                  networks.table.names)  # fmt: skip
-    kind = chosen_source(cfg)
+    kind = chosen_source(settings)
     source: Source
     if kind == "cilium":
         from flow_exporter.cilium.bpf_maps import BpfMapError
         from flow_exporter.cilium.source import CiliumSource
 
         try:
-            source = CiliumSource(cfg["cilium.bpffs"], cfg["cilium.counters"], cfg["cilium.clock"])
+            source = CiliumSource(settings.cilium.bpffs, settings.cilium.counters, settings.cilium.clock)
         except BpfMapError as exc:
             log.error("cannot read Cilium's CT maps: %s", exc)
             return 1
         log.info("source: Cilium's CT maps under %s (counters %s, clock %s); no events: a connection that starts "
-                 "and ends between two polls is not seen", cfg["cilium.bpffs"], cfg["cilium.counters"],
-                 cfg["cilium.clock"])  # fmt: skip
+                 "and ends between two polls is not seen", settings.cilium.bpffs, settings.cilium.counters,
+                 settings.cilium.clock)  # fmt: skip
     else:
-        if cfg["conntrack.setSysctls"]:
+        if settings.conntrack.set_sysctls:
             for warning in enable_accounting(netns):
                 log.warning("%s", warning)
         try:
@@ -431,7 +428,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         if install_signals is not None:
             install_signals(stop)
         try:
-            checkpoint, loaded = open_state(cfg, stop, kind)
+            checkpoint, loaded = open_state(settings, stop, kind)
         except CheckpointError as exc:
             log.error("%s", exc)
             return 2
@@ -439,19 +436,19 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
             services.callback(checkpoint.close)
         if stop.is_set():
             return 0
-        flows = cfg["export.flows"]
+        flows = settings.export.flows
         schedule = None  # adaptive shedding's levels: the state directory's, when continued
-        if budget_from(cfg).enabled:
-            schedule = Schedule(cfg["sampling.probability"], loaded.sampling_changes if loaded else [])
-        sink: Sink = build_sink(cfg, lifecycle, schedule) if flows else DiscardSink()
-        metrics = Metrics(cfg.values) if cfg["metrics.port"] else None
-        markers_topic = cfg["markers.topic"] if flows else None
-        completeness = Completeness(cfg["kafka.topic"], time.time_ns() // 1_000_000) if markers_topic else None
+        if budget_from(settings).enabled:
+            schedule = Schedule(settings.sampling.probability, loaded.sampling_changes if loaded else [])
+        sink: Sink = build_sink(settings, lifecycle, schedule) if flows else DiscardSink()
+        metrics = Metrics(settings) if settings.metrics.port else None
+        markers_topic = settings.markers.topic if flows else None
+        completeness = Completeness(settings.kafka.topic, time.time_ns() // 1_000_000) if markers_topic else None
         enricher = None
         if api is not None:  # caches fill in the background; records go out meanwhile
             from flow_exporter.k8s import start_enricher
 
-            enricher = start_enricher(cfg, api)
+            enricher = start_enricher(settings, api)
         namer = None
         on_new: Any = enricher
         if networks is not None:
@@ -466,7 +463,7 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         exporter = Exporter(
             source,
             sink,
-            options_from(cfg, adopt=not (loaded and loaded.valid) or loaded.adopting, source=kind),
+            options_from(settings, adopt=not (loaded and loaded.valid) or loaded.adopting, source=kind),
             is_fatal=is_fatal,
             on_new=on_new,
             checkpoint=checkpoint,
@@ -479,17 +476,17 @@ def run_exporter(cfg: Config, install_signals: Callable[[threading.Event], None]
         if loaded is not None and loaded.valid:
             exporter.restore(loaded.rows, loaded.resends, adopting=loaded.adopting)
         for start in (
-            partial(start_listener, cfg, metrics, exporter, enricher, namer),
-            partial(start_events, cfg, exporter, kind),
-            partial(start_health_stream, cfg, exporter),
-            partial(start_markers, cfg, exporter, completeness),
+            partial(start_listener, settings, metrics, exporter, enricher, namer),
+            partial(start_events, settings, exporter, kind),
+            partial(start_health_stream, settings, exporter),
+            partial(start_markers, settings, exporter, completeness),
         ):
             service = start()  # registered before the next one starts: a failure stops those before it
             if service is not None:
                 services.callback(service.stop)
         if isinstance(sink, KafkaSink):
-            if cfg["kafka.checkTopics"] and not check_topics(
-                sink, exporter.stop_event, cfg["retry.initialBackoff"], cfg["retry.maxBackoff"]
+            if settings.kafka.check_topics and not check_topics(
+                sink, exporter.stop_event, settings.retry.initial_backoff, settings.retry.max_backoff
             ):
                 return stopped_before_kafka(exporter, checkpoint is not None)
             if not ensure_registered(sink.encode, exporter.stop_event):  # after /healthz is up: waiting is not dying

@@ -1,9 +1,12 @@
-"""The settings table: every setting once, with its type, default and meaning.
+"""The settings, declared once as typed objects: every setting with its type, default and meaning.
 
-It drives parsing and validation (each bad value is a :class:`ConfigError` naming the key and
-the value), the environment variable names, ``flow-exporter config --print-defaults``, and the
-defaults of the constructors that take a setting (:data:`DEFAULTS`), so a default is written
-in one place only. Pure: no file, environment or network access (that is :mod:`.config`).
+Each setting is a field of a frozen section class (:class:`KafkaSettings`, :class:`ConntrackSettings`, ...),
+composed into :class:`Settings`, so the product reads ``settings.kafka.topic`` and mypy checks it. From those
+declarations follow the keys of the file, the environment variable names, parsing and validation (each bad value
+is a :class:`ConfigError` naming the key and the value), ``flow-exporter config --print-defaults``, the chart's
+``values.schema.json`` and the reference pages (:data:`SETTINGS`, :func:`format_default`), and the defaults of
+the constructors that take a setting (:data:`DEFAULT_SETTINGS`), so a default is written in one place only.
+Pure: no file, environment or network access (that is :mod:`.config`).
 """
 
 from __future__ import annotations
@@ -12,9 +15,12 @@ import json
 import math
 import re
 import reprlib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, Generic, TypeVar, cast
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 ENV_PREFIX = "FLOW_EXPORTER_"
 
@@ -254,7 +260,31 @@ def parse_map(key: str, value: object) -> dict[str, Any]:
     raise ConfigError(key, value, "expected a mapping")
 
 
-def parse_routes(key: str, value: object) -> tuple[dict[str, Any], ...]:
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A ``kafka.routes`` entry: records matching ``flow_type`` and/or ``end_reason`` go to ``topic`` (the sink
+    takes the first that matches; flow_exporter.sink.Route is this class)."""
+
+    topic: str
+    flow_type: int | None = None
+    end_reason: int | None = None
+
+    def matches(self, flow_type: int, end_reason: int) -> bool:
+        if self.flow_type is not None and flow_type != self.flow_type:
+            return False
+        return not (self.end_reason is not None and end_reason != self.end_reason)
+
+    def as_config(self) -> dict[str, Any]:
+        """The route as the config file writes it: ``{topic: T, flowType: N}``."""
+        out: dict[str, Any] = {"topic": self.topic}
+        if self.flow_type is not None:
+            out["flowType"] = self.flow_type
+        if self.end_reason is not None:
+            out["endReason"] = self.end_reason
+        return out
+
+
+def parse_routes(key: str, value: object) -> tuple[Route, ...]:
     """``[{topic: T, flowType: N}, {topic: T, endReason: N}]``: first match wins."""
     if value is None:
         return ()
@@ -270,16 +300,17 @@ def parse_routes(key: str, value: object) -> tuple[dict[str, Any], ...]:
             raise ConfigError(f"{where}.{sorted(unknown)[0]}", r[sorted(unknown)[0]], "unknown key")
         if "topic" not in r:
             raise ConfigError(f"{where}.topic", None, "missing")
-        route: dict[str, Any] = {"topic": parse_topic(f"{where}.topic", r["topic"])}
+        topic = parse_topic(f"{where}.topic", r["topic"])
+        matched: dict[str, int] = {}
         for name, hi in (("flowType", 4), ("endReason", 5)):
             if name in r:
                 v = r[name]
                 if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= hi:
                     raise ConfigError(f"{where}.{name}", v, f"expected an integer 0-{hi}")
-                route[name] = v
-        if len(route) == 1:
+                matched[name] = v
+        if not matched:
             raise ConfigError(where, r, "needs flowType or endReason")
-        routes.append(route)
+        routes.append(Route(topic, flow_type=matched.get("flowType"), end_reason=matched.get("endReason")))
     return tuple(routes)
 
 
@@ -435,265 +466,579 @@ parse_cilium_clock = _one_of({
 })  # fmt: skip
 
 
-# --------------------------------------------------------------------- settings
+# ---------------------------------------------- value types, named for the reference
+@dataclass(frozen=True)
+class ValueType(Generic[T_co]):
+    """What a setting holds: its name in the reference (``duration``, ``list of zones``) and its parser.
+
+    ``parse(key, value)`` takes a value from the file, the environment or a flag and returns it typed, or raises
+    a ConfigError naming the key. ``duration``: the default is written ``5s`` (``format_default``).
+    """
+
+    name: str
+    parse: Callable[[str, object], T_co]
+    duration: bool = False
+
+
+def _count(minimum: int) -> ValueType[int]:
+    """A whole number >= ``minimum``."""
+    name = "whole number" if minimum == 0 else f"whole number >= {minimum}"
+    return ValueType(name, lambda key, value: parse_count(key, value, minimum))
+
+
+def _choice(words: Iterable[str], parse: Callable[[str, object], T], *, empty: bool = False) -> ValueType[T]:
+    """One word of ``words`` (the parser says what each means when a value is refused)."""
+    return ValueType("one of " + ", ".join(words) + (", or empty" if empty else ""), parse)
+
+
+STRING = ValueType("string", parse_str)
+OPTIONAL_STRING = ValueType("string", parse_opt_str)  # empty or null: None
+PATH = ValueType("path", parse_str)
+OPTIONAL_PATH = ValueType("path", parse_opt_str)  # empty or null: None
+BOOL = ValueType("bool", parse_bool)
+AUTO_BOOL = ValueType("bool or auto", parse_auto_bool)  # auto: None
+DURATION = ValueType("duration", parse_duration, duration=True)
+POSITIVE_DURATION = ValueType("duration > 0", positive_duration, duration=True)
+PROBABILITY = ValueType("probability", parse_probability)
+COUNT = _count(0)
+U16 = ValueType("whole number 0-65535", parse_u16)
+PORT = ValueType("port", parse_port)
+TOPIC = ValueType("topic name", parse_topic)
+OPTIONAL_TOPIC = ValueType("topic name or empty", parse_opt_topic)
+ZONES = ValueType("list of zones", parse_zones)
+ROUTES = ValueType("list of routes", parse_routes)
+MAP = ValueType("map", parse_map)
+ATTRIBUTES = ValueType("map of strings", parse_attributes)
+LABEL_KEYS = ValueType("list of label keys", parse_label_keys)
+REGISTRY_URL = ValueType("URL", parse_registry_url)
+SUBJECT = ValueType("subject name", parse_opt_subject)
+USER_INFO = ValueType("user:password", parse_user_info)
+SOURCE = _choice(("netfilter", "cilium", "auto"), parse_source)
+CILIUM_COUNTERS = _choice(("combined", "split"), parse_cilium_counters)
+CILIUM_CLOCK = _choice(("ktime", "jiffies"), parse_cilium_clock)
+SECURITY_PROTOCOL = _choice(SECURITY_PROTOCOLS, parse_security_protocol)
+SASL_MECHANISM = _choice(SASL_MECHANISMS, parse_sasl_mechanism)
+SUBJECT_STRATEGY = _choice(("topic", "record"), parse_subject_strategy)
+COMPATIBILITY = _choice(REGISTRY_COMPATIBILITY, parse_compatibility, empty=True)
+K8S_SCOPE = _choice(("cluster", "node"), parse_k8s_scope)
+LOG_LEVEL = _choice(("debug", "info", "warning", "error"), parse_level)
+LOG_FORMAT = _choice(("text", "json"), parse_log_format)
+
+
+# ------------------------------------------------------------ the declarations
+# Each setting is one field of a section below: its type, then ``setting(value type, default, doc)``; a section
+# holds others as ``field(default_factory=TheirClass)``. The key is the field's path in camel case
+# (``kafka.tls.ca_file``: ``kafka.tls.caFile``) and the environment variable follows from the key (Setting.env), so
+# a new setting is one declaration here and the reads where it is used.
+_VALUE_TYPE, _DOC, _SECRET = "value_type", "doc", "secret"
+
+
+def setting(value_type: ValueType[T], default: T, doc: str, *, secret: bool = False) -> T:
+    """Declare a setting (a dataclass field): its value type, default and meaning; ``secret``: never shown."""
+    meta = {_VALUE_TYPE: value_type, _DOC: doc, _SECRET: secret}
+    if isinstance(default, dict):  # a map's default: each instance gets its own copy
+        template = dict(default)
+        return field(default_factory=lambda: cast(T, dict(template)), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+class _Section:
+    """A group of settings: its repr shows secrets as ``***`` (settings.shown), as every print and log does."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        prefix = _PREFIXES.get(type(self), "")
+        shown_fields = []
+        for f in fields(cast(Any, self)):
+            value = getattr(self, f.name)
+            if _VALUE_TYPE in f.metadata:
+                value = shown(prefix + _camel(f.name), value)
+            if f.repr:
+                shown_fields.append(f"{f.name}={value!r}")
+        return f"{type(self).__name__}({', '.join(shown_fields)})"
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class NetworksSettings(_Section):
+    file: str | None = setting(
+        OPTIONAL_PATH,
+        None,
+        "Named networks for the ends that are not pods or nodes (sourceNetwork, destinationNetwork): a YAML map of "
+        "names to lists of CIDRs, IPv4 and IPv6, longest prefix wins; read again when it changes.",
+    )
+    max_prefixes: int = setting(
+        _count(1), 200_000, "At most this many prefixes in networks.file (a bigger file is refused, at start or at a "
+        "reload).",
+    )  # fmt: skip
+    reload_interval: float = setting(POSITIVE_DURATION, 10.0, "How often networks.file is checked for a change.")
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class RecordSettings(_Section):
+    attributes: Mapping[str, str] = setting(
+        ATTRIBUTES,
+        {},
+        "Static attributes stamped on every record (attributes): at most 16 name: value strings, e.g. "
+        "{environment: prod, region: eu-west-1}; from the environment: environment=prod,region=eu-west-1.",
+    )
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class SamplingBudgetSettings(_Section):
+    connections: int = setting(
+        COUNT,
+        0,
+        "Adaptive shedding: the store rows (tracked connections) this node may hold; past it the probability for "
+        "new connections is halved, and doubled back when well under (0: no such budget). Kept connections stay.",
+    )
+    records_per_second: int = setting(
+        COUNT, 0, "Adaptive shedding: the flow records per second this node may send (0: no such budget)."
+    )
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class SamplingSettings(_Section):
+    probability: float = setting(
+        PROBABILITY,
+        1.0,
+        "Keep each connection with this probability (README: Sampling): decided once per connection by a keyed "
+        "hash of its ends, alike on every node with the same sampling.seed; 1 keeps all. Powers of two (1/16) "
+        "keep the consumers' estimates exact in floating point.",
+    )
+    seed: str = setting(
+        STRING,
+        "",
+        "The key of the sampling hash (any string; kept secret, as it tells which tuples are sampled). Every "
+        "exporter of a cluster needs the same seed for both nodes of a connection to choose alike.",
+        secret=True,
+    )
+    budget: SamplingBudgetSettings = field(default_factory=SamplingBudgetSettings)
+    adjust_interval: float = setting(
+        POSITIVE_DURATION,
+        30.0,
+        "Adaptive shedding: how often the load is set against the budget (one halving or doubling at most).",
+    )
+    max_halvings: int = setting(
+        _count(1),
+        10,
+        "Adaptive shedding: how far the probability may fall, in halvings of sampling.probability (10: 1/1024 of it).",
+    )
+
+    def __post_init__(self) -> None:
+        shedding = self.budget.connections or self.budget.records_per_second
+        deepest = math.ldexp(self.probability, -self.max_halvings)  # (2.0**-n overflows past n = 1023)
+        if shedding and deepest < MIN_PROBABILITY:
+            raise ConfigError("sampling.maxHalvings", self.max_halvings,
+                              f"sampling.probability halved that often is below 2**-32 ({deepest:g})")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class CommunityIdSettings(_Section):
+    seed: int = setting(U16, 0, "Community ID seed (0-65535); all tools comparing IDs use one seed.")
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class ConntrackSettings(_Section):
+    source: str = setting(
+        SOURCE,
+        "netfilter",
+        "Where connections are read: netfilter (the kernel's conntrack), cilium (Cilium's BPF CT maps, for "
+        "clusters where Cilium keeps pod traffic out of netfilter), or auto (cilium when its maps are pinned).",
+    )
+    netns: str | None = setting(OPTIONAL_STRING, None, "Read conntrack of this named network namespace.")
+    zones: tuple[int, ...] = setting(ZONES, (), "Conntrack zones to export; empty means all zones.")
+    poll_interval: float = setting(POSITIVE_DURATION, 5.0, "How often the conntrack table is dumped.")
+    events: bool = setting(BOOL, True, "Also listen to NEW/DESTROY events (short-lived flows).")
+    event_buffer: int = setting(
+        _count(4096), 64 << 20, "Receive buffer of the event socket, bytes (the kernel drops events beyond it)."
+    )
+    event_buffer_max: int = setting(
+        _count(4096),
+        128 << 20,
+        "Ceiling the event buffer doubles up to when events are lost; at or below eventBuffer: no growth.",
+    )
+    compiled: bool = setting(
+        BOOL,
+        True,
+        "Unused; kept so older configs load (false is warned about): the build is chosen once, at start: the "
+        "compiled modules when installed; FLOW_EXPORTER_INTERPRETED=1 forces the interpreted ones.",
+    )
+    set_sysctls: bool = setting(BOOL, True, "Turn on nf_conntrack_acct and _timestamp at start.")
+
+    def __post_init__(self) -> None:
+        if self.source == "cilium" and self.zones:
+            raise ConfigError("conntrack.zones", self.zones, "Cilium's CT maps have no zones "
+                              "(conntrack.source is cilium): leave it empty")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class CiliumSettings(_Section):
+    bpffs: str = setting(PATH, "/sys/fs/bpf", "The BPF filesystem Cilium pins its maps in (tc/globals/...).")
+    counters: str = setting(
+        CILIUM_COUNTERS,
+        "combined",
+        "The counter layout of Cilium's CT entries: combined (Cilium 1.16 and later) or split (1.15 and earlier); "
+        "the maps do not say, and a wrong layout misreads every counter.",
+    )
+    clock: str = setting(
+        CILIUM_CLOCK,
+        "ktime",
+        "Cilium's BPF clock: ktime (its default), or jiffies (bpf-clock-probe on): then an entry past its lifetime "
+        "is over only when Cilium deletes it.",
+    )
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class ExpirySettings(_Section):
+    active_timeout: float = setting(POSITIVE_DURATION, 5.0, "A record every this long while a flow is active.")
+    idle_timeout: float = setting(POSITIVE_DURATION, 15.0, "A flow with no packets for this long is idle.")
+    stale_timeout: float = setting(POSITIVE_DURATION, 300.0, "Unused; kept so older configs load.")
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class KafkaSaslSettings(_Section):
+    mechanism: str | None = setting(SASL_MECHANISM, None, "PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (SASL_*).")
+    username: str | None = setting(OPTIONAL_STRING, None, "SASL user name.")
+    password: str | None = setting(
+        OPTIONAL_STRING, None, "SASL password; prefer the env variable or passwordFile.", secret=True
+    )
+    password_file: str | None = setting(OPTIONAL_PATH, None, "File holding the SASL password, read at start.")
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class KafkaTlsSettings(_Section):
+    ca_file: str | None = setting(OPTIONAL_PATH, None, "PEM CA bundle (or directory) for the brokers; empty: system's.")
+    cert_file: str | None = setting(OPTIONAL_PATH, None, "PEM client certificate for mutual TLS.")
+    key_file: str | None = setting(OPTIONAL_PATH, None, "PEM private key of that certificate.")
+    key_password_file: str | None = setting(OPTIONAL_PATH, None, "File holding the key's passphrase, if encrypted.")
+    verify_hostname: bool = setting(BOOL, True, "Check the broker certificate matches its host name.")
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class KafkaSettings(_Section):
+    bootstrap_servers: str = setting(STRING, "localhost:9092", "Kafka bootstrap servers, host:port[,...].")
+    topic: str = setting(TOPIC, "flows", "Topic for flow records (unless a route matches).")
+    routes: tuple[Route, ...] = setting(ROUTES, (), "Other topics by flowType or endReason; first match wins.")
+    producer: Mapping[str, Any] = setting(MAP, {}, "librdkafka producer settings, checked by librdkafka at start.")
+    allow_unsafe_producer: bool = setting(
+        BOOL, False, "Accept kafka.producer settings that void the accounting (acks not all, idempotence off)."
+    )
+    security_protocol: str = setting(SECURITY_PROTOCOL, "PLAINTEXT", "PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL")
+    sasl: KafkaSaslSettings = field(default_factory=KafkaSaslSettings)
+    tls: KafkaTlsSettings = field(default_factory=KafkaTlsSettings)
+    check_topics: bool = setting(BOOL, True, "Check at start that every topic exists.")
+    ready_timeout: float = setting(
+        DURATION, 120.0, "Not ready (/readyz 503) once a topic's records waited this long with no delivery; 0: never."
+    )
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class ExportSettings(_Section):
+    flows: bool = setting(BOOL, True, "Export flow records; false: only the health stream (health.topic).")
+    prefix_cache: bool | None = setting(
+        AUTO_BOOL,
+        None,
+        "Keep each active connection's encoded record prefix between its records: true, false, or auto (null, "
+        "the default: on when expiry.activeTimeout is under 30 s, where records are frequent enough to pay for "
+        "the ~160 bytes per connection).",
+    )
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class HealthSettings(_Section):
+    topic: str | None = setting(OPTIONAL_TOPIC, None, "Topic for ConntrackHealth records; empty: no health stream.")
+    interval: float = setting(POSITIVE_DURATION, 60.0, "Time between two ConntrackHealth records.")
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class MarkersSettings(_Section):
+    topic: str | None = setting(OPTIONAL_TOPIC, None, "Topic for CompletenessMarker records; empty: none sent.")
+    interval: float = setting(POSITIVE_DURATION, 10.0, "Time between two rounds of completeness markers.")
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class SchemaRegistrySettings(_Section):
+    url: str | None = setting(REGISTRY_URL, None, "Schema Registry URL; set: Confluent-framed values.")
+    subject_name_strategy: str = setting(
+        SUBJECT_STRATEGY, "topic", "topic: subject <topic>-value per topic; record: io.flowexporter.FlowRecord."
+    )
+    subject: str | None = setting(SUBJECT, None, "One subject for every topic (overrides the strategy).")
+    compatibility: str | None = setting(COMPATIBILITY, "BACKWARD_TRANSITIVE", "Set at start; empty: keep.")
+    basic_auth_user_info: str | None = setting(
+        USER_INFO, None, "user:password for the registry (a secret).", secret=True
+    )
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class K8sSettings(_Section):
+    enabled: bool = setting(BOOL, False, "Enrich records with pod, node and Service names from the API server.")
+    kubeconfig: str | None = setting(
+        OPTIONAL_PATH, None, "Kubeconfig file; empty: in-cluster account, else ~/.kube/config."
+    )
+    scope: str = setting(K8S_SCOPE, "cluster", "Pods to cache: cluster (all) or node (only this node's).")
+    pod_labels: tuple[str, ...] = setting(
+        LABEL_KEYS, ("app", "app.kubernetes.io/name"), "Pod label keys put in records."
+    )
+    deleted_pod_retention: float = setting(DURATION, 300.0, "Deleted pods' IPs still resolve for older flows.")
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class StateSettings(_Section):
+    dir: str | None = setting(OPTIONAL_PATH, None, "Checkpoint directory: restarts continue exactly.")
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class LimitsSettings(_Section):
+    max_connections: int = setting(_count(1), 500_000, "Cap on tracked connections.")
+    max_in_flight: int = setting(_count(1), 100_000, "Cap on records awaiting Kafka's ack.")
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class RetrySettings(_Section):
+    initial_backoff: float = setting(POSITIVE_DURATION, 0.2, "First wait after a failed dump or produce.")
+    max_backoff: float = setting(POSITIVE_DURATION, 30.0, "Longest wait between retries.")
+
+    def __post_init__(self) -> None:
+        if self.max_backoff < self.initial_backoff:
+            raise ConfigError("retry.maxBackoff", self.max_backoff, "must be >= retry.initialBackoff")
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class ShutdownSettings(_Section):
+    grace: float = setting(DURATION, 30.0, "On SIGTERM: how long to keep delivering final records.")
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class MetricsSettings(_Section):
+    address: str = setting(
+        STRING,
+        "127.0.0.1",
+        "Address of the /metrics, /healthz, /readyz listener (the DaemonSet sets the pod's IP).",
+    )
+    port: int = setting(PORT, 9690, "Port of that listener; 0 turns it off.")
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class LogSettings(_Section):
+    level: str = setting(LOG_LEVEL, "info", "debug, info, warning or error.")
+    format: str = setting(LOG_FORMAT, "text", "text or json.")
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class Settings(_Section):
+    """Every setting, typed: ``settings.kafka.topic``. ``Settings()`` holds every default;
+    :func:`flow_exporter.config.load` gives the ones a file, the environment and flags set (checked, with the
+    secrets of the ``*File`` settings read).
+
+    ``secrets`` holds passwords read from files at load time, by the key of the setting they stand for; they never
+    appear in ``repr()`` or :meth:`masked`.
+    """
+
+    node_name: str = setting(STRING, "", "This node's name in records; empty: $NODE_NAME, else the host name.")
+    cluster_name: str = setting(STRING, "", "This cluster's name in records (clusterName); empty: null.")
+    networks: NetworksSettings = field(default_factory=NetworksSettings)
+    record: RecordSettings = field(default_factory=RecordSettings)
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    community_id: CommunityIdSettings = field(default_factory=CommunityIdSettings)
+    conntrack: ConntrackSettings = field(default_factory=ConntrackSettings)
+    cilium: CiliumSettings = field(default_factory=CiliumSettings)
+    expiry: ExpirySettings = field(default_factory=ExpirySettings)
+    kafka: KafkaSettings = field(default_factory=KafkaSettings)
+    export: ExportSettings = field(default_factory=ExportSettings)
+    health: HealthSettings = field(default_factory=HealthSettings)
+    markers: MarkersSettings = field(default_factory=MarkersSettings)
+    schema_registry: SchemaRegistrySettings = field(default_factory=SchemaRegistrySettings)
+    k8s: K8sSettings = field(default_factory=K8sSettings)
+    state: StateSettings = field(default_factory=StateSettings)
+    limits: LimitsSettings = field(default_factory=LimitsSettings)
+    retry: RetrySettings = field(default_factory=RetrySettings)
+    shutdown: ShutdownSettings = field(default_factory=ShutdownSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    log: LogSettings = field(default_factory=LogSettings)
+    secrets: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    def masked(self) -> dict[str, Any]:
+        """Every setting by key, as plain YAML/JSON values, every secret (also inside kafka.producer) as ``***``."""
+        return {s.key: plain(shown(s.key, s.value_in(self))) for s in SETTINGS}
+
+    def producer_config(self) -> dict[str, Any]:
+        """librdkafka settings; ``kafka.producer`` entries win over the ones derived here."""
+        kafka = self.kafka
+        conf: dict[str, Any] = {"bootstrap.servers": kafka.bootstrap_servers}
+        protocol = kafka.security_protocol
+        if protocol != "PLAINTEXT":
+            conf["security.protocol"] = protocol
+        if protocol.startswith("SASL_"):
+            conf["sasl.mechanisms"] = kafka.sasl.mechanism
+            conf["sasl.username"] = kafka.sasl.username
+            conf["sasl.password"] = self.secrets.get("kafka.sasl.password", kafka.sasl.password)
+        if protocol in ("SSL", "SASL_SSL"):
+            tls = kafka.tls
+            for path, name in (
+                (tls.ca_file, "ssl.ca.location"),
+                (tls.cert_file, "ssl.certificate.location"),
+                (tls.key_file, "ssl.key.location"),
+            ):
+                if path is not None:
+                    conf[name] = path
+            if "kafka.tls.keyPassword" in self.secrets:
+                conf["ssl.key.password"] = self.secrets["kafka.tls.keyPassword"]
+            conf["ssl.endpoint.identification.algorithm"] = "https" if tls.verify_hostname else "none"
+        return {**conf, **kafka.producer}
+
+
+# ----------------------------------------------------------- the declarations, listed
 @dataclass(frozen=True, slots=True)
 class Setting:
+    """One declared setting, as the loader, ``config --print-defaults``, the chart's schema and the reference
+    pages see it: ``key`` (dotted, as in the file), ``env``, ``default``, ``doc``, ``kind`` (the value type's
+    name), ``secret``; ``parse(key, value)`` its parser; ``path`` its attribute path in :class:`Settings`."""
+
     key: str
-    parse: Callable[[str, object], Any]
+    value_type: ValueType[Any]
     default: Any
     doc: str
+    secret: bool
+    path: tuple[str, ...]
 
     @property
     def env(self) -> str:
         return ENV_PREFIX + re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", self.key).replace(".", "_").upper()
 
+    @property
+    def kind(self) -> str:
+        return self.value_type.name
 
-SETTINGS: tuple[Setting, ...] = (
-    Setting("nodeName", parse_str, "", "This node's name in records; empty: $NODE_NAME, else the host name."),
-    Setting("clusterName", parse_str, "", "This cluster's name in records (clusterName); empty: null."),
-    Setting(
-        "networks.file",
-        parse_opt_str,
-        None,
-        "Named networks for the ends that are not pods or nodes (sourceNetwork, destinationNetwork): a YAML map of "
-        "names to lists of CIDRs, IPv4 and IPv6, longest prefix wins; read again when it changes.",
-    ),
-    Setting(
-        "networks.maxPrefixes",
-        lambda k, v: parse_count(k, v, minimum=1),
-        200_000,
-        "At most this many prefixes in networks.file (a bigger file is refused, at start or at a reload).",
-    ),
-    Setting("networks.reloadInterval", positive_duration, 10.0, "How often networks.file is checked for a change."),
-    Setting(
-        "record.attributes",
-        parse_attributes,
-        {},
-        "Static attributes stamped on every record (attributes): at most 16 name: value strings, e.g. "
-        "{environment: prod, region: eu-west-1}; from the environment: environment=prod,region=eu-west-1.",
-    ),
-    Setting(
-        "sampling.probability",
-        parse_probability,
-        1.0,
-        "Keep each connection with this probability (README: Sampling): decided once per connection by a keyed "
-        "hash of its ends, alike on every node with the same sampling.seed; 1 keeps all. Powers of two (1/16) "
-        "keep the consumers' estimates exact in floating point.",
-    ),
-    Setting(
-        "sampling.seed",
-        parse_str,
-        "",
-        "The key of the sampling hash (any string; kept secret, as it tells which tuples are sampled). Every "
-        "exporter of a cluster needs the same seed for both nodes of a connection to choose alike.",
-    ),
-    Setting(
-        "sampling.budget.connections",
-        parse_count,
-        0,
-        "Adaptive shedding: the store rows (tracked connections) this node may hold; past it the probability for "
-        "new connections is halved, and doubled back when well under (0: no such budget). Kept connections stay.",
-    ),
-    Setting(
-        "sampling.budget.recordsPerSecond",
-        parse_count,
-        0,
-        "Adaptive shedding: the flow records per second this node may send (0: no such budget).",
-    ),
-    Setting(
-        "sampling.adjustInterval",
-        positive_duration,
-        30.0,
-        "Adaptive shedding: how often the load is set against the budget (one halving or doubling at most).",
-    ),
-    Setting(
-        "sampling.maxHalvings",
-        lambda k, v: parse_count(k, v, minimum=1),
-        10,
-        "Adaptive shedding: how far the probability may fall, in halvings of sampling.probability (10: 1/1024 of it).",
-    ),
-    Setting("communityId.seed", parse_u16, 0, "Community ID seed (0-65535); all tools comparing IDs use one seed."),
-    Setting(
-        "conntrack.source",
-        parse_source,
-        "netfilter",
-        "Where connections are read: netfilter (the kernel's conntrack), cilium (Cilium's BPF CT maps, for "
-        "clusters where Cilium keeps pod traffic out of netfilter), or auto (cilium when its maps are pinned).",
-    ),
-    Setting("cilium.bpffs", parse_str, "/sys/fs/bpf", "The BPF filesystem Cilium pins its maps in (tc/globals/...)."),
-    Setting(
-        "cilium.counters",
-        parse_cilium_counters,
-        "combined",
-        "The counter layout of Cilium's CT entries: combined (Cilium 1.16 and later) or split (1.15 and earlier); "
-        "the maps do not say, and a wrong layout misreads every counter.",
-    ),
-    Setting(
-        "cilium.clock",
-        parse_cilium_clock,
-        "ktime",
-        "Cilium's BPF clock: ktime (its default), or jiffies (bpf-clock-probe on): then an entry past its lifetime "
-        "is over only when Cilium deletes it.",
-    ),
-    Setting("conntrack.netns", parse_opt_str, None, "Read conntrack of this named network namespace."),
-    Setting("conntrack.zones", parse_zones, (), "Conntrack zones to export; empty means all zones."),
-    Setting("conntrack.pollInterval", positive_duration, 5.0, "How often the conntrack table is dumped."),
-    Setting("conntrack.events", parse_bool, True, "Also listen to NEW/DESTROY events (short-lived flows)."),
-    Setting(
-        "conntrack.eventBuffer",
-        lambda k, v: parse_count(k, v, minimum=4096),
-        64 << 20,
-        "Receive buffer of the event socket, bytes (the kernel drops events beyond it).",
-    ),
-    Setting(
-        "conntrack.eventBufferMax",
-        lambda k, v: parse_count(k, v, minimum=4096),
-        128 << 20,
-        "Ceiling the event buffer doubles up to when events are lost; at or below eventBuffer: no growth.",
-    ),
-    Setting(
-        "conntrack.compiled",
-        parse_bool,
-        True,
-        "Unused; kept so older configs load (false is warned about): the build is chosen once, at start: the "
-        "compiled modules when installed; FLOW_EXPORTER_INTERPRETED=1 forces the interpreted ones.",
-    ),
-    Setting("conntrack.setSysctls", parse_bool, True, "Turn on nf_conntrack_acct and _timestamp at start."),
-    Setting("expiry.activeTimeout", positive_duration, 5.0, "A record every this long while a flow is active."),
-    Setting("expiry.idleTimeout", positive_duration, 15.0, "A flow with no packets for this long is idle."),
-    Setting("expiry.staleTimeout", positive_duration, 300.0, "Unused; kept so older configs load."),
-    Setting("kafka.bootstrapServers", parse_str, "localhost:9092", "Kafka bootstrap servers, host:port[,...]."),
-    Setting("kafka.topic", parse_topic, "flows", "Topic for flow records (unless a route matches)."),
-    Setting("export.flows", parse_bool, True, "Export flow records; false: only the health stream (health.topic)."),
-    Setting(
-        "export.prefixCache",
-        parse_auto_bool,
-        None,
-        "Keep each active connection's encoded record prefix between its records: true, false, or auto (null, "
-        "the default: on when expiry.activeTimeout is under 30 s, where records are frequent enough to pay for "
-        "the ~160 bytes per connection).",
-    ),
-    Setting("health.topic", parse_opt_topic, None, "Topic for ConntrackHealth records; empty: no health stream."),
-    Setting("health.interval", positive_duration, 60.0, "Time between two ConntrackHealth records."),
-    Setting("markers.topic", parse_opt_topic, None, "Topic for CompletenessMarker records; empty: none sent."),
-    Setting("markers.interval", positive_duration, 10.0, "Time between two rounds of completeness markers."),
-    Setting("kafka.routes", parse_routes, (), "Other topics by flowType or endReason; first match wins."),
-    Setting("schemaRegistry.url", parse_registry_url, None, "Schema Registry URL; set: Confluent-framed values."),
-    Setting(
-        "schemaRegistry.subjectNameStrategy",
-        parse_subject_strategy,
-        "topic",
-        "topic: subject <topic>-value per topic; record: io.flowexporter.FlowRecord.",
-    ),
-    Setting("schemaRegistry.subject", parse_opt_subject, None, "One subject for every topic (overrides the strategy)."),
-    Setting("schemaRegistry.compatibility", parse_compatibility, "BACKWARD_TRANSITIVE", "Set at start; empty: keep."),
-    Setting("schemaRegistry.basicAuthUserInfo", parse_user_info, None, "user:password for the registry (a secret)."),
-    Setting("kafka.producer", parse_map, {}, "librdkafka producer settings, checked by librdkafka at start."),
-    Setting(
-        "kafka.allowUnsafeProducer",
-        parse_bool,
-        False,
-        "Accept kafka.producer settings that void the accounting (acks not all, idempotence off).",
-    ),
-    Setting("kafka.securityProtocol", parse_security_protocol, "PLAINTEXT", "PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL"),
-    Setting("kafka.sasl.mechanism", parse_sasl_mechanism, None, "PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (SASL_*)."),
-    Setting("kafka.sasl.username", parse_opt_str, None, "SASL user name."),
-    Setting("kafka.sasl.password", parse_opt_str, None, "SASL password; prefer the env variable or passwordFile."),
-    Setting("kafka.sasl.passwordFile", parse_opt_str, None, "File holding the SASL password, read at start."),
-    Setting("kafka.tls.caFile", parse_opt_str, None, "PEM CA bundle (or directory) for the brokers; empty: system's."),
-    Setting("kafka.tls.certFile", parse_opt_str, None, "PEM client certificate for mutual TLS."),
-    Setting("kafka.tls.keyFile", parse_opt_str, None, "PEM private key of that certificate."),
-    Setting("kafka.tls.keyPasswordFile", parse_opt_str, None, "File holding the key's passphrase, if encrypted."),
-    Setting("kafka.tls.verifyHostname", parse_bool, True, "Check the broker certificate matches its host name."),
-    Setting("kafka.checkTopics", parse_bool, True, "Check at start that every topic exists."),
-    Setting(
-        "kafka.readyTimeout",
-        parse_duration,
-        120.0,
-        "Not ready (/readyz 503) once a topic's records waited this long with no delivery; 0: never.",
-    ),
-    Setting("k8s.enabled", parse_bool, False, "Enrich records with pod, node and Service names from the API server."),
-    Setting("k8s.kubeconfig", parse_opt_str, None, "Kubeconfig file; empty: in-cluster account, else ~/.kube/config."),
-    Setting("k8s.scope", parse_k8s_scope, "cluster", "Pods to cache: cluster (all) or node (only this node's)."),
-    Setting("k8s.podLabels", parse_label_keys, ("app", "app.kubernetes.io/name"), "Pod label keys put in records."),
-    Setting("k8s.deletedPodRetention", parse_duration, 300.0, "Deleted pods' IPs still resolve for older flows."),
-    Setting("state.dir", parse_opt_str, None, "Checkpoint directory: restarts continue exactly."),
-    Setting("limits.maxConnections", lambda k, v: parse_count(k, v, 1), 500_000, "Cap on tracked connections."),
-    Setting("limits.maxInFlight", lambda k, v: parse_count(k, v, 1), 100_000, "Cap on records awaiting Kafka's ack."),
-    Setting("retry.initialBackoff", positive_duration, 0.2, "First wait after a failed dump or produce."),
-    Setting("retry.maxBackoff", positive_duration, 30.0, "Longest wait between retries."),
-    Setting("shutdown.grace", parse_duration, 30.0, "On SIGTERM: how long to keep delivering final records."),
-    Setting(
-        "metrics.address",
-        parse_str,
-        "127.0.0.1",
-        "Address of the /metrics, /healthz, /readyz listener (the DaemonSet sets the pod's IP).",
-    ),
-    Setting("metrics.port", parse_port, 9690, "Port of that listener; 0 turns it off."),
-    Setting("log.level", parse_level, "info", "debug, info, warning or error."),
-    Setting("log.format", parse_log_format, "text", "text or json."),
-)
+    @property
+    def parse(self) -> Callable[[str, object], Any]:
+        return self.value_type.parse
+
+    def value_in(self, settings: Settings) -> Any:
+        """This setting's value in ``settings`` (for the tools that go through every setting)."""
+        value: Any = settings
+        for name in self.path:
+            value = getattr(value, name)
+        return value
+
+
+def _camel(name: str) -> str:
+    """A field's name as the settings' keys spell it: ``bootstrap_servers``: ``bootstrapServers``."""
+    return re.sub(r"_([a-z0-9])", lambda m: m.group(1).upper(), name)
+
+
+_PREFIXES: dict[type, str] = {}  # each section class's key prefix ("kafka.tls."), for its repr
+
+
+def _section_of(f: Field[Any]) -> type[_Section] | None:
+    """The section class a field holds (``field(default_factory=KafkaSettings)``); None for a setting."""
+    factory: object = f.default_factory
+    return factory if isinstance(factory, type) and issubclass(factory, _Section) else None
+
+
+def _declared(cls: type, prefix: str = "", path: tuple[str, ...] = ()) -> Iterator[Setting]:
+    _PREFIXES[cls] = prefix
+    for f in fields(cast(Any, cls)):
+        key = prefix + _camel(f.name)
+        held = _section_of(f)
+        if held is not None:
+            yield from _declared(held, key + ".", (*path, f.name))
+        elif _VALUE_TYPE in f.metadata:
+            default = f.default if f.default is not MISSING else cast(Callable[[], Any], f.default_factory)()
+            meta = f.metadata
+            yield Setting(key, meta[_VALUE_TYPE], default, meta[_DOC], meta[_SECRET], (*path, f.name))
+
+
+SETTINGS: tuple[Setting, ...] = tuple(_declared(Settings))
 BY_KEY = {s.key: s for s in SETTINGS}
-DEFAULTS: Mapping[str, Any] = {s.key: s.default for s in SETTINGS}
+DEFAULT_SETTINGS = Settings()  # every default, typed: the constructors that take a setting default to these
+
+
+def settings_from(values: Mapping[str, Any]) -> Settings:
+    """Settings from parsed values by key (a missing key: its default); ConfigError if they do not go together."""
+
+    def build(cls: type, prefix: str) -> Any:
+        kwargs: dict[str, Any] = {}
+        for f in fields(cast(Any, cls)):
+            key = prefix + _camel(f.name)
+            held = _section_of(f)
+            if held is not None:
+                kwargs[f.name] = build(held, key + ".")
+            elif _VALUE_TYPE in f.metadata and key in values:
+                kwargs[f.name] = values[key]
+        return cls(**kwargs)
+
+    built: Settings = build(Settings, "")
+    return built
+
+
+def plain(value: object) -> object:
+    """A setting's value as YAML or JSON writes it: tuples as lists, a route as its mapping."""
+    if isinstance(value, Route):
+        return value.as_config()
+    if isinstance(value, tuple | list):
+        return [plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    return value
+
+
+def format_default(s: Setting) -> str:
+    """A setting's default as it is written in a YAML config file: ``null``, ``true``, ``5s``, ``9690``,
+    ``"flows"``, ``["app", "app.kubernetes.io/name"]`` (strings and lists in JSON form, which YAML reads as they
+    are)."""
+    value = s.default
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and s.value_type.duration:
+        return f"{value:g}s"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(plain(value))
 
 
 def defaults_text() -> str:
     """Every setting at its default, as a YAML config file to start from (``config --print-defaults``).
 
     Nested like the config file; each setting's comment says what it means and its environment
-    variable. Written by hand (this module is pure, no YAML library): strings and lists in JSON
-    form, which YAML reads as they are.
+    variable. Written by hand (this module is pure, no YAML library).
     """
-    tree: dict[str, Any] = {}
-    for st in SETTINGS:
-        *path, leaf = st.key.split(".")
-        node = tree
-        for part in path:
-            node = node.setdefault(part, {})
-        node[leaf] = st
     lines = [
         "# flow-exporter configuration: every setting at its default.",
         "# Each can also be set by the environment variable in its comment, or with --set key=value.",
     ]
-
-    def emit(node: dict[str, Any], depth: int) -> None:
-        pad = "  " * depth
-        for name, item in node.items():
-            if isinstance(item, Setting):
-                lines.append(f"{pad}# {item.doc} (env {item.env})")
-                lines.append(f"{pad}{name}: {_yaml_value(item)}")
-            else:
-                lines.append(f"{pad}{name}:")
-                emit(item, depth + 1)
-
-    emit(tree, 0)
+    opened: tuple[str, ...] = ()  # the sections of the last setting written
+    for st in SETTINGS:  # in declaration order: a section's settings are together
+        *parents, leaf = st.key.split(".")
+        common = 0
+        while common < min(len(parents), len(opened)) and parents[common] == opened[common]:
+            common += 1
+        for depth in range(common, len(parents)):
+            lines.append(f"{'  ' * depth}{parents[depth]}:")
+        opened = tuple(parents)
+        pad = "  " * len(parents)
+        lines.append(f"{pad}# {st.doc} (env {st.env})")
+        lines.append(f"{pad}{leaf}: {format_default(st)}")
     return "\n".join(lines) + "\n"
 
 
-def _yaml_value(st: Setting) -> str:
-    value = st.default
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, float) and st.parse in (parse_duration, positive_duration):
-        return f"{value:g}s"
-    if isinstance(value, int | float):
-        return repr(value)
-    return json.dumps(list(value) if isinstance(value, tuple) else value)
-
-
-# Words in a setting's key (ours or librdkafka's) that make its value secret: passwords, inline
-# PEM keys (ssl.key.pem, ssl_key), OAUTHBEARER and SASL/OIDC client secrets, tokens.
+# Words in a key that is not declared (librdkafka's, in kafka.producer) that make its value secret: passwords,
+# inline PEM keys (ssl.key.pem, ssl_key), OAUTHBEARER and SASL/OIDC client secrets, tokens.
 _SECRET_WORDS = (
     "password", "secret", "userinfo", "key.pem", "ssl_key", "oauthbearer.config", "token", "credential",
-    "sampling.seed",
 )  # fmt: skip
 _URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 
 
 def is_secret(key: str) -> bool:
-    """Whether a setting's value must never be shown: the one rule for printing, errors and logs."""
+    """Whether a setting's value must never be shown: the one rule for printing, errors and logs. A declared
+    setting is secret as declared (``setting(..., secret=True)``); other keys (librdkafka's, in kafka.producer)
+    by the words above."""
+    declared = BY_KEY.get(key)
+    if declared is not None:
+        return declared.secret
     k = key.lower()
     if k.endswith(("file", ".location")):  # the path to a secret, which helps to show
         return False

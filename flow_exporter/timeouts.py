@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from flow_exporter.settings import DEFAULTS
+from flow_exporter.settings import DEFAULT_SETTINGS
 
 log = logging.getLogger(__name__)
 
@@ -14,9 +14,9 @@ log = logging.getLogger(__name__)
 class Timeouts:
     """Seconds. Build with :meth:`normalized` so the derived rules apply."""
 
-    poll_interval: float = DEFAULTS["conntrack.pollInterval"]
-    active: float = DEFAULTS["expiry.activeTimeout"]
-    idle: float = DEFAULTS["expiry.idleTimeout"]
+    poll_interval: float = DEFAULT_SETTINGS.conntrack.poll_interval
+    active: float = DEFAULT_SETTINGS.expiry.active_timeout
+    idle: float = DEFAULT_SETTINGS.expiry.idle_timeout
 
     @classmethod
     def normalized(cls, poll_interval: float, active: float, idle: float) -> Timeouts:

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 from flow_exporter.k8s.enrich import Enricher
 
 if TYPE_CHECKING:
-    from flow_exporter.config import Config
+    from flow_exporter.settings import Settings
 
 __all__ = ["Enricher", "api_configuration", "start_enricher"]
 
 log = logging.getLogger(__name__)
 
 
-def api_configuration(cfg: Config) -> Any:
+def api_configuration(settings: Settings) -> Any:
     """The API server client settings ``k8s.*`` name; a ConfigError (exit code 2) when there are none.
 
     Asked for enrichment and given no usable configuration, the exporter stops at start rather
@@ -36,7 +36,7 @@ def api_configuration(cfg: Config) -> Any:
     from flow_exporter.k8s.cache import load_configuration
     from flow_exporter.settings import ConfigError
 
-    path = cfg["k8s.kubeconfig"]
+    path = settings.k8s.kubeconfig
     try:
         return load_configuration(path)
     except (ConfigException, OSError) as exc:
@@ -49,22 +49,23 @@ def api_configuration(cfg: Config) -> Any:
         ) from None
 
 
-def start_enricher(cfg: Config, api: Any) -> Enricher:
+def start_enricher(settings: Settings, api: Any) -> Enricher:
     """An enricher over caches started in the background (``enricher.caches``), per ``k8s.*``."""
+    from flow_exporter.config import this_node
     from flow_exporter.k8s.cache import K8sCaches
     from flow_exporter.settings import MAX_POD_LABEL_KEYS
 
-    labels = cfg["k8s.podLabels"]
+    k8s, node = settings.k8s, this_node(settings)
     caches = K8sCaches(
         api,
-        scope=cfg["k8s.scope"],
-        node_name=cfg.node_name,
-        retention=cfg["k8s.deletedPodRetention"],
-        label_keys=labels,
-        backoff_initial=cfg["retry.initialBackoff"],
-        backoff_max=cfg["retry.maxBackoff"],
+        scope=k8s.scope,
+        node_name=node,
+        retention=k8s.deleted_pod_retention,
+        label_keys=k8s.pod_labels,
+        backoff_initial=settings.retry.initial_backoff,
+        backoff_max=settings.retry.max_backoff,
     )
-    enricher = Enricher(caches, cfg.node_name, labels, max_labels=MAX_POD_LABEL_KEYS)
+    enricher = Enricher(caches, node, k8s.pod_labels, max_labels=MAX_POD_LABEL_KEYS)
     log.info("k8s enrichment: scope %s, API server %s", caches.scope, api.host)
     caches.start()
     return enricher

@@ -33,7 +33,7 @@ from kubernetes.client.rest import ApiException
 from flow_exporter.k8s.index import Indexes, NodeIndex, PodIndex, ServiceIndex
 from flow_exporter.k8s.owners import OwnerIndex
 from flow_exporter.retry import sleep_on
-from flow_exporter.settings import DEFAULTS
+from flow_exporter.settings import DEFAULT_SETTINGS
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +96,9 @@ class K8sCaches(Indexes):
         self,
         configuration: client.Configuration,
         *,
-        scope: str = DEFAULTS["k8s.scope"],
+        scope: str = DEFAULT_SETTINGS.k8s.scope,
         node_name: str = "",
-        retention: float = DEFAULTS["k8s.deletedPodRetention"],
+        retention: float = DEFAULT_SETTINGS.k8s.deleted_pod_retention,
         label_keys: Collection[str] | None = None,
         backoff_initial: float = 0.5,
         backoff_max: float = 30.0,

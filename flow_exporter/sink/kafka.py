@@ -11,7 +11,6 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import tenacity
@@ -23,7 +22,7 @@ from flow_exporter.delivery import DeliveryHealth, TopicHealth
 from flow_exporter.flow import Export
 from flow_exporter.ports import BrokerStats, ClientStats, DeliveryReport, Reports, SinkCounters, Unsent
 from flow_exporter.retry import StopWhen
-from flow_exporter.settings import DEFAULTS, ConfigError, shown
+from flow_exporter.settings import DEFAULT_SETTINGS, ConfigError, Route, Settings, shown
 from flow_exporter.sink.encoder import Encode, prepare_with
 
 _deliveries = load("deliveries")  # the delivery callbacks and the produce loop, written once (compiled where built)
@@ -99,12 +98,12 @@ _ALIASES = {
 }
 
 
-def check_config(values: Mapping[str, Any]) -> None:
+def check_config(settings: Settings) -> None:
     """The entry points' loading check (``config.load(checks=...)``): ``kafka.producer`` as librdkafka judges it."""
-    check_producer_settings(values["kafka.producer"], allow_unsafe=values["kafka.allowUnsafeProducer"])
+    check_producer_settings(settings.kafka.producer, allow_unsafe=settings.kafka.allow_unsafe_producer)
 
 
-def check_producer_settings(settings: dict[str, Any], *, allow_unsafe: bool) -> None:
+def check_producer_settings(settings: Mapping[str, Any], *, allow_unsafe: bool) -> None:
     """Validate ``kafka.producer`` at startup, naming the setting (a ConfigError, exit code 2).
 
     librdkafka is the only complete judge of its settings (names, types, ranges, combinations),
@@ -157,20 +156,6 @@ class SinkError(RuntimeError):
     """A problem with the sink that the operator must see (missing topic, fatal producer error)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Route:
-    """Send records matching ``flow_type`` and/or ``end_reason`` to ``topic``."""
-
-    topic: str
-    flow_type: int | None = None
-    end_reason: int | None = None
-
-    def matches(self, flow_type: int, end_reason: int) -> bool:
-        if self.flow_type is not None and flow_type != self.flow_type:
-            return False
-        return not (self.end_reason is not None and end_reason != self.end_reason)
-
-
 # Delivery errors no resend can fix: the record is given up (counted) instead of resent forever.
 PERMANENT_ERRORS = frozenset(
     {KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.RECORD_LIST_TOO_LARGE, KafkaError.INVALID_RECORD}
@@ -218,8 +203,8 @@ class KafkaSink:
         topic: str,
         encode: Encode,
         routes: Sequence[Route] = (),
-        retry_initial: float = DEFAULTS["retry.initialBackoff"],
-        retry_max: float = DEFAULTS["retry.maxBackoff"],
+        retry_initial: float = DEFAULT_SETTINGS.retry.initial_backoff,
+        retry_max: float = DEFAULT_SETTINGS.retry.max_backoff,
         stopping: Callable[[], bool] = lambda: False,
         on_wait: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,

@@ -27,13 +27,13 @@ import tenacity
 from flow_exporter.flow import Export
 from flow_exporter.record import schema_path
 from flow_exporter.retry import StopWhen, sleep_on
-from flow_exporter.settings import DEFAULTS, shown
+from flow_exporter.settings import DEFAULT_SETTINGS, shown
 from flow_exporter.sink.encoder import Encode, Failures, prepare_each, prepare_with
 
 if TYPE_CHECKING:
     from confluent_kafka.schema_registry import SchemaRegistryClient
 
-    from flow_exporter.config import Config
+    from flow_exporter.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ HEADER_SIZE = 5
 # every topic). The default strategy is TopicNameStrategy: ``<topic>-value`` per topic.
 RECORD_SUBJECT = "io.flowexporter.FlowRecord"
 # New consumers' schema must read every older record still on the topic, not only the last version's.
-DEFAULT_COMPATIBILITY: str = DEFAULTS["schemaRegistry.compatibility"]
+DEFAULT_COMPATIBILITY: str | None = DEFAULT_SETTINGS.schema_registry.compatibility
 
 
 class RegistryError(RuntimeError):
@@ -86,7 +86,7 @@ def framed(encode: Encode, schema_id: int) -> Framed:
     return Framed(encode, schema_id)
 
 
-def subjects(cfg: Config, topics: Iterable[str]) -> dict[str, str]:
+def subjects(settings: Settings, topics: Iterable[str]) -> dict[str, str]:
     """The registry subject of each topic the exporter writes to.
 
     ``schemaRegistry.subject``, when set, names one subject for all of them; otherwise
@@ -94,8 +94,8 @@ def subjects(cfg: Config, topics: Iterable[str]) -> dict[str, str]:
     TopicNameStrategy, what Kafka Connect, ksqlDB and Flink assume) gives ``<topic>-value``,
     ``record`` (RecordNameStrategy) gives the schema's full name for every topic.
     """
-    fixed: str | None = cfg["schemaRegistry.subject"]
-    if fixed is None and cfg["schemaRegistry.subjectNameStrategy"] == "record":
+    fixed = settings.schema_registry.subject
+    if fixed is None and settings.schema_registry.subject_name_strategy == "record":
         fixed = RECORD_SUBJECT
     return {t: fixed or f"{t}-value" for t in sorted(set(topics))}
 
@@ -139,8 +139,8 @@ def register(
     schema_str: str,
     compatibility: str | None = DEFAULT_COMPATIBILITY,
     *,
-    initial: float = DEFAULTS["retry.initialBackoff"],
-    maximum: float = DEFAULTS["retry.maxBackoff"],
+    initial: float = DEFAULT_SETTINGS.retry.initial_backoff,
+    maximum: float = DEFAULT_SETTINGS.retry.max_backoff,
     max_attempts: int | None = None,
     stopping: Callable[[], bool] = lambda: False,
     sleep: Callable[[float], None] = time.sleep,
@@ -207,7 +207,7 @@ def register(
 
 
 def with_registry(
-    cfg: Config, encode: Encode, topics: Iterable[str] = (), client: SchemaRegistryClient | None = None
+    settings: Settings, encode: Encode, topics: Iterable[str] = (), client: SchemaRegistryClient | None = None
 ) -> Encode:
     """``encode`` as a :class:`RegistryFraming` when ``schemaRegistry.url`` is set, else unchanged.
 
@@ -216,9 +216,9 @@ def with_registry(
     so a pod that waits for its registry stays alive (and not ready) instead of being
     restarted by its liveness probe.
     """
-    if not cfg["schemaRegistry.url"]:
+    if not settings.schema_registry.url:
         return encode
-    return RegistryFraming(cfg, encode, topics or (cfg["kafka.topic"],), client)
+    return RegistryFraming(settings, encode, topics or (settings.kafka.topic,), client)
 
 
 class RegistryFraming:
@@ -231,13 +231,16 @@ class RegistryFraming:
     """
 
     def __init__(
-        self, cfg: Config, encode: Encode, topics: Iterable[str], client: SchemaRegistryClient | None = None
+        self, settings: Settings, encode: Encode, topics: Iterable[str], client: SchemaRegistryClient | None = None
     ) -> None:
-        self.url: str = cfg["schemaRegistry.url"]
-        self.subjects = subjects(cfg, topics)
-        self.compatibility: str | None = cfg["schemaRegistry.compatibility"]
-        self._auth: str | None = cfg["schemaRegistry.basicAuthUserInfo"]
-        self._backoff = (cfg["retry.initialBackoff"], cfg["retry.maxBackoff"])
+        registry = settings.schema_registry
+        if registry.url is None:
+            raise ValueError("RegistryFraming needs schemaRegistry.url (with_registry checks it)")
+        self.url: str = registry.url
+        self.subjects = subjects(settings, topics)
+        self.compatibility: str | None = registry.compatibility
+        self._auth: str | None = registry.basic_auth_user_info
+        self._backoff = (settings.retry.initial_backoff, settings.retry.max_backoff)
         self._client = client
         self._encode = encode
         self._call: Encode = self._unregistered
@@ -313,4 +316,3 @@ def ensure_registered(encode: Encode, stop: threading.Event) -> bool:
     if isinstance(encode, RegistryFraming) and not encode.schema_ids:
         return encode.register(stop)
     return True
-

@@ -30,7 +30,7 @@ from flow_exporter.expiry import ExpiryQueue
 from flow_exporter.flow import FORCED_END, GIVE_UP_IDLE, GIVE_UP_REFUSED, Export, NewConnection, ReportedRows, Restored
 from flow_exporter.ports import DecodeResult
 from flow_exporter.sampling import Sampler
-from flow_exporter.settings import DEFAULTS
+from flow_exporter.settings import DEFAULT_SETTINGS
 from flow_exporter.store.ledger import RESEND_MAX_DELAY, RETRY_DELAY, Ledger
 from flow_exporter.store.memory import TOMBSTONE_MIN_TTL, GivenUp, Tombstone
 from flow_exporter.store.shutdown import Shutdown
@@ -66,7 +66,7 @@ class ConnectionStore:
         self,
         timeouts: Timeouts | None = None,
         on_new: Callable[[NewConnection], None] | None = None,  # enrichment hook, called once per new connection
-        max_connections: int = DEFAULTS["limits.maxConnections"],  # beyond this, connections are given up
+        max_connections: int = DEFAULT_SETTINGS.limits.max_connections,  # beyond this, connections are given up
         adopt: bool = True,  # no state to continue from: connections found live are flagged ADOPTED
         id_seed: bytes | None = None,  # the id allocator's start (tests); random by default
         compiled: bool = True,  # False: the lockstep tests' reference (no fused poll or bulk admission; interpreted)

@@ -27,7 +27,7 @@ from confluent_kafka.admin import (
 
 from devtools.kafka import KafkaBroker
 from flow_exporter.app import Exporter, ExporterOptions
-from flow_exporter.config import load
+from flow_exporter.config import load, this_node
 from flow_exporter.lifecycle import Lifecycle
 from flow_exporter.metrics import Metrics
 from flow_exporter.runner import build_sink, start_listener, timeouts_from
@@ -104,7 +104,7 @@ def test_a_revoked_write_acl_warns_then_not_ready_then_ready_again(
     exporter = Exporter(
         table,
         build_sink(cfg, lifecycle),
-        ExporterOptions(timeouts=timeouts_from(cfg), node_name=cfg.node_name, grace=cfg["shutdown.grace"]),
+        ExporterOptions(timeouts=timeouts_from(cfg), node_name=this_node(cfg), grace=cfg.shutdown.grace),
         lifecycle=lifecycle,
     )  # fmt: skip
     http = start_listener(cfg, Metrics(), exporter)

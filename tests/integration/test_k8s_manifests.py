@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from devtools.apiserver import ApiServer
-from flow_exporter.config import BY_KEY, ENV_PREFIX, SETTINGS, Config, load
+from flow_exporter.config import BY_KEY, ENV_PREFIX, SETTINGS, Settings, load, this_node
 from flow_exporter.sink.kafka import check_config
 from tests.support.go_tools import go_tool
 from tests.support.paths import REPO
@@ -127,7 +127,7 @@ def container(pod: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def config(docs: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory, container: dict[str, Any]) -> Config:
+def config(docs: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory, container: dict[str, Any]) -> Settings:
     """The ConfigMap's config.yaml, loaded as the exporter loads it, with the DaemonSet's plain env."""
     path = tmp_path_factory.mktemp("configmap") / "config.yaml"
     path.write_text(find(docs, "ConfigMap")["data"]["config.yaml"])
@@ -249,7 +249,7 @@ def test_a_config_change_rolls_the_pods(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ the DaemonSet
 
 
-def test_daemonset_container_security(pod: dict[str, Any], container: dict[str, Any], config: Config) -> None:
+def test_daemonset_container_security(pod: dict[str, Any], container: dict[str, Any], config: Settings) -> None:
     assert pod["hostNetwork"] is True
     assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     for host_ns in ("hostPID", "hostIPC"):
@@ -282,7 +282,7 @@ def test_only_the_sysctl_init_container_is_privileged(pod: dict[str, Any]) -> No
         assert re.findall(r"/\S+", script.replace('"$file"', "")) == ["/bin/sh", "/proc/sys/net/netfilter/$name"]
 
 
-def test_daemonset_scheduling_and_lifecycle(docs: list[dict[str, Any]], pod: dict[str, Any], config: Config) -> None:
+def test_daemonset_scheduling_and_lifecycle(docs: list[dict[str, Any]], pod: dict[str, Any], config: Settings) -> None:
     ds = find(docs, "DaemonSet")
     assert {"operator": "Exists"} in pod["tolerations"]
     assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}  # tolerating everything, but only Linux nodes
@@ -305,7 +305,7 @@ def test_daemonset_identity_matches_rbac(docs: list[dict[str, Any]], pod: dict[s
 
 
 def test_daemonset_probes_env_and_scraping(
-    docs: list[dict[str, Any]], container: dict[str, Any], config: Config
+    docs: list[dict[str, Any]], container: dict[str, Any], config: Settings
 ) -> None:
     port = config.metrics.port
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -358,7 +358,7 @@ def test_daemonset_env_names_are_settings(container: dict[str, Any]) -> None:
     assert ours <= known, sorted(ours - known)
 
 
-def test_daemonset_resources_fit_the_benchmarks(container: dict[str, Any], config: Config) -> None:
+def test_daemonset_resources_fit_the_benchmarks(container: dict[str, Any], config: Settings) -> None:
     res = container["resources"]
     for section in ("requests", "limits"):
         assert set(res[section]) >= {"cpu", "memory"}
@@ -378,13 +378,13 @@ def test_daemonset_resources_fit_the_benchmarks(container: dict[str, Any], confi
 # ------------------------------------------------------------------------------ ConfigMap and RBAC
 
 
-def test_configmap_config_loads(config: Config, container: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_configmap_config_loads(config: Settings, container: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.k8s.enabled is True
     assert config.kafka.topic == "flows"
     assert config.metrics.port == 9690
     # nodeName is empty, so records carry NODE_NAME, which the downward API sets.
     monkeypatch.setenv("NODE_NAME", pod_env(container)["NODE_NAME"])
-    assert config.node_name == "node-a"
+    assert this_node(config) == "node-a"
 
 
 def test_configmap_config_with_sasl_credentials_from_the_secret(

@@ -26,7 +26,7 @@ from confluent_kafka import Consumer, KafkaError
 from devtools.kafka import KafkaBroker, make_ca
 from devtools.lab import Lab
 from flow_exporter.cli import main
-from flow_exporter.config import Config, ConfigError, load
+from flow_exporter.config import ConfigError, Settings, load
 from flow_exporter.connection import PROTO_TCP, Connection
 from flow_exporter.runner import build_sink
 from flow_exporter.sink import KafkaSink
@@ -89,7 +89,7 @@ def client_errors(monkeypatch: pytest.MonkeyPatch) -> list[tuple[KafkaSink, Kafk
     return seen
 
 
-def config(topic: str, environ: dict[str, str] | None = None, **settings: Any) -> Config:
+def config(topic: str, environ: dict[str, str] | None = None, **settings: Any) -> Settings:
     return load(environ=environ or {}, overrides={"kafka.topic": topic, "nodeName": "sec-node", **settings})
 
 
@@ -146,7 +146,7 @@ def exports(n: int) -> list[Any]:
     return store.expire(100.0, time.time_ns())
 
 
-def assert_delivers(cfg: Config, n: int = 3) -> None:
+def assert_delivers(cfg: Settings, n: int = 3) -> None:
     """The sink the exporter would build from ``cfg`` gets a delivery report for every record."""
     sink = build_sink(cfg)
     assert sink.unusable_topics() == {}
@@ -157,7 +157,7 @@ def assert_delivers(cfg: Config, n: int = 3) -> None:
     assert len(reports) == n and all(r.delivered for r in reports), [r.error for r in reports]
 
 
-def watch_failing(*cfgs: Config) -> list[KafkaSink]:
+def watch_failing(*cfgs: Settings) -> list[KafkaSink]:
     """Sinks that try to deliver one record each, served together for FAIL_WINDOW seconds."""
     sinks = [build_sink(cfg) for cfg in cfgs]
     for sink in sinks:

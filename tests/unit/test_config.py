@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from flow_exporter.cli import main
 from flow_exporter.config import ConfigError, load, parse_overrides
-from flow_exporter.settings import SETTINGS, parse_duration, positive_duration
+from flow_exporter.settings import (
+    BY_KEY,
+    SETTINGS,
+    RetrySettings,
+    Settings,
+    format_default,
+    parse_duration,
+    positive_duration,
+)
 from tests.support.cli import clean_env, run_cli
 
 
@@ -19,10 +30,10 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
     f.write_text("kafka:\n  topic: from-file\n  bootstrapServers: file:9092\nconntrack:\n  pollInterval: 2s\n")
     env = {"FLOW_EXPORTER_KAFKA_TOPIC": "from-env"}
     cfg = load(f, environ=env, overrides={"kafka.bootstrapServers": "flag:9092"})
-    assert cfg["kafka.topic"] == "from-env"
-    assert cfg["kafka.bootstrapServers"] == "flag:9092"
-    assert cfg["conntrack.pollInterval"] == 2.0
-    assert cfg["expiry.idleTimeout"] == 15.0
+    assert cfg.kafka.topic == "from-env"
+    assert cfg.kafka.bootstrap_servers == "flag:9092"
+    assert cfg.conntrack.poll_interval == 2.0
+    assert cfg.expiry.idle_timeout == 15.0
 
 
 @pytest.mark.parametrize(
@@ -92,7 +103,7 @@ def test_print_defaults_is_a_config_file_to_start_from(capsys: pytest.CaptureFix
         assert s.env in out
     f = tmp_path / "defaults.yaml"
     f.write_text(out)
-    assert dict(load(f, environ={}).values) == dict(load(environ={}).values)  # every key, every default
+    assert load(f, environ={}) == load(environ={}) == Settings()  # every key, every default
 
 
 DURATIONS = [s.key for s in SETTINGS if s.parse in (parse_duration, positive_duration)]
@@ -241,9 +252,9 @@ def test_a_scalar_for_a_list_is_refused_in_a_file_and_taken_from_a_flag(tmp_path
     with pytest.raises(ConfigError, match=r"conntrack\.zones=7: expected a list"):
         load(f, environ={})
     f.write_text("conntrack:\n  zones: [7]\n")
-    assert load(f, environ={})["conntrack.zones"] == (7,)
-    assert load(None, environ={}, overrides={"conntrack.zones": "1,7"})["conntrack.zones"] == (1, 7)
-    assert load(None, environ={"FLOW_EXPORTER_CONNTRACK_ZONES": "7"})["conntrack.zones"] == (7,)
+    assert load(f, environ={}).conntrack.zones == (7,)
+    assert load(None, environ={}, overrides={"conntrack.zones": "1,7"}).conntrack.zones == (1, 7)
+    assert load(None, environ={"FLOW_EXPORTER_CONNTRACK_ZONES": "7"}).conntrack.zones == (7,)
 
 
 @pytest.mark.parametrize(
@@ -272,7 +283,7 @@ def test_set_takes_one_producer_entry_merged_over_the_file(tmp_path: Path) -> No
     f = tmp_path / "c.yaml"
     f.write_text("kafka:\n  producer:\n    linger.ms: 50\n    compression.type: zstd\n")
     cfg = load(f, environ={}, overrides=parse_overrides(["kafka.producer.acks=all", "kafka.producer.linger.ms=20"]))
-    assert cfg["kafka.producer"] == {"linger.ms": 20, "compression.type": "zstd", "acks": "all"}
+    assert cfg.kafka.producer == {"linger.ms": 20, "compression.type": "zstd", "acks": "all"}
     assert main(["config", "--print", "--set", "kafka.producer.acks=all"]) == 0
     merged = parse_overrides(["kafka.producer={acks: all, linger.ms: 1}", "kafka.producer.linger.ms=5"])
     assert merged == {"kafka.producer": {"acks": "all", "linger.ms": 5}}
@@ -294,3 +305,90 @@ def test_config_print_runs_the_checks_run_does(tmp_path: Path, capsys: pytest.Ca
     missing = tmp_path / "no-kubeconfig"
     assert main(["config", "--print", "--set", "k8s.enabled=true", "--set", f"k8s.kubeconfig={missing}"]) == 2
     assert "no usable API server configuration" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the typed settings (issue 43)
+
+
+def test_the_loaded_settings_are_typed_sections() -> None:
+    settings = load(None, environ={"FLOW_EXPORTER_KAFKA_TLS_VERIFY_HOSTNAME": "no"},
+                    overrides={"sampling.budget.recordsPerSecond": "5_000", "k8s.podLabels": "app,tier"})  # fmt: skip
+    assert settings.kafka.tls.verify_hostname is False
+    assert settings.sampling.budget.records_per_second == 5000
+    assert settings.k8s.pod_labels == ("app", "tier")
+    assert settings.conntrack.poll_interval == 5.0 and settings.kafka.topic == "flows"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.kafka.topic = "other"  # type: ignore[misc]
+
+
+def test_env_names_follow_the_keys() -> None:
+    """The variable names the manifests and users set: the key's words, upper case, joined by underscores."""
+    expected = {
+        "nodeName": "FLOW_EXPORTER_NODE_NAME",
+        "communityId.seed": "FLOW_EXPORTER_COMMUNITY_ID_SEED",
+        "sampling.budget.recordsPerSecond": "FLOW_EXPORTER_SAMPLING_BUDGET_RECORDS_PER_SECOND",
+        "kafka.tls.keyPasswordFile": "FLOW_EXPORTER_KAFKA_TLS_KEY_PASSWORD_FILE",
+        "schemaRegistry.basicAuthUserInfo": "FLOW_EXPORTER_SCHEMA_REGISTRY_BASIC_AUTH_USER_INFO",
+        "k8s.podLabels": "FLOW_EXPORTER_K8S_POD_LABELS",
+    }
+    assert {key: BY_KEY[key].env for key in expected} == expected
+    assert len({s.env for s in SETTINGS}) == len({s.key for s in SETTINGS}) == len(SETTINGS) == 71
+
+
+def test_the_declarations_for_the_reference() -> None:
+    """What the docs generator reads of each setting (key, env, default, doc, kind, secret) and format_default."""
+    assert {s.key for s in SETTINGS if s.secret} == {
+        "sampling.seed", "kafka.sasl.password", "schemaRegistry.basicAuthUserInfo"
+    }  # fmt: skip
+    shown = {key: (BY_KEY[key].kind, format_default(BY_KEY[key])) for key in (
+        "conntrack.pollInterval", "kafka.readyTimeout", "conntrack.zones", "k8s.podLabels", "kafka.producer",
+        "kafka.routes", "sampling.probability", "conntrack.eventBuffer", "export.prefixCache", "kafka.topic",
+        "log.level", "networks.file",
+    )}  # fmt: skip
+    assert shown == {
+        "conntrack.pollInterval": ("duration > 0", "5s"),
+        "kafka.readyTimeout": ("duration", "120s"),
+        "conntrack.zones": ("list of zones", "[]"),
+        "k8s.podLabels": ("list of label keys", '["app", "app.kubernetes.io/name"]'),
+        "kafka.producer": ("map", "{}"),
+        "kafka.routes": ("list of routes", "[]"),
+        "sampling.probability": ("probability", "1.0"),
+        "conntrack.eventBuffer": ("whole number >= 4096", "67108864"),
+        "export.prefixCache": ("bool or auto", "null"),
+        "kafka.topic": ("topic name", '"flows"'),
+        "log.level": ("one of debug, info, warning, error", '"info"'),
+        "networks.file": ("path", "null"),
+    }
+    for s in SETTINGS:  # each default, read back by YAML and the setting's own parser, is the default
+        assert s.doc and s.kind
+        assert s.parse(s.key, yaml.safe_load(format_default(s))) == s.default, s.key
+
+
+def test_what_spans_a_section_is_checked_where_it_is_declared() -> None:
+    with pytest.raises(ConfigError, match=r"config retry\.maxBackoff=30\.0: must be >= retry\.initialBackoff"):
+        RetrySettings(initial_backoff=60.0)
+    with pytest.raises(ConfigError, match=r"retry\.maxBackoff"):
+        load(None, environ={}, overrides={"retry.initialBackoff": "1m"})
+
+
+def test_a_deep_halving_is_judged_not_a_traceback(capsys: pytest.CaptureFixture) -> None:
+    """2**2000 does not fit a float: the depth check once died on it (OverflowError, exit 1)."""
+    assert main(["config", "--print", "--set", "sampling.maxHalvings=2000"]) == 0
+    capsys.readouterr()
+    args = ["config", "--print", "--set", "sampling.maxHalvings=2000", "--set", "sampling.budget.connections=10"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "config sampling.maxHalvings=2000: sampling.probability halved that often is below 2**-32" in err
+
+
+def test_secrets_stay_hidden_in_a_repr_and_routes_print_as_written(capsys: pytest.CaptureFixture) -> None:
+    settings = load(None, environ={}, overrides={
+        "sampling.seed": "seed-s3cr3t", "kafka.producer": {"sasl.password": "pw-s3cr3t", "linger.ms": 5},
+        "kafka.routes": [{"topic": "ended", "endReason": 3}, {"topic": "pods", "flowType": 1}],
+    })  # fmt: skip
+    text = repr(settings) + repr(settings.sampling) + repr(settings.kafka)
+    assert "s3cr3t" not in text and "linger.ms" in text and "***" in text
+    args = ["config", "--print", "--set", "kafka.routes=[{topic: ended, endReason: 3}, {topic: pods, flowType: 1}]"]
+    assert main(args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["kafka.routes"] == [{"topic": "ended", "endReason": 3}, {"topic": "pods", "flowType": 1}]

@@ -20,7 +20,7 @@ from flow_exporter.flow import Export
 from flow_exporter.lifecycle import Lifecycle
 from flow_exporter.ports import Unsent
 from flow_exporter.probes import readiness
-from flow_exporter.settings import DEFAULTS, ConfigError
+from flow_exporter.settings import DEFAULT_SETTINGS, ConfigError
 from flow_exporter.sink import KafkaSink, kafka
 from flow_exporter.sink.kafka import Route
 from flow_exporter.store import ConnectionStore
@@ -118,15 +118,15 @@ def test_recovery_is_logged_once_after_a_warning(caplog: pytest.LogCaptureFixtur
 
 # ----------------------------------------------------------------------------- readiness
 
-TIMEOUT = DEFAULTS["kafka.readyTimeout"]
+TIMEOUT = DEFAULT_SETTINGS.kafka.ready_timeout
 
 
 def test_the_default_ready_timeout_is_two_minutes_and_zero_turns_the_rule_off() -> None:
     from flow_exporter.config import load
 
     assert TIMEOUT == 120.0
-    assert load(environ={"FLOW_EXPORTER_KAFKA_READY_TIMEOUT": "0"})["kafka.readyTimeout"] == 0.0
-    assert load(environ={}, overrides={"kafka.readyTimeout": "90s"})["kafka.readyTimeout"] == 90.0
+    assert load(environ={"FLOW_EXPORTER_KAFKA_READY_TIMEOUT": "0"}).kafka.ready_timeout == 0.0
+    assert load(environ={}, overrides={"kafka.readyTimeout": "90s"}).kafka.ready_timeout == 90.0
     with pytest.raises(ConfigError, match=r"kafka\.readyTimeout"):
         load(environ={}, overrides={"kafka.readyTimeout": "-1s"})
     h, clock = health()

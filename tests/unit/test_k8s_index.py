@@ -488,17 +488,17 @@ def test_connections_seen_before_sync_are_enriched_again(cluster: Indexes) -> No
 
 def test_k8s_settings_defaults_and_parsing() -> None:
     cfg = load(environ={})
-    assert cfg["k8s.enabled"] is False
-    assert cfg["k8s.kubeconfig"] is None
-    assert cfg["k8s.scope"] == "cluster"
-    assert cfg["k8s.podLabels"] == ("app", "app.kubernetes.io/name")
-    assert cfg["k8s.deletedPodRetention"] == 300.0
+    assert cfg.k8s.enabled is False
+    assert cfg.k8s.kubeconfig is None
+    assert cfg.k8s.scope == "cluster"
+    assert cfg.k8s.pod_labels == ("app", "app.kubernetes.io/name")
+    assert cfg.k8s.deleted_pod_retention == 300.0
     cfg = load(
         environ={"FLOW_EXPORTER_K8S_POD_LABELS": "app, tier,example.com/team", "FLOW_EXPORTER_K8S_SCOPE": "Node"},
         overrides={"k8s.enabled": True, "k8s.deletedPodRetention": "90s"},
     )
-    assert cfg["k8s.podLabels"] == ("app", "tier", "example.com/team")
-    assert (cfg["k8s.scope"], cfg["k8s.enabled"], cfg["k8s.deletedPodRetention"]) == ("node", True, 90.0)
+    assert cfg.k8s.pod_labels == ("app", "tier", "example.com/team")
+    assert (cfg.k8s.scope, cfg.k8s.enabled, cfg.k8s.deleted_pod_retention) == ("node", True, 90.0)
 
 
 @pytest.mark.parametrize(

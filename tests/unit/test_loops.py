@@ -374,7 +374,7 @@ def test_settings_and_readiness_reach_the_metrics_endpoint() -> None:
         environ={},
         overrides={"conntrack.pollInterval": "7s", "limits.maxInFlight": 1234, "limits.maxConnections": 99},
     )
-    metrics = Metrics(cfg.values)
+    metrics = Metrics(cfg)
     life = Lifecycle()
     connected = [True]
     metrics.bind_ready(lambda: readiness(life, lambda: connected[0])()[0])

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 
 from bench.bench_export import synthetic_exports
 from flow_exporter.commands import ValueDecoder
-from flow_exporter.config import ConfigError, load
+from flow_exporter.config import ConfigError, load, this_node
 from flow_exporter.flow import Export
 from flow_exporter.runner import build_sink
 from flow_exporter.sink import registry
@@ -95,7 +95,7 @@ def test_subjects_follow_the_topic_name_strategy_by_default() -> None:
     assert f"{json.loads(SCHEMA_TEXT)['namespace']}.{json.loads(SCHEMA_TEXT)['name']}" == RECORD_SUBJECT
     fixed = registry.subjects(load(environ={}, overrides={"schemaRegistry.subject": "flows-all"}), topics)
     assert fixed == {"flows": "flows-all", "flows-ended": "flows-all"}
-    assert load(environ={})["schemaRegistry.compatibility"] == "BACKWARD_TRANSITIVE"
+    assert load(environ={}).schema_registry.compatibility == "BACKWARD_TRANSITIVE"
 
 
 def test_framing_registers_a_subject_per_topic_and_frames_with_its_id() -> None:
@@ -134,7 +134,7 @@ def test_build_sink_without_registry_stays_bare() -> None:
     cfg = load(environ={}, overrides={"kafka.bootstrapServers": "127.0.0.1:9", "kafka.producer": {"log_level": 0}})
     sink = build_sink(cfg)
     e = synthetic_exports(1)[0]
-    assert sink.encode(e, EXPORT_MS) == RecordEncoder(cfg.node_name).encode(e, EXPORT_MS)
+    assert sink.encode(e, EXPORT_MS) == RecordEncoder(this_node(cfg)).encode(e, EXPORT_MS)
 
 
 def test_tail_reads_an_older_writer_schema_from_the_registry() -> None:
@@ -253,15 +253,15 @@ def test_registry_settings() -> None:
         "FLOW_EXPORTER_SCHEMA_REGISTRY_BASIC_AUTH_USER_INFO": "user:pw",
     }
     cfg = load(environ=env)
-    assert cfg["schemaRegistry.url"] == "https://registry.example:8081"
-    assert cfg["schemaRegistry.subject"] == "flows-value"
-    assert cfg["schemaRegistry.subjectNameStrategy"] == "record"
-    assert load(environ={}, overrides={"schemaRegistry.subject": ""})["schemaRegistry.subject"] is None
-    assert cfg["schemaRegistry.compatibility"] == "FULL_TRANSITIVE"
+    assert cfg.schema_registry.url == "https://registry.example:8081"
+    assert cfg.schema_registry.subject == "flows-value"
+    assert cfg.schema_registry.subject_name_strategy == "record"
+    assert load(environ={}, overrides={"schemaRegistry.subject": ""}).schema_registry.subject is None
+    assert cfg.schema_registry.compatibility == "FULL_TRANSITIVE"
     assert cfg.masked()["schemaRegistry.basicAuthUserInfo"] == "***"
     assert "user:pw" not in repr(cfg)
-    assert load(environ={})["schemaRegistry.url"] is None
-    assert load(environ={}, overrides={"schemaRegistry.compatibility": ""})["schemaRegistry.compatibility"] is None
+    assert load(environ={}).schema_registry.url is None
+    assert load(environ={}, overrides={"schemaRegistry.compatibility": ""}).schema_registry.compatibility is None
     for key, bad in (
         ("schemaRegistry.url", "registry:8081"),
         ("schemaRegistry.compatibility", "SOMETIMES"),

@@ -293,7 +293,7 @@ def test_a_budget_with_too_many_halvings_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"sampling\.maxHalvings.*below 2\*\*-32"):
         load(None, environ={}, overrides=over)
     cfg = load(None, environ={}, overrides={**over, "sampling.maxHalvings": 12})
-    assert cfg["sampling.maxHalvings"] == 12
+    assert cfg.sampling.max_halvings == 12
     assert load(None, environ={}, overrides={**over, "sampling.budget.connections": 0})  # no budget: no shedding
 
 
