@@ -1,5 +1,5 @@
 """The Helm chart: `helm lint`, `helm template` validated by a real kube-apiserver (server-side dry-run),
-the Prometheus Operator's own PodMonitor CRD, config changes that roll the pods, and no drift from k8s/.
+the Prometheus Operator's own PodMonitor CRD, config changes that roll the pods, and k8s/ as its render.
 
 Helm is built from the Go module proxy (helm.sh/helm/v4) into .cache/helm on first use; the PodMonitor
 CRD comes from the prometheus-operator module (the newest version served here), through `go mod download`.
@@ -8,18 +8,24 @@ CRD comes from the prometheus-operator module (the newest version served here), 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from devtools import manifests
 from devtools.apiserver import ApiServer
 from flow_exporter.config import load
+from flow_exporter.settings import SETTINGS
 from flow_exporter.sink.kafka import check_config
+from tests.integration.test_k8s_manifests import kustomize_build
 from tests.support.go_tools import go_tool
 from tests.support.paths import REPO
 
@@ -157,28 +163,65 @@ def test_values_reach_the_daemonset(helm: Path) -> None:
     assert find(docs, "ClusterRoleBinding")["subjects"][0]["name"] == spec["serviceAccountName"]
 
 
-def test_chart_and_kustomize_manifests_agree(helm: Path, tmp_path: Path) -> None:
-    """The chart's defaults are the kustomize manifests' settings: one config, one security context."""
-    docs = template(helm)
-    chart_config = yaml.safe_load(find(docs, "ConfigMap")["data"]["config.yaml"])
-    assert chart_config == yaml.safe_load((REPO / "k8s" / "config.yaml").read_text())
+def _objects(docs: Iterable[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Objects by (kind, name), as far as a cluster would tell them apart: kustomize's hash suffix of the ConfigMap's
+    name taken off, the config file parsed (its header comments are not settings), and the lists a
+    strategic-merge patch merges sorted by their key (kustomize puts an item a patch adds first, Helm where the
+    template has it; neither order means anything to the kubelet)."""
+    out = {}
+    for doc in docs:
+        doc = yaml.safe_load(re.sub(r"\bflow-exporter-[a-z0-9]{10}\b", "flow-exporter", yaml.safe_dump(doc)))
+        if doc["kind"] == "ConfigMap":
+            doc["data"] = {k: yaml.safe_load(v) for k, v in doc["data"].items()}
+        out[(doc["kind"], doc["metadata"]["name"])] = _sorted(doc)
+    return out
+
+
+def _sorted(node: Any, field: str = "") -> Any:
+    if isinstance(node, dict):
+        return {k: _sorted(v, k) for k, v in node.items()}
+    if isinstance(node, list):
+        items = [_sorted(v) for v in node]
+        key = manifests.MERGE_KEYS.get(field)
+        return sorted(items, key=lambda i: str(i[key])) if key and all(key in i for i in items) else items
+    return node
+
+
+def test_kustomize_build_of_k8s_is_the_charts_render(tmp_path: Path) -> None:
+    """k8s/ is the chart's render (devtools.manifests): ``kustomize build`` of it makes the objects ``helm template``
+    makes with k8s/values.yaml, but for the labels and annotation only a Helm release has; with the component
+    k8s/cilium, the objects of k8s/cilium/values.yaml on top, the source given as its variable."""
+    chart = _objects(manifests.without_helm(d) for d in yaml.safe_load_all(manifests.helm_template(manifests.VALUES)))
+    built = _objects(d for d in yaml.safe_load_all(kustomize_build(REPO / "k8s")) if d)
+    namespace = built.pop(("Namespace", "flow-exporter"))
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert built == chart
+    assert "checksum/config" not in repr(built) and "helm.sh/chart" not in repr(built)
+
+    cilium_values = manifests.helm_template(manifests.VALUES, manifests.CILIUM_VALUES)
+    cilium = _objects(manifests.without_helm(d) for d in yaml.safe_load_all(cilium_values))
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [os.path.relpath(REPO / "k8s", overlay)],
+        "components": [os.path.relpath(REPO / "k8s" / "cilium", overlay)],
+    }))  # fmt: skip
+    built = _objects(d for d in yaml.safe_load_all(kustomize_build(overlay)) if d)
+    assert built.pop(("Namespace", "flow-exporter")) == namespace
+    config = ("ConfigMap", "flow-exporter")
+    assert cilium[config]["data"]["config.yaml"]["conntrack"]["source"] == "cilium"
+    assert built[config] == chart[config]  # the base's config file, the source as a variable instead:
+    cilium[config] = chart[config]
+    [container] = cilium[("DaemonSet", "flow-exporter")]["spec"]["template"]["spec"]["containers"]
+    container["env"] = _sorted(
+        [*container["env"], {"name": "FLOW_EXPORTER_CONNTRACK_SOURCE", "value": "cilium"}], "env"
+    )
+    assert built == cilium
+    # The variable is that setting's, and the config with it loads as the exporter loads it (bad input would raise).
+    assert {s.env: s.key for s in SETTINGS}["FLOW_EXPORTER_CONNTRACK_SOURCE"] == "conntrack.source"
     path = tmp_path / "config.yaml"
-    path.write_text(find(docs, "ConfigMap")["data"]["config.yaml"])
-    cfg = load(path, environ={}, checks=(check_config,))  # the exporter loads it (bad input would raise)
-    assert cfg["kafka.topic"] == "flows"
-    [ours] = [d for d in yaml.safe_load_all((REPO / "k8s" / "daemonset.yaml").read_text()) if d]
-    [kc] = ours["spec"]["template"]["spec"]["containers"]
-    [hc] = pod_spec(docs)["containers"]
-    for field in ("securityContext", "livenessProbe", "readinessProbe", "resources", "args", "volumeMounts"):
-        assert hc[field] == kc[field], field
-    assert [e["name"] for e in hc["env"]] == [e["name"] for e in kc["env"]]
-    k_init = ours["spec"]["template"]["spec"]["initContainers"][0]
-    h_init = pod_spec(docs)["initContainers"][0]
-    assert (h_init["image"], h_init["command"], h_init["securityContext"]) == (
-        k_init["image"], k_init["command"], k_init["securityContext"])  # fmt: skip
-    rbac = yaml.safe_load_all((REPO / "k8s" / "rbac.yaml").read_text())
-    [role] = [d for d in rbac if d and d["kind"] == "ClusterRole"]
-    assert find(docs, "ClusterRole")["rules"] == role["rules"]  # the same grants as k8s/
+    path.write_text(yaml.safe_dump(chart[config]["data"]["config.yaml"]))
+    load(path, environ={"FLOW_EXPORTER_CONNTRACK_SOURCE": "cilium"}, checks=(check_config,))
 
 
 def test_values_schema_is_generated_from_the_settings() -> None:
