@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
 #
-# flow-exporter image: docker build -t localhost/flow-exporter:0.1.0 .
+# flow-exporter image: docker build --build-arg VERSION=X.Y.Z -t <registry>/flow-exporter:X.Y.Z .
+# (make image and make release pass VERSION: the version setuptools-scm gives the checkout, from its git tags)
 #
 # Two stages. "build" turns the project and its dependencies into wheels; the final stage
 # installs those wheels into a virtual environment and keeps nothing else: no build tree, no
@@ -18,6 +19,11 @@
 # and repeat when moving to a new tag (Python patch releases, Debian security updates). The tests
 # build on a stand-in (tools/image/base.sh: Debian bookworm's python3.11) passed the same way.
 ARG BASE=python:3.11.14-slim-bookworm
+
+# VERSION: the project's version (pyproject.toml [tool.setuptools_scm] reads it from the git tags, but the build
+# context holds no .git): the wheel's version and the image's version label. tools/image/build.sh passes the
+# checkout's (`python -m setuptools_scm`); a build without it says it does not know which version it is.
+ARG VERSION=0+unknown
 
 # ----------------------------------------------------------------------------- build
 FROM ${BASE} AS build
@@ -83,19 +89,21 @@ COPY schemas/ schemas/
 # Their digests, for the runtime stage to copy before it installs (see there).
 # The compiled modules are optional for a plain `pip install .`; here (FLOW_EXPORTER_REQUIRE_COMPILED, setup.py)
 # one that does not build fails the build, and the wheel is checked to hold each (every source with a .pxd beside
-# it: the Cython-compiled ones, as setup.py finds them).
+# it: the Cython-compiled ones, as setup.py finds them). SETUPTOOLS_SCM_PRETEND_VERSION gives setuptools-scm the
+# version that it cannot read from git here.
+ARG VERSION
 RUN --mount=type=cache,target=/root/.cache/pip \
-    FLOW_EXPORTER_REQUIRE_COMPILED=1 /build-tools/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels . \
+    SETUPTOOLS_SCM_PRETEND_VERSION="${VERSION}" FLOW_EXPORTER_REQUIRE_COMPILED=1 \
+        /build-tools/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels . \
  && python -c "import glob, sys, zipfile; names = zipfile.ZipFile(glob.glob('/wheels/flow_exporter-*.whl')[0]).namelist(); missing = [m for m in [p[14:-4] for p in glob.glob('flow_exporter/*.pxd')] if not any(n.startswith('flow_exporter/' + m + '.') and n.endswith('.so') for n in names)]; sys.exit('not compiled: ' + ', '.join(missing) if missing else 0)" \
  && sha256sum /wheels/*.whl > /src/wheels.sha256
 
 # ----------------------------------------------------------------------------- runtime
 FROM ${BASE}
 
-# VERSION is flow_exporter.__version__ (tests/integration/test_dockerfile.py checks it, and the
-# image tags in k8s/ and README.md); SOURCE_URL is the repository the image is built from: pass
-# the real one with --build-arg SOURCE_URL=...
-ARG VERSION=0.1.0
+# VERSION (above) is the wheel's version too (tests/integration/test_dockerfile.py checks both); SOURCE_URL is the
+# repository the image is built from: pass the real one with --build-arg SOURCE_URL=...
+ARG VERSION
 ARG SOURCE_URL=https://github.com/example/flow-exporter
 LABEL org.opencontainers.image.title="flow-exporter" \
       org.opencontainers.image.description="Linux conntrack flow records, Avro-encoded, to Kafka (Kubernetes DaemonSet)" \
@@ -146,7 +154,7 @@ ENV PATH=/opt/flow-exporter/bin:$PATH
 #   * ambient capabilities cannot be requested through a Kubernetes securityContext, and
 #     container runtimes give a non-root user's added capabilities no effective bit.
 # So the image defaults to an unprivileged user (65532, no passwd entry needed), which is what
-# `docker run flow-exporter:0.1.0 config --print-defaults` and any other ad hoc use gets, and the
+# `docker run flow-exporter:X.Y.Z config --print-defaults` and any other ad hoc use gets, and the
 # DaemonSet (k8s/daemonset.yaml) opts in to UID 0 explicitly with every capability dropped except
 # NET_ADMIN, no privilege escalation, a read-only root filesystem and the RuntimeDefault seccomp
 # profile. Root without CAP_DAC_OVERRIDE, CAP_CHOWN, CAP_SYS_* etc. gains nothing beyond NET_ADMIN.

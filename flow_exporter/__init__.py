@@ -2,4 +2,7 @@
 
 from flow_exporter import compiled as _compiled  # noqa: F401  (the build of the hot modules is chosen here, once)
 
-__version__ = "0.1.0"
+try:  # written by the build from the git tag (pyproject.toml [tool.setuptools_scm]); not in git
+    from flow_exporter._version import __version__ as __version__  # type: ignore[import-not-found,unused-ignore]
+except ImportError:  # a source tree that no build or install has seen
+    __version__ = "0+unknown"

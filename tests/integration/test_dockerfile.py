@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flow_exporter import __version__
 from tests.support.cli import settings_missing_from
 from tests.support.container_image import BUILD_TIMEOUT, podman
 from tests.support.lockfile import locked
 from tests.support.paths import REPO
+from tests.support.version import checkout_version
 
 DOCKERFILE = REPO / "Dockerfile"
 BASE_IMAGE = re.compile(r"python:3\.11\.\d+-slim-(bookworm|trixie)(@sha256:[0-9a-f]{64})?")
@@ -36,6 +36,9 @@ PLATFORM_LOCKS = {"amd64": RUNTIME_LOCK, "arm64": "requirements/runtime-arm64.lo
 SBOM_LOCK = "requirements/sbom.lock"
 DEV_EXTRAS = ("pytest", "ruff", "hypothesis", "avro", "pytest-timeout")
 SBOM_PATH = "/opt/flow-exporter/sbom.cdx.json"
+# The version the docs and manifests write in image tags: the chart's appVersion as it is in git (make release sets
+# the packaged chart's to the release's; the project's version itself comes from the git tags).
+WRITTEN = yaml.safe_load((REPO / "charts" / "flow-exporter" / "Chart.yaml").read_text())["appVersion"]
 # The lock this machine's build installs (the image is built for the host's platform).
 HOST_LOCK = PLATFORM_LOCKS["arm64" if platform.machine() in ("aarch64", "arm64") else "amd64"]
 # The first test using the image waits for its build (tests/support/container_image.py).
@@ -86,21 +89,22 @@ def test_base_is_a_build_argument_defaulting_to_the_official_image() -> None:
     assert all(f.split()[0] == "${BASE}" for f in froms), froms
 
 
-def test_version_is_flow_exporter_version() -> None:
-    """flow_exporter.__version__ is the version; the image tags written elsewhere must follow it."""
+def test_version_is_given_and_tags_follow_the_chart() -> None:
+    """The Dockerfile writes no version (its build is given one); image tags written elsewhere follow the chart."""
     dockerfile = DOCKERFILE.read_text()
-    assert re.findall(r"^ARG VERSION=(\S+)$", dockerfile, re.MULTILINE) == [__version__]
+    assert re.findall(r"^ARG VERSION(?:=(\S+))?$", dockerfile, re.MULTILINE) == ["0+unknown", "", ""]
+    assert re.findall(r"SETUPTOOLS_SCM_PRETEND_VERSION=(\S+)", dockerfile) == ['"${VERSION}"']
     readme = (REPO / "README.md").read_text()
-    assert f"docker build -t localhost/flow-exporter:{__version__} ." in readme
+    assert f"docker build -t localhost/flow-exporter:{WRITTEN} ." in readme
     tags = {}
     for path in [DOCKERFILE, REPO / "README.md", *sorted((REPO / "k8s").glob("*.yaml"))]:
         for tag in re.findall(r"\bflow-exporter:(\d[\w.+-]*)", path.read_text()):
             tags.setdefault(tag, []).append(path.relative_to(REPO).as_posix())
-    assert set(tags) == {__version__}, f"image tags other than {__version__}: {tags}"
+    assert set(tags) == {WRITTEN}, f"image tags other than {WRITTEN}: {tags}"
     kustomization = yaml.safe_load((REPO / "k8s" / "kustomization.yaml").read_text())
-    assert [i["newTag"] for i in kustomization["images"] if i["name"] == "localhost/flow-exporter"] == [__version__]
+    assert [i["newTag"] for i in kustomization["images"] if i["name"] == "localhost/flow-exporter"] == [WRITTEN]
     versions = [e["pairs"]["app.kubernetes.io/version"] for e in kustomization["labels"]]
-    assert versions == [__version__]
+    assert versions == [WRITTEN]
 
 
 def runtime_stage() -> str:
@@ -199,7 +203,7 @@ def test_image_metadata(config: dict) -> None:
     assert config["User"] == "65532:65532", "non-root by default; the DaemonSet opts in to UID 0 with NET_ADMIN only"
     assert "9690/tcp" in config.get("ExposedPorts", {})
     labels = config["Labels"]
-    assert labels["org.opencontainers.image.version"] == __version__
+    assert labels["org.opencontainers.image.version"] == checkout_version()
     assert labels["org.opencontainers.image.licenses"] == "Apache-2.0"
     assert labels["org.opencontainers.image.title"] == "flow-exporter"
     assert labels["org.opencontainers.image.source"].startswith("https://")
@@ -212,7 +216,7 @@ def test_image_runs_as_65532(image: str) -> None:
 
 def test_image_runs_the_cli(image: str) -> None:
     version = run_image(image, "--version")
-    assert version.returncode == 0 and version.stdout.strip() == f"flow-exporter {__version__}", version
+    assert version.returncode == 0 and version.stdout.strip() == f"flow-exporter {checkout_version()}", version
     helped = run_image(image, "--help")
     assert helped.returncode == 0, helped.stderr
     assert "run" in helped.stdout and "config" in helped.stdout
@@ -277,7 +281,7 @@ def test_image_holds_exactly_the_lock(image: str) -> None:
     )
     proc = python_in(image, code)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout) == {**locked(REPO / HOST_LOCK), "flow-exporter": __version__}
+    assert json.loads(proc.stdout) == {**locked(REPO / HOST_LOCK), "flow-exporter": checkout_version()}
     code = "import importlib.metadata as m; print(m.distribution('flow-exporter').metadata['License-Expression'])"
     proc = python_in(image, code)
     assert proc.returncode == 0 and proc.stdout.strip() == "Apache-2.0", proc.stdout + proc.stderr

@@ -8,6 +8,10 @@ for ``pip wheel .`` in the Dockerfile and for anyone installing from PyPI; the d
 own setuptools plays no part. A fresh virtual environment under ``tmp_path`` then gets the runtime
 lock (``--require-hashes``) and the wheel (``--no-deps``), and the installed ``flow-exporter`` is
 run from a directory outside the checkout, ``tail`` against the real broker.
+
+The copy has no ``.git``: the sdist is given the checkout's version (setuptools-scm's reading of the git tags,
+tests/support/version.py) in SETUPTOOLS_SCM_PRETEND_VERSION, and the wheel, built from the sdist with nothing set,
+must find it in the sdist's PKG-INFO.
 """
 
 from __future__ import annotations
@@ -34,19 +38,20 @@ from packaging.utils import canonicalize_name
 
 from bench.bench_export import synthetic_exports
 from devtools.kafka import KafkaBroker
-from flow_exporter import __version__
 from flow_exporter.sink.encoder import RecordEncoder, partition_key
 from tests.support.cli import from_json, settings_missing_from
 from tests.support.lockfile import locked
 from tests.support.paths import REPO
 from tests.support.reference import build_record
+from tests.support.version import checkout_version
 
 pytestmark = pytest.mark.kafka
 
 RUNTIME_LOCK = REPO / "requirements" / "runtime.lock"
 DEV_LOCK = REPO / "requirements" / "dev.lock"  # runtime + the dev and bench extras
 SCHEMA = REPO / "schemas" / "flow_record.avsc"
-NAME = f"flow_exporter-{__version__}"
+VERSION = checkout_version()
+NAME = f"flow_exporter-{VERSION}"
 CYTHON = sorted(p.stem for p in (REPO / "flow_exporter").glob("*.pxd"))  # the Cython-compiled sources (setup.py)
 NODE = "node-packaging"
 EXPORT_MS = 1_767_225_600_123  # 2026-01-01T00:00:00.123Z
@@ -128,7 +133,8 @@ def dists(tmp_path_factory: pytest.TempPathFactory) -> Dists:
     timings = {}
 
     started = time.monotonic()
-    run([sys.executable, "-m", "build", "--sdist", "--outdir", out, source], cwd=work)
+    pretend = {**os.environ, "SETUPTOOLS_SCM_PRETEND_VERSION": VERSION}  # the copy has no .git
+    run([sys.executable, "-m", "build", "--sdist", "--outdir", out, source], cwd=work, env=pretend)
     timings["sdist"] = time.monotonic() - started
     sdists = list(out.glob("*.tar.gz"))
     assert [p.name for p in sdists] == [f"{NAME}.tar.gz"]
@@ -208,13 +214,15 @@ def test_sdist_contents(dists: Dists) -> None:
             assert read(name) == SCHEMA.read_bytes(), name
         assert read("LICENSE") == (REPO / "LICENSE").read_bytes()
         pkg_info = read("PKG-INFO").decode()
+        version_file = read("flow_exporter/_version.py").decode()
     top = {name.split("/")[0] for name in members}
     assert not top & set(NOT_SHIPPED), sorted(top & set(NOT_SHIPPED))
     assert not [n for n in members if "__pycache__" in n or n.endswith(".pyc")]
     # Every module of the package is in it (a subpackage that setuptools' find missed would not be).
     modules = {p.relative_to(dists.source).as_posix() for p in (dists.source / "flow_exporter").rglob("*.py")}
     assert modules <= set(members), sorted(modules - set(members))
-    assert f"\nVersion: {__version__}\n" in pkg_info
+    assert f"\nVersion: {VERSION}\n" in pkg_info
+    assert f"__version__ = version = {VERSION!r}\n" in version_file, "flow_exporter/_version.py, as the build wrote it"
     assert "\nLicense-Expression: Apache-2.0\n" in pkg_info
 
 
@@ -235,7 +243,7 @@ def test_wheel_contents(dists: Dists) -> None:
     assert not [n for n in names if n.endswith((".c", ".h"))], "the C built from is the sdist's, not the wheel's"
     modules = {p.relative_to(dists.source).as_posix() for p in (dists.source / "flow_exporter").rglob("*.py")}
     assert modules <= names, sorted(modules - names)
-    assert f"\nVersion: {__version__}\n" in metadata
+    assert f"\nVersion: {VERSION}\n" in metadata
     assert "\nLicense-Expression: Apache-2.0\n" in metadata
     assert "\nLicense-File: LICENSE\n" in metadata
     assert "flow-exporter = flow_exporter.cli:main" in entry_points
@@ -274,7 +282,7 @@ def test_installed_holds_the_lock_and_the_wheel_only(installed: Installed) -> No
     proc = installed.run("python", "-c", code)
     assert proc.returncode == 0, proc.stderr
     distributions, importable, package = json.loads(proc.stdout)
-    assert distributions == {**locked(RUNTIME_LOCK), "flow-exporter": __version__}
+    assert distributions == {**locked(RUNTIME_LOCK), "flow-exporter": VERSION}
     assert importable == dict.fromkeys(NOT_SHIPPED, False), "the harness, tests or benchmarks got installed"
     assert Path(package).is_relative_to(installed.venv), f"imported from {package}, not the installed wheel"
     proc = installed.run("python", "-c", "import devtools")
@@ -289,7 +297,7 @@ def test_installed_cli(installed: Installed) -> None:
 
     version = installed.run("flow-exporter", "--version")
     assert version.returncode == 0, version.stderr
-    assert version.stdout.split() == ["flow-exporter", __version__]
+    assert version.stdout.split() == ["flow-exporter", VERSION]
 
     schema = installed.run("flow-exporter", "schema")
     assert schema.returncode == 0, schema.stderr
