@@ -12,8 +12,9 @@ this and the store's Python path to the same state.
 
 Two callers: :func:`admit_rows` (a batch of Connections, ``Table.update_batch``) and the fused poll
 (``flow_exporter/fused_poll.py``), which admits a dump row straight from the buffer. Why compiled: that chain
-was ~4.6 us of Python per new connection, most of a 1M table's first poll (BENCHMARKS.md). Cython's
-pure-Python mode: compiled, the columns are typed views; interpreted, the same code indexes the arrays.
+was most of a 1M table's first poll as Python (the first poll, pure and compiled, measured:
+docs/performance.md#targets-issue-24-a-million-connections-the-hot-path-compiled). Cython's pure-Python mode:
+compiled, the columns are typed views; interpreted, the same code indexes the arrays.
 
 An admission holds the store's column views (``column_views.py``) while it is open: :meth:`Admission.pause`
 writes its counters back to the store and lets them go before Python runs (it may grow the columns, admit rows

@@ -688,7 +688,8 @@ class Exporter:
                 self._send(exports)
             remaining = max(deadline - time.monotonic(), 0)
             # The cap cut this round: more final records are waiting. Serve deliveries briefly and build again,
-            # so the producer's queue stays full (a full drain per round took 1M final records 22.7 s).
+            # so the producer's queue stays full (a full drain per round was slower; the final records' time at 1M,
+            # measured: docs/performance.md#targets-issue-24-a-million-connections-the-hot-path-compiled).
             more = room > 0 and len(exports) >= room
             self.sink.flush(min(remaining, 0.05 if more else 1.0))
             delivered = self._apply_reports() > 0  # settled for good (a sink that discards counts no acks)

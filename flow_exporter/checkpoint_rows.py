@@ -8,8 +8,9 @@ below, field by field in the same order. ``tests/unit/test_checkpoint_rows.py`` 
 its format (both builds), so a field added to one and not the other fails there.
 
 Why compiled: at 50k records/s over a 250k table a snapshot is due every few seconds and every record
-is journaled twice (sent, settled); packing a row through a ``Restored`` and :mod:`struct` took ~15% of
-the exporter's CPU (py-spy, BENCHMARKS.md), reading the store's columns directly a few percent.
+is journaled twice (sent, settled); packing a row through a ``Restored`` and :mod:`struct` was a large share
+of the exporter's CPU (py-spy), reading the store's columns directly a small one (a snapshot packed either
+way, measured: docs/performance.md#checkpoint).
 
 A value that does not fit its field raises: ``OverflowError`` (a negative or too large number),
 ``TypeError`` (not an int, an address that is not bytes, columns that are not the store's arrays),
@@ -92,7 +93,8 @@ class _Out:
     whole), by a resize of the bytearray in place (realloc), never with a zeroed block beside it. Why a
     pointer and not a typed memoryview: a store through the view reloads the view's base from this object
     for every byte (a byte store may alias anything), where a local pointer lets the C compiler merge a
-    field's bytes into one store (perf: the rows' writers were 2x the hand-written C they replaced)."""
+    field's bytes into one store (perf: through the view, the rows' writers were slower than the hand-written
+    C they replaced)."""
 
     def __init__(self, out: bytearray) -> None:
         self.out = out
@@ -324,7 +326,7 @@ def pack_columns(slots: list[int], keys: Sequence[Any], columns: Any, out: bytea
     s: cython.Py_ssize_t
     alen: cython.Py_ssize_t
     # The room for every row at once, as the rows will take it: a snapshot's buffer is the exporter's peak
-    # memory, and growing it step by step left the steps behind it (the gate's peak RSS: +27 MB at 250k).
+    # memory, and growing it step by step left the steps behind it (a higher peak RSS in the issue 39 gate).
     need: cython.Py_ssize_t = 0
     for s in slots:
         if s < 0 or s >= c.rows or s >= len(keys):

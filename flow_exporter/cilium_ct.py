@@ -145,9 +145,9 @@ class CtDecoder:
         self.layout = layout
         self.now = now
         # Whether the map open as fd holds a key (flow_exporter.cilium.bpf_maps.map_contains): the interpreted
-        # build's lookup. The compiled one makes the same bpf(2) call itself: through ctypes a lookup cost 2.7 us,
-        # and the read of 1M entries with one IN entry in three took 1.5 us an entry over the batch lookup alone
-        # (bench_cilium), 0.73 us with the call made in C.
+        # build's lookup. The compiled one makes the same bpf(2) call itself, without ctypes' cost per call (the
+        # read's cost per entry, measured:
+        # docs/performance.md#the-cilium-source-reading-1000000-entries-of-ciliums-ct-maps).
         self.contains = contains
         self._twin = bytearray(40)  # the compiled lookup's key, answer and bpf_attr (map_fd, pad, key, value, flags)
         self._value = bytearray(_VALUE_SIZE)

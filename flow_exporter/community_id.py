@@ -14,7 +14,8 @@ for the node image; tests/unit/test_community_id.py checks it against the spec's
 baseline vectors and against that package on generated flows.
 
 Compiled with Cython (pure-Python mode, issue 39): the record encoder (``record_bytes``) hashes every new
-connection, and the interpreted function cost ~1.1 us of it (a node with churn sees thousands a second);
+connection, and the interpreted function was a visible part of it (a node with churn sees thousands a
+second; the fields' cost, measured: docs/performance.md#cost-of-the-new-record-fields-communityid-reporter);
 compiled, the endpoints are ordered and the hashed bytes assembled in C, and SHA-1 is still hashlib's.
 """
 

@@ -6,7 +6,7 @@ costs more than the whole store update: text is made once, when a record is buil
 
 ``Connection`` is written once in Cython's pure-Python mode (issue 39): compiled, an extension type whose
 fields are C struct members (``connection.pxd``), so the compiled decoder (``ctnetlink``) makes one with an
-allocation and 26 stores where the dataclass's ``__init__`` was a Python frame (~200 ns an entry, measured),
+allocation and 26 stores where the dataclass's ``__init__`` was a Python frame an entry (measured),
 and it takes no part in the cyclic GC (``no_gc``: it holds ints, bytes and None); Python code reads the same
 fields by name. Interpreted, it is the same class as a plain dataclass.
 """

@@ -3,12 +3,13 @@
 
 One walk over a recv() buffer of IPCTNL_MSG_CT_NEW/DELETE messages, in Cython's pure-Python mode: compiled, it
 reads the buffer through a typed view and each attribute costs a few C loads; interpreted (no compiler, or
-``FLOW_EXPORTER_INTERPRETED``), the same code runs on a memoryview, about 10x slower. It replaces a pure
+``FLOW_EXPORTER_INTERPRETED``), the same code runs on a memoryview, several times slower (measured:
+docs/performance.md#issue-39-the-interpreted-build-of-the-poll-fused-poll). It replaces a pure
 decoder that learned per-layout templates and the hand-written C walk of the events and dump paths.
 
-Why by hand and not pyroute2: ``NFCTSocket.dump()`` builds a tree of message objects per entry and decoded
-about 9,200 entries/s on the 2-core target; a 1M-entry table polled every few seconds needs a hundred times
-that (bench/bench_compiled.py).
+Why by hand and not pyroute2: ``NFCTSocket.dump()`` builds a tree of message objects per entry, far too slow
+for a 1M-entry table polled every few seconds (bench/bench_compiled.py; measured:
+docs/performance.md#targets-performance-issue-earlier).
 
 The rules (``flow_exporter.conntrack.decode`` states the fields; tests/unit/test_decode.py holds them to
 pyroute2 and to the entries the tests put in the kernel):

@@ -7,7 +7,8 @@ push the compiled admission (``admission.py``) calls without a Python call per e
 expiry queue's pop rule, which the due loop (``ledger_core.due``) and ``ExpiryQueue.pop_due`` both take.
 
 Why not a list of ints and :mod:`heapq`: at 250k connections and an active timeout of 5 s, heapq's
-sifts and the int comparisons they call were 11% of the exporter's CPU (perf), every entry an object of
+sifts and the int comparisons they call were a large share of the exporter's CPU (perf; measured:
+docs/performance.md#targets-issue-24-a-million-connections-the-hot-path-compiled), every entry an object of
 its own (40 bytes with its list pointer; 12 here); and ``ms << 32`` no longer fits an int64 once the
 monotonic clock passes 2^31 ms (a node up 24.8 days). Why not ``heapq`` over the pairs: it has no key.
 

@@ -12,8 +12,9 @@ st, err, msg)`` in its turn.
 :func:`produce_run` is the sink's produce loop for one run of records to one topic.
 
 Why compiled: bench/bench_app_export.py measured the per-record callable (a ``functools.partial``,
-which the garbage collector tracks) and a Python callback at about 1.2 us of the record path's 6 us;
-the plain confluent-kafka loop it is compared with pays for one plain function call per record.
+which the garbage collector tracks) and a Python callback as a large part of the record path (measured:
+docs/performance.md#the-compiled-record-path-issue-24-before-and-after); the plain confluent-kafka loop it
+is compared with pays for one plain function call per record.
 Compiled, a ``Delivery`` is a small object the collector does not track (it holds a record, two names
 and its owner; nothing refers back to it but librdkafka's queue) and calling it runs no Python frame.
 """

@@ -5,8 +5,8 @@ per-tick cap: ``pop_due`` hands back everything that is due.
 
 Keyed by the store's slot numbers and held in flat arrays, not one object per
 connection: the deadlines are two float columns, and the heap holds plain ints
-(``millisecond << 32 | slot``), about 40 bytes per entry instead of a tuple, a float
-and an item object (bench/bench_poll.py, memory). The heap is only an index: an
+(``millisecond << 32 | slot``), not a tuple, a float and an item object per entry
+(bench/bench_poll.py, memory). The heap is only an index: an
 entry is live while its slot is queued and its millisecond is the slot's current
 deadline's, and a slot is yielded only once its exact float deadline has passed.
 Updates are lazy (a new heap entry, the old one skipped when popped) because most

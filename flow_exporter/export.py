@@ -7,15 +7,16 @@ type's dictionary and a member descriptor; Python code reads the same fields by 
 the same class as a plain dataclass.
 
 Why compiled: at 50k records/s the journal and produce loops read about 19 fields of each record; as
-attribute lookups on a slots dataclass they were ~6% of the node run's CPU (perf on ``flow-exporter run``
-at 250k connections, active 5 s: ``PyMember_GetOne``, ``_PyObject_GenericGetAttrWithDict`` and
-``_PyType_Lookup``), what took that issue's journal and delivery ports past the 10% gate.
+attribute lookups on a slots dataclass they were a visible share of the node run's CPU (perf on
+``flow-exporter run`` at 250k connections, active 5 s: ``PyMember_GetOne``, ``_PyObject_GenericGetAttrWithDict``
+and ``_PyType_Lookup``), what took that issue's journal and delivery ports past the 10% gate (measured:
+docs/performance.md#issue-39-gate-export-cclass-250000-connections-active-5s-idle-1h).
 
 The fields stay Python objects (any int, or None where the annotation says so), as the slots dataclass
 had them. Compiled, the type takes no part in the cyclic garbage collector (``no_gc``): a record refers to
 values and to its connection's fields, and nothing it holds refers back to it, so reference counting frees
 it; tracked, the records in flight (up to ``limits.maxInFlight``) were traversed by every young collection
-(13% of the record path's CPU in bench/bench_app_export.py, when the hand-written C untracked each one).
+(bench/bench_app_export.py; measured: docs/performance.md#the-compiled-record-path-issue-24-before-and-after).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ else:
         from flow_exporter import cython_shim as cython
 
 __all__ = ["Export", "as_export"]
+
 
 @cython.dataclasses.dataclass
 @cython.no_gc  # nothing it holds refers back to it (see the module's docstring)

@@ -3,7 +3,7 @@
 The store keeps several container objects per tracked connection for minutes to hours, and
 every record allocates a few short-lived ones. With CPython's default thresholds (700, 10, 10)
 the young generations are collected every few hundred records and the cyclic collector keeps
-traversing the store: at 100k connections that was ~2.5 us of a ~5 us ``store.expire`` per
+traversing the store: at 100k connections that was a large part of ``store.expire``'s time per
 record (bench/bench_app_export.py). Reference counting frees nearly everything here (the store
 keeps connections in columns and records hold no cycle), so collecting less often costs little
 memory. Bulk work that makes hundreds of thousands of tuples at once (a checkpoint snapshot or

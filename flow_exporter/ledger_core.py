@@ -8,8 +8,9 @@ typed view and a record's fields are struct members; interpreted, the same code 
 :class:`flow_exporter.store.table.Table` calls them (its batch API: ``due``, ``build``, ``settle``); what
 they leave to it (a record of a restored or ended connection settled) it does itself.
 
-Why compiled: at 50k records/s the build and the settling of each record were ~9% of the node run's CPU as
-Python (bench_node, py-spy); the hand-written C they replaced (``_records.c``, before issue 39) was the same work.
+Why compiled: at 50k records/s the build and the settling of each record were a visible share of the node
+run's CPU as Python (bench_node, py-spy); the hand-written C they replaced (``_records.c``, before issue 39) was the
+same work.
 
 A sequence at its column's limit (2**32 - 1) cannot be followed: building that record raises OverflowError
 before anything is written, in both builds.

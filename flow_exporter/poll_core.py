@@ -3,7 +3,8 @@
 :func:`swept` is the end of a dump: the connections the dump did not show (their seen mark is not this
 dump's generation) that were present and not destroyed left the kernel's table. In Cython's pure-Python
 mode: compiled, one pass over the key index with typed views of the two columns (the comprehension it
-replaces cost ~0.4 s per poll at 1M connections, as Python); interpreted, the same loop.
+replaces was a large part of a 1M-entry poll as Python; the poll's cost, measured:
+docs/performance.md#compiled-poll-path-against-the-pure-one-issue-24); interpreted, the same loop.
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ class Reports:
 
     The records delivered, in the order they were, with the partition and offset Kafka put each at: three
     lists of one entry per record, not an object per record (at 50k records/s a report tuple made per
-    record, then iterated and freed by the loop, was about 3% of the node run's CPU: perf, issue 39). The
+    record, then iterated and freed by the loop, showed in the node run's CPU: perf, issue 39). The
     records not delivered (a resend may still succeed, or refused for good) are each a
     :class:`DeliveryReport`, in their order. A record is settled by its own answer only, so the two kinds
     need no order between them. Iterating gives a report per record: the delivered ones, then the others.
@@ -217,8 +217,8 @@ class PackedState(NamedTuple):
     """A snapshot's bytes before they are written: its header's room, then every row and record packed.
 
     Packed straight into one buffer rather than a list of rows first: at 1,000,000 connections the
-    list of rows, their packed bytes and the joined body came to about 600 MiB at once (bench_node's
-    peak RSS), the buffer alone to about 100 MiB.
+    list of rows, their packed bytes and the joined body, all at once, were far more than the buffer alone
+    (bench_node's peak RSS).
     """
 
     rows: int

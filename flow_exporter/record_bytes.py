@@ -6,13 +6,14 @@ record's fields are read as struct members; interpreted, the same code appends e
 (varints from tables) and joins them once. ``tests/unit/test_encoder.py`` holds both builds to the bytes
 fastavro writes, and ``tests/unit/test_record_bytes.py`` holds them to each other on hostile values.
 
-Why by hand: fastavro's ``schemaless_writer`` costs ~19 us per record here (bench/bench_export.py),
-more than everything else on the export path together. The schema's field order puts the fields fixed
-for a connection's life first: that prefix is encoded once per connection (:meth:`RecordEncoder.static`)
-and cached on the tracked connection by the store (re-encoded only if the ct mark, labels or Kubernetes
-metadata change); a record writes its prefix and its own fields (:meth:`RecordEncoder.encode`).
-Why compiled: on a node with churn nearly every record is its connection's first, and the pure prefix
-cost ~9 us of the GIL per record (15% of the process at 20,000 new connections/s).
+Why by hand: fastavro's ``schemaless_writer`` costs more per record than everything else on the export path
+together (bench/bench_export.py; measured: docs/performance.md#export-throughput-local-broker-delivery-confirmed).
+The schema's field order puts the fields fixed for a connection's life first: that prefix is encoded once
+per connection (:meth:`RecordEncoder.static`) and cached on the tracked connection by the store (re-encoded
+only if the ct mark, labels or Kubernetes metadata change); a record writes its prefix and its own fields
+(:meth:`RecordEncoder.encode`).
+Why compiled: on a node with churn nearly every record is its connection's first, and the pure prefix held
+the GIL for a visible share of the process at 20,000 new connections/s.
 
 A value that does not fit its field raises, the same error in both builds: ``TypeError`` (an int, bytes or
 str of another type), ``OverflowError`` (an int past its field: 64 signed bits for longs, 16 unsigned bits
@@ -156,7 +157,7 @@ def _put_address(o: _Out, family: cython.longlong, packed: object) -> None:
     """A packed address as its text (an Avro string), as inet_ntop writes it.
 
     IPv4 is four decimal octets written here, IPv6 (compressed zeros) is the socket module's: no cache of
-    formatted addresses (one cost ~15 MiB at a node's 65,536 distinct peers, for no gain at 250k)."""
+    formatted addresses (one held memory for every distinct peer of a node, for no gain at 250k)."""
     if not isinstance(packed, bytes):
         raise TypeError(f"an address is bytes, not {type(packed).__name__}")
     a: bytes = packed
@@ -356,8 +357,8 @@ class RecordEncoder:
 
         The store keeps it for the connection's next records once this one is delivered
         (store.acknowledge) and drops it when the mark, labels or metadata change. The prefix holds all the
-        record needs of the connection's fields: a record in flight does not keep them (~0.5 KB a record; at
-        1M connections the records of one active timeout go out in a burst).
+        record needs of the connection's fields: a record in flight does not keep them (memory per record in
+        flight; at 1M connections the records of one active timeout go out in a burst).
         """
         return self._static(as_export(export))
 

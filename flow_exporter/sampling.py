@@ -15,14 +15,16 @@ uniform, which the estimator's unbiasedness rests on. Its message is five 64-bit
 (the two ends' addresses as two words each, then ports, protocol and family), 40 bytes; the tests hold
 it to the ``siphash24`` package (a C implementation independent of this one) on those bytes. Written here
 because the decision runs on every row of every dump of a sampled node, inside the compiled walk, where a
-library would be a Python call per row; a dropped row's whole cost is in BENCHMARKS.md, "Sampling".
+library would be a Python call per row (a dropped row's whole cost, measured:
+docs/performance.md#sampling-deciding-and-a-node-at-p-116).
 
 A dropped connection is never a store row. What deciding needs is to count it once (the markers'
 ``connectionsObserved``): the sampler remembers the keys it dropped (:class:`DroppedSet`), each marked with
 the dump interval it was last met in, so a connection is counted when first met and forgotten one dump
 after it is gone. A kept one needs nothing here: the store holds it. The set is written here, not a
-Python ``set``: with one ``int`` per key and two sets swapped per dump, a dropped row cost 655 ns a poll
-and 155 bytes; one open-addressing table of 64-bit keys is one probe, ~300 ns and ~35 bytes (bench_sampling).
+Python ``set``: an ``int`` object per key and two sets swapped per dump cost more time and memory per dropped
+row than one open-addressing table of 64-bit keys, one probe a row (bench_sampling; the table's cost, measured:
+docs/performance.md#sampling-deciding-and-a-node-at-p-116).
 
 Cython's pure-Python mode: compiled, 64-bit C arithmetic; interpreted, the same operations masked.
 """

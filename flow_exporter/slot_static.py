@@ -2,7 +2,8 @@
 static bytes.
 
 * The key (``Connection.key``) shares its addresses and destination port with other connections' keys (a node's
-  pods talk to a few peers and Services): one object per distinct value saves ~100 B per connection at 250k.
+  pods talk to a few peers and Services): one object per distinct value, not one per connection (the store's
+  memory per connection, measured: docs/performance.md#targets-issue-13-export-memory-first-poll-events-the-whole-node).
   Source ports are not shared: ephemeral, nearly one per connection, they only churned the table. The table is
   dropped when it grows past :data:`INTERN_MAX`, so a scan of many addresses cannot grow it.
 * The static bytes are the two destination addresses, then :data:`STATIC` ("!HHHB": orig_dport, reply_sport,

@@ -74,7 +74,7 @@ class Enricher:
 
     Connections with the same ends (same pod objects, nodes, Service, flowType) share one meta
     dict, never mutated: it saves building an 11-key dict per connection (the larger part of the
-    cost) and ~650 bytes per tracked connection. Each connection still gets its ``meta``
+    cost) and that dict's memory for every tracked connection. Each connection still gets its ``meta``
     assigned, and a changed pod is a new PodInfo, hence a new dict.
     """
 

@@ -224,9 +224,10 @@ class KafkaSink:
         # (_settle).
         #
         # ``_callback(export, topic, st)`` makes one record's delivery callback. Not a closure over six names
-        # made per record: bench/bench_app_export.py measured the closure at about 1 us of a 2.5 us produce,
-        # and a partial (tracked by the garbage collector) at 0.4 us more than a plain function; the compiled
-        # one is neither tracked nor a Python frame when it runs.
+        # made per record: bench/bench_app_export.py measured the closure as a large part of a produce, and a
+        # partial (tracked by the garbage collector) as costlier than a plain function; the compiled one is neither
+        # tracked nor a Python frame when it runs (measured:
+        # docs/performance.md#the-compiled-record-path-issue-24-before-and-after).
         self._deliveries = _deliveries.Deliveries(self._on_failed, self._on_run, Reports)
         self._callback: Callable[[Export, str, TopicHealth], OnDelivery] = self._deliveries.for_record
         self._produce_run = _deliveries.produce_run

@@ -1,10 +1,12 @@
 """Slot mechanics: every tracked connection's fields in flat columns, indexed by slot number.
 
 Why columns: a Python object per connection, its counters as int objects and a fresh row
-object per poll cost about 1,500 bytes of RSS per connection at 250k; columns (``array`` and
+object per poll cost more than twice the RSS per connection; columns (``array`` and
 ``bytearray``) cost a fixed few bytes per field, a poll writes numbers in place and keeps no
-object of the dump (bench/bench_poll.py, memory). What is left per connection is its key tuple
-(the dict key, interned) and one packed ``bytes`` of static fields (both flow_exporter/slot_static.py).
+object of the dump (bench/bench_poll.py, memory; measured before and after:
+docs/performance.md#targets-issue-13-export-memory-first-poll-events-the-whole-node). What is left per
+connection is its key tuple (the dict key, interned) and one packed ``bytes`` of static fields (both
+flow_exporter/slot_static.py).
 Hand-written because no library keeps dict-keyed, growable, mixed-type columns at this cost; numpy would add a large
 dependency for a few element reads per row, where it is slower than ``array``.
 

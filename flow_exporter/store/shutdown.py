@@ -27,7 +27,8 @@ class Shutdown:
         end reason. A connection with a record in flight gets its turn once that settles,
         so no counts are sent twice; resends go out as they are. At most ``limit`` records
         (the room under limits.maxInFlight): the rest come at the next call, so the final
-        records of a large table are not all in memory at once (1M of them took ~2 GB).
+        records of a large table are not all in memory at once (the shutdown's peak at 1M, measured:
+        docs/performance.md#targets-issue-24-a-million-connections-the-hot-path-compiled).
         """
         out = self._ledger.take_resends(limit)
         todo = self._closing

@@ -392,7 +392,7 @@ class Table(Columns):
         begin = i
         # From ``begin`` by index, not islice: islice would step over the rows before it again on every
         # call, and the compiled admission calls once per row it stops at (a restart's restored rows,
-        # rows over the cap): 250k restored rows took 210 s instead of seconds (bench_checkpoint).
+        # rows over the cap): 250k restored rows took minutes instead of seconds (bench_checkpoint).
         todo = dumped
         if begin:
             assert isinstance(dumped, list)  # update_batch's rows, from where the admission stopped
