@@ -308,7 +308,7 @@ def render() -> dict[str, str]:
     for template, docs in by_template(base_text).items():
         if template == "configmap.yaml":
             [cm] = [without_helm(yaml.safe_load(d)) for d in docs]
-            files["config.yaml"] = CONFIG_HEADER + cm["data"]["config.yaml"]
+            files["config.yaml"] = header + CONFIG_HEADER + cm["data"]["config.yaml"]
             meta = cm["metadata"]
             generator = {"name": meta["name"], "namespace": meta["namespace"], "files": ["config.yaml"]}
             generator["options"] = {"labels": meta["labels"]}
