@@ -38,6 +38,20 @@ image: setup-image
 image-check-arm64: setup-image
 	@ARCH=arm64 bash tools/image/check_arch.sh
 
+# cosign from the Go module proxy (tools/cosign/build.sh; cached in .cache/cosign): the release's signature, and
+# the test that checks a release.
+.PHONY: setup-cosign release
+setup-cosign: setup
+	@bash tools/cosign/build.sh
+
+# Every artifact of the release at the checkout's vX.Y.Z tag, built into dist/ from a clone of that commit, signed
+# and checked (tools/release/release.sh, devtools/release.py; docs/contributing/releasing.md): wheel and sdist, the
+# chart (pushed as OCI when CHART_REGISTRY is set), the image as an OCI archive (amd64; RELEASE_ARM64=1 adds arm64),
+# the SBOM, SHA256SUMS and its cosign signature (COSIGN_KEY, else a throwaway key). helm from tools/k8s/tools.sh.
+release: setup setup-cosign setup-image
+	@bash tools/k8s/tools.sh
+	@bash tools/release/release.sh
+
 # PyFlink in its own virtualenv (.venv-flink, from requirements/flink.lock) and the Flink connector jars.
 setup-flink: setup
 	@bash tools/flink/setup.sh
@@ -48,7 +62,7 @@ setup-flink: setup
 # interpreted, Python's own errors), and test_record_bytes, which holds the compiled build to the interpreted one
 # (in this pass it would compare the interpreted build with itself).
 INTERPRETED_TESTS := tests/unit --ignore=tests/unit/test_native_hostile.py --ignore=tests/unit/test_record_bytes.py
-test: setup setup-k8s setup-prometheus setup-flink setup-image lint docs
+test: setup setup-k8s setup-prometheus setup-flink setup-image setup-cosign lint docs
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	FLOW_EXPORTER_INTERPRETED=1 $(PY) -m pytest -q -p no:cacheprovider $(INTERPRETED_TESTS)
 	@bash tools/sanitize.sh
