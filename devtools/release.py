@@ -111,15 +111,16 @@ class Settings:
     @classmethod
     def from_env(cls, repo: Path) -> Settings:
         env = os.environ
-        cache = Path(env.get("RELEASE_CACHE") or repo / ".cache")
+        # Absolute: the steps run in other directories. (Not resolved: a virtualenv's python is a link to keep.)
+        cache = Path(env.get("RELEASE_CACHE") or repo / ".cache").absolute()
         helm_version = pinned_version(repo / "tools/k8s/tools.sh", r"^build helm (v\S+) ")
         cosign_version = pinned_version(repo / "tools/cosign/build.sh", r"^version=(v\S+)$")
         return cls(
             repo=repo,
-            python=env.get("PYTHON") or sys.executable,
+            python=str(Path(env.get("PYTHON") or sys.executable).absolute()),
             cache=cache,
-            helm=Path(env.get("HELM") or cache / "helm" / helm_version / "bin" / "helm"),
-            cosign=Path(env.get("COSIGN") or cache / "cosign" / cosign_version / "bin" / "cosign"),
+            helm=Path(env.get("HELM") or cache / "helm" / helm_version / "bin" / "helm").absolute(),
+            cosign=Path(env.get("COSIGN") or cache / "cosign" / cosign_version / "bin" / "cosign").absolute(),
             image=env.get("RELEASE_IMAGE") or None,
             arm64=env.get("RELEASE_ARM64") == "1",
             cosign_key=env.get("COSIGN_KEY") or None,
