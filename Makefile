@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: check-alerts docs setup setup-k8s setup-prometheus setup-flink setup-image image image-check-arm64 test unit lint demo bench clean lock spark-job flink-job model-soak sanitize kafka-cluster
+.PHONY: check-alerts docs setup setup-k8s setup-prometheus setup-flink setup-image image image-check-arm64 test unit lint demo bench clean lock spark-job flink-job model-soak sanitize kafka-cluster try-pod
 
 setup:
 	@bash tools/setup.sh
@@ -105,6 +105,12 @@ model-soak: setup
 
 demo: setup setup-k8s
 	$(PY) -m devtools.demo
+
+# The DaemonSet's pod from k8s/ run here under podman, as the pod tests run it, with a local broker and a namespace lab
+# sending traffic: its log and its records until Ctrl-C (root; devtools/try_pod.py). The image is IMAGE, built when
+# missing (ARGS="--build" rebuilds it). docs/getting-started/without-a-cluster.md.
+try-pod: setup setup-image
+	$(PY) -m devtools.try_pod --image $(IMAGE) $(ARGS)
 
 # A three-broker KRaft cluster (replication 3, min.insync.replicas 2), each broker in its own network namespace
 # (root: namespaces), until Ctrl-C; it prints bootstrap.servers and each broker's namespace, to try failover on.

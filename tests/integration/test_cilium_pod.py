@@ -23,11 +23,11 @@ import yaml
 
 from devtools.cilium import Bpffs, ctwriter, run_ctwriter
 from devtools.kafka import KafkaBroker
+from devtools.netns_relay import LoopbackRelay, http_get_in
+from devtools.pod_play import PodPlay, daemonset_pod
 from tests.integration.test_cilium_source import expected, life
 from tests.integration.test_daemonset_pod import render_helm, render_kustomize
 from tests.support.cilium_entries import OUT, apply, counters, listing, put
-from tests.support.netns_relay import LoopbackRelay, http_get_in
-from tests.support.pod_play import PodPlay, daemonset_pod
 from tests.support.records import by_connection, read_records
 
 pytestmark = [pytest.mark.lab, pytest.mark.kafka, pytest.mark.timeout(1200)]

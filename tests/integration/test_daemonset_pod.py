@@ -9,7 +9,7 @@ the user's own knobs (a kustomize overlay, ``helm --set``): the image tags (this
 and the stand-in base for the init container's busybox, since no registry is reachable), the
 brokers and topic, the hostPath, and ``k8s.enabled=false`` (podman mounts no service-account
 token, so there is no API server to enrich from; enrichment has its own tests against a real
-one). What podman 4.3 cannot take as rendered is translated by ``tests.support.pod_play``, which
+one). What podman 4.3 cannot take as rendered is translated by ``devtools.pod_play``, which
 says why for each change.
 
 The pod's host network is a lab's node namespace (podman started from inside it), so its
@@ -31,15 +31,15 @@ import yaml
 
 from devtools.kafka import KafkaBroker
 from devtools.lab import Lab
+from devtools.netns_relay import LoopbackRelay, http_get_in
+from devtools.pod_play import PodPlay, daemonset_pod
 from flow_exporter.conntrack.sysctl import read_sysctl, write_sysctl
 from tests.integration.test_accounting_lab import Traffic, ct_counts, of_client, summed
 from tests.integration.test_k8s_manifests import quantity
 from tests.support import contract
 from tests.support.container_image import base_image
 from tests.support.go_tools import go_tool
-from tests.support.netns_relay import LoopbackRelay, http_get_in
 from tests.support.paths import REPO
-from tests.support.pod_play import PodPlay, daemonset_pod
 from tests.support.records import read_records
 
 pytestmark = [pytest.mark.lab, pytest.mark.kafka, pytest.mark.timeout(2400)]
@@ -80,6 +80,8 @@ def render_kustomize(
     (overlay / "config.yaml").write_text(yaml.safe_dump(merged(config, overrides)))
     name, tag = image.rsplit(":", 1)
     base_name, base_tag = base_image().rsplit(":", 1)
+    [ours] = [d for d in yaml.safe_load_all((REPO / "k8s" / "daemonset.yaml").read_text()) if d]
+    [written] = [c["image"] for c in ours["spec"]["template"]["spec"]["containers"] if c["name"] == "flow-exporter"]
     volumes = [{"name": "state", "hostPath": {"path": str(state)}}]
     volumes += [{"name": name, "hostPath": {"path": str(path)}} for name, path in (host_paths or {}).items()]
     kustomization = {
@@ -88,7 +90,7 @@ def render_kustomize(
         "resources": [os.path.relpath(REPO / "k8s", overlay)],  # kustomize takes no absolute root
         "components": [os.path.relpath(REPO / "k8s" / c, overlay) for c in components],
         "images": [
-            {"name": "localhost/flow-exporter", "newName": name, "newTag": tag},
+            {"name": written.rsplit(":", 1)[0], "newName": name, "newTag": tag},  # k8s/'s image, as the chart has it
             {"name": "docker.io/library/busybox", "newName": base_name, "newTag": base_tag},
         ],
         "configMapGenerator": [

@@ -9,47 +9,22 @@ and the DaemonSet pod test use it. Its version (the wheel's and the label's) is 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from collections.abc import Iterator
 
 import pytest
 
+from devtools.podman import base_image, engine_env, podman
 from tests.support.paths import REPO
 from tests.support.version import checkout_version
 
 __all__ = ["BUILD_TIMEOUT", "TAG", "base_image", "engine_env", "image", "podman"]
 
-CONTAINERS_CONF = REPO / "tools" / "image" / "containers.conf"
 TAG = "localhost/flow-exporter:pytest"
 # A cold build (the stand-in base from Debian's packages, then every wheel) takes minutes on a busy
 # machine; the first test using the image waits for it.
 BUILD_TIMEOUT = 1800
-
-
-def engine_env() -> dict[str, str]:
-    return {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}
-
-
-def podman(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["podman", *args],
-        env=engine_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def base_image() -> str:
-    """The stand-in base's tag (what the build passed as BASE): a Debian image with a shell and python3."""
-    proc = subprocess.run(
-        ["bash", "tools/image/base.sh", "--tag"], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
-    )
-    return proc.stdout.strip()
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,14 @@
 """The DaemonSet's pod, as rendered, played by podman (``podman kube play``, runc) in a lab's node namespace.
 
+Shared by the pod tests (tests/integration/test_daemonset_pod.py, test_cilium_pod.py) and ``make try-pod``
+(devtools.try_pod), so what a newcomer runs without a cluster is what the tests hold to a kubelet's behaviour.
+
 podman 4.3 (Debian bookworm's) plays Pods, not DaemonSets, and is not a kubelet. ``daemonset_pod``
 turns the rendered DaemonSet into the Pod a kubelet would run and changes only what podman 4.3
 cannot take as written, each for a reason checked on podman 4.3.1:
 
-* ``kind``: the pod template becomes a Pod named after the DaemonSet (podman has no DaemonSet kind).
+* ``kind``: the pod template becomes a Pod named after the DaemonSet (podman has no DaemonSet kind), with a
+  random suffix as a kubelet's pods have one (podman's names are the machine's: see :class:`PodPlay`).
 * ``projected`` volume: podman plays only hostPath, configMap, emptyDir and PVC volumes ("HostPath,
   ConfigMap, EmptyDir, and PersistentVolumeClaim are currently the only supported VolumeSource").
   The files the kubelet would project (the ConfigMap's items; an optional Secret that does not
@@ -38,19 +42,25 @@ import copy
 import json
 import subprocess
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tests.support.container_image import CONTAINERS_CONF, engine_env, podman
+from devtools.podman import CONTAINERS_CONF, engine_env, podman
 
-__all__ = ["PodPlay", "daemonset_pod"]
+__all__ = ["PodPlay", "PodPlayError", "daemonset_pod"]
+
+
+class PodPlayError(RuntimeError):
+    """The rendered objects are not what a kubelet could run, or podman refused a step (its output says why)."""
 
 
 def _find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any] | None:
     found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
-    assert len(found) <= 1, f"{len(found)} {kind} named {name}"
+    if len(found) > 1:
+        raise PodPlayError(f"{len(found)} {kind} named {name}")
     return found[0] if found else None
 
 
@@ -61,9 +71,11 @@ def _project(docs: list[dict[str, Any]], projected: dict[str, Any], into: Path) 
         (kind, ref), *_ = [(k, v) for k, v in source.items() if k in ("configMap", "secret")]
         obj = _find(docs, "ConfigMap" if kind == "configMap" else "Secret", ref["name"])
         if obj is None:
-            assert ref.get("optional"), f"{kind} {ref['name']} is not rendered and not optional"
+            if not ref.get("optional"):
+                raise PodPlayError(f"{kind} {ref['name']} is not rendered and not optional")
             continue  # an optional source that does not exist projects nothing
-        assert kind == "configMap", "a rendered Secret would need decoding (none is rendered)"
+        if kind != "configMap":
+            raise PodPlayError("a rendered Secret would need decoding (none is rendered)")
         for item in ref.get("items") or [{"key": k, "path": k} for k in obj["data"]]:
             path = into / item["path"]
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +86,8 @@ def _project(docs: list[dict[str, Any]], projected: dict[str, Any], into: Path) 
 def daemonset_pod(docs: list[dict[str, Any]], *, node_name: str, pod_ip: str, projected_dir: Path) -> dict[str, Any]:
     """The DaemonSet in ``docs`` as the Pod podman 4.3 plays (see the module's docstring for each change)."""
     ds = _find(docs, "DaemonSet")
-    assert ds is not None, "no DaemonSet rendered"
+    if ds is None:
+        raise PodPlayError("no DaemonSet rendered")
     template = copy.deepcopy(ds["spec"]["template"])
     spec = template["spec"]
     downward = {"spec.nodeName": node_name, "status.podIP": pod_ip, "status.hostIP": pod_ip}
@@ -122,15 +135,20 @@ def _runtime_default(workdir: Path) -> Path:
 
 
 class PodPlay:
-    """One Pod played with ``podman kube play`` from inside a network namespace (its host network)."""
+    """One Pod played with ``podman kube play`` from inside a network namespace (its host network).
+
+    The Pod is played under its name plus a random suffix: podman's pod and container names are the machine's,
+    and a second play of the same name (a test in another session, ``make try-pod`` beside a test) would replace
+    this one (``--replace``), as a kubelet never does to another node's pod.
+    """
 
     def __init__(self, pod: dict[str, Any], netns: str, workdir: Path) -> None:
-        self.pod = pod
+        self.name: str = f"{pod['metadata']['name']}-{uuid.uuid4().hex[:6]}"
+        self.pod = {**pod, "metadata": {**pod["metadata"], "name": self.name}}
         self.netns = netns
-        self.name: str = pod["metadata"]["name"]
         self.grace: int = pod["spec"].get("terminationGracePeriodSeconds", 30)
         self.kube_file = workdir / "pod.yaml"
-        self.kube_file.write_text(yaml.safe_dump(pod))
+        self.kube_file.write_text(yaml.safe_dump(self.pod))
         self.workdir = workdir
         self.conf = _runtime_default(workdir)
 
@@ -148,11 +166,13 @@ class PodPlay:
             env={**engine_env(), "CONTAINERS_CONF": str(self.conf)}, capture_output=True, text=True, timeout=180,
             check=False, stdin=subprocess.DEVNULL,
         )  # fmt: skip
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            raise PodPlayError(f"podman kube play: {proc.stdout}{proc.stderr}")
 
     def inspect(self, container: str) -> dict[str, Any]:
         proc = podman("container", "inspect", self.container(container))
-        assert proc.returncode == 0, proc.stderr
+        if proc.returncode != 0:
+            raise PodPlayError(f"podman container inspect: {proc.stderr}")
         out: dict[str, Any] = json.loads(proc.stdout)[0]
         return out
 
@@ -160,7 +180,8 @@ class PodPlay:
         """SIGTERM, SIGKILL after the pod's grace period (what the kubelet does): the seconds it took."""
         started = time.monotonic()
         proc = podman("pod", "stop", "--time", str(self.grace), self.name, timeout=self.grace + 60)
-        assert proc.returncode == 0, proc.stderr
+        if proc.returncode != 0:
+            raise PodPlayError(f"podman pod stop: {proc.stderr}")
         return time.monotonic() - started
 
     def down(self) -> None:

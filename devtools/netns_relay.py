@@ -1,4 +1,5 @@
-"""Reach a loopback service of this namespace from inside another network namespace, and back.
+"""Reach a loopback service of this namespace from inside another network namespace, and back (the pod tests
+and ``make try-pod``).
 
 A pod on the host network of a lab's node namespace sees that namespace's loopback, not the test
 process's: the session's Kafka broker (127.0.0.1 here) is out of its reach, and its own metrics
