@@ -3,7 +3,7 @@
 # inside it: `make image-check-arm64`. On an amd64 machine the build and the tests run under qemu-user
 # emulation, which binfmt_misc must offer (Debian's qemu-user-static registers it; binfmt_misc mounted).
 # Slow (a base of its own, then the build and the tests under emulation; measured:
-# docs/getting-started/deploy.md#build-the-image), so not part of `make test`.
+# docs/performance.md#the-image-for-arm64), so not part of `make test`.
 #
 # The tests are the repository's own (tests/unit/test_native*.py and the decoder's), run against the
 # package installed in the image: its compiled modules, built by the image's build stage for that
