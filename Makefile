@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: check-alerts docs setup setup-k8s setup-prometheus setup-flink setup-image image image-check-arm64 test unit lint demo bench clean lock spark-job flink-job model-soak sanitize kafka-cluster try-pod
+.PHONY: check-alerts docs setup setup-apiserver setup-k8s setup-prometheus setup-flink setup-image image image-check-arm64 test unit lint demo bench clean lock spark-job flink-job model-soak sanitize kafka-cluster try-pod
 
 setup:
 	@bash tools/setup.sh
@@ -14,8 +14,13 @@ lint: setup
 	.venv/bin/lint-imports --no-logo
 	.venv/bin/mypy
 
-setup-k8s: setup
+# kube-apiserver and etcd from the Go module proxy (tools/k8s/build.sh; cached in .cache/k8s): all the demo needs.
+# Only Go is needed for it, not the virtualenv, so the demo runs it beside `setup` (make -j2 below).
+setup-apiserver:
 	@bash tools/k8s/build.sh
+
+# ... and kustomize, helm and kube-state-metrics (tools/k8s/tools.sh), which the tests use.
+setup-k8s: setup setup-apiserver
 	@bash tools/k8s/tools.sh
 
 # prometheus and promtool from the Go module proxy (tools/prometheus/build.sh; cached in .cache/prometheus):
@@ -103,7 +108,9 @@ unit: setup
 model-soak: setup
 	$(PY) -m tests.support.model_soak
 
-demo: setup setup-k8s
+# On a fresh machine the API server's build (CPU) and setup's downloads (network) overlap: -j2 runs them together.
+demo:
+	@$(MAKE) --no-print-directory -j2 setup setup-apiserver
 	$(PY) -m devtools.demo
 
 # The DaemonSet's pod from k8s/ run here under podman, as the pod tests run it, with a local broker and a namespace lab
@@ -122,7 +129,7 @@ bench: setup setup-flink
 	$(PY) -m bench $(BENCH)
 
 clean:
-	rm -rf .venv .venv-flink .cache .pytest_cache .ruff_cache build *.egg-info
+	rm -rf .venv .venv-flink .cache .pytest_cache .ruff_cache build *.egg-info site dist
 
 # One runtime lock per image platform (the Dockerfile picks it by TARGETARCH), the build tools' lock (setuptools
 # and Cython, every platform's hashes: the image's build stage and tools/setup.sh), the SBOM generator's lock (the
