@@ -43,10 +43,9 @@ from flow_exporter.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
 
-# export.prefixCache auto: prefixes are kept when the active timeout is below this. A kept prefix is ~160 bytes
-# per active connection and saves rebuilding it at each record: at 1M connections, active 60 s, it held 168 MiB
-# of RSS to save 0.07 cores (bench_node, one run each way: ~4 us per record at 16.7k records/s). At 250k, active
-# 5 s, the same ~4 us at 50k records/s would be ~0.2 cores for 42 MiB (README, Sizing).
+# export.prefixCache auto: prefixes are kept when the active timeout is below this. A kept prefix costs memory per
+# active connection and saves rebuilding it at each record, which pays only when records are frequent (measured at
+# 1M connections, active 60 s, and 250k, active 5 s: docs/performance.md, "Targets", and docs/operations/sizing.md).
 PREFIX_CACHE_BELOW = 30.0
 
 

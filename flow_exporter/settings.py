@@ -741,7 +741,7 @@ class ExportSettings(_Section):
         None,
         "Keep each active connection's encoded record prefix between its records: true, false, or auto (null, "
         "the default: on when expiry.activeTimeout is under 30 s, where records are frequent enough to pay for "
-        "the ~160 bytes per connection).",
+        "the memory it holds per connection; see the docs' Sizing page).",
     )
 
 
