@@ -94,10 +94,15 @@ def test_version_is_given_and_tags_follow_the_chart() -> None:
     dockerfile = DOCKERFILE.read_text()
     assert re.findall(r"^ARG VERSION(?:=(\S+))?$", dockerfile, re.MULTILINE) == ["0+unknown", "", ""]
     assert re.findall(r"SETUPTOOLS_SCM_PRETEND_VERSION=(\S+)", dockerfile) == ['"${VERSION}"']
-    readme = (REPO / "README.md").read_text()
-    assert f"docker build -t localhost/flow-exporter:{WRITTEN} ." in readme
+    deploy = (REPO / "docs" / "getting-started" / "deploy.md").read_text()
+    assert f"docker build -t localhost/flow-exporter:{WRITTEN} ." in deploy
     tags = {}
-    for path in [DOCKERFILE, REPO / "README.md", *sorted((REPO / "k8s").glob("*.yaml"))]:
+    for path in [
+        DOCKERFILE,
+        REPO / "README.md",
+        *sorted((REPO / "docs").rglob("*.md")),
+        *sorted((REPO / "k8s").glob("*.yaml")),
+    ]:
         for tag in re.findall(r"\bflow-exporter:(\d[\w.+-]*)", path.read_text()):
             tags.setdefault(tag, []).append(path.relative_to(REPO).as_posix())
     assert set(tags) == {WRITTEN}, f"image tags other than {WRITTEN}: {tags}"
