@@ -1,6 +1,6 @@
-"""The documentation's sources: every relative link of the README and CONTRIBUTING reaches a file, and every
-field of the record schema has its ECS and OpenTelemetry entry (the site's own links and anchors are checked by
-MkDocs' strict build and, rendered, by tests/integration/test_docs_site.py)."""
+"""The documentation's sources: every relative link of the README, CONTRIBUTING, SECURITY and CHANGELOG
+reaches a file, and every field of the record schema has its ECS and OpenTelemetry entry (the site's own links and
+anchors are checked by MkDocs' strict build and, rendered, by tests/integration/test_docs_site.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
 
 
 def test_readme_and_contributing_links_reach_files() -> None:
-    for name in ("README.md", "CONTRIBUTING.md", "SECURITY.md"):
+    for name in ("README.md", "CONTRIBUTING.md", "SECURITY.md", "CHANGELOG.md"):
         targets = [m.group(1) for m in LINK.finditer((REPO / name).read_text()) if "://" not in m.group(1)]
         assert targets or name == "SECURITY.md"
         missing = [t for t in targets if not (REPO / t).exists()]
