@@ -114,8 +114,7 @@ def test_every_internal_link_reaches_a_page_and_its_anchor(site: str, browser: B
     assert missing == {}
     # Every page MkDocs wrote is reachable from the front page by links a reader can click.
     built = {urljoin(site, p["location"]) for p in _search_index(site)["docs"] if "#" not in p["location"]}
-    assert built - set(pages) == set()
-    assert len(pages) >= 30, sorted(pages)
+    assert set(pages) == built
 
 
 def _search_index(site: str) -> dict[str, object]:
@@ -148,8 +147,9 @@ def test_reference_pages_hold_what_the_code_declares(site: str, browser: Browser
     assert _table_codes(browser) == fields
 
 
-def _png_size_and_colours(path: Path) -> tuple[int, int, int]:
-    """Width, height and a lower bound on the distinct colours of an 8-bit RGB(A) PNG (the first rows)."""
+def _png_size_and_variety(path: Path) -> tuple[int, int, int]:
+    """Width, height, and how many distinct 3-byte runs the first 200 rows' filtered pixel data holds: a blank
+    page filters to (almost) all zeros, so a handful; a rendered page, thousands."""
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height, depth, colour = struct.unpack(">IIBB", data[16:26])
@@ -164,7 +164,6 @@ def _png_size_and_colours(path: Path) -> tuple[int, int, int]:
         pos += 12 + length
     raw = zlib.decompress(idat)
     stride = width * (3 if colour == 2 else 4) + 1
-    # Unfiltered bytes are enough for a lower bound: distinct byte triples within the rows' data.
     sample = {
         raw[i : i + 3] for row in range(0, min(height, 200)) for i in range(row * stride + 1, (row + 1) * stride, 3)
     }
@@ -182,6 +181,6 @@ def test_front_page_and_a_reference_page_screenshots(site: str, browser: Browser
     browser.open(urljoin(site, "reference/settings/"))
     settings = browser.screenshot(SCREENSHOTS / "docs-reference-settings.png")
     for shot in (front, settings):
-        width, height, colours = _png_size_and_colours(shot)
+        width, height, variety = _png_size_and_variety(shot)
         assert (width, height) == (1280, 900)
-        assert colours > 20, f"{shot.name}: a blank page ({colours} colours)"
+        assert variety > 20, f"{shot.name}: a blank page ({variety} distinct runs)"

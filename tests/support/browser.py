@@ -139,13 +139,9 @@ class Browser:
             raise RuntimeError(f"{expression[:80]}: {result['exceptionDetails']}")
         return result["result"].get("value")
 
-    def screenshot(self, path: Path, full_page: bool = False) -> Path:
-        params: dict[str, Any] = {"format": "png"}
-        if full_page:
-            size = self.evaluate("[document.documentElement.scrollWidth, document.documentElement.scrollHeight]")
-            params["clip"] = {"x": 0, "y": 0, "width": size[0], "height": min(size[1], 4000), "scale": 1}
-            params["captureBeyondViewport"] = True
-        data = self.call("Page.captureScreenshot", **params)["data"]
+    def screenshot(self, path: Path) -> Path:
+        """The viewport as a PNG file."""
+        data = self.call("Page.captureScreenshot", format="png")["data"]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(base64.b64decode(data))
         return path
